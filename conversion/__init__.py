@@ -1,0 +1,1 @@
+"""Hugging Face <-> Megatron checkpoint conversion with TP/PP resharding."""

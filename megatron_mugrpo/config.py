@@ -1,0 +1,532 @@
+"""Typed run configuration: nested dataclasses, YAML loading and dotted command-line overrides.
+
+A run is a YAML file in ``configs/`` plus overrides such as ``algo.clip_high=5``. OmegaConf merges
+the YAML and the overrides against the dataclass schema (so a misspelt key or a wrong type is an
+error naming the key); each section then validates itself in ``__post_init__`` with a message that
+says what to change.
+
+    cfg = load_config("configs/demo_cpu.yaml", ["algo.clip_high=5", "stages.num_stages=2"])
+    cfg.stages.updates_per_stage      # μ = B_train / B_mini, derived, never typed twice
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip")
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
+VETO_SCOPES = ("seq", "suffix", "nontrigger_suffix", "trigger", "none")
+ENGINES = ("transformers", "sglang")
+ALLOCATIONS = ("fixed", "vigor")
+DTYPES = ("float32", "bfloat16", "float16")
+LOGPROB_IMPLS = ("fused", "unfused")
+FP8_RECIPES = ("none", "delayed", "current", "mxfp8")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(kw_only=True)
+class TinyModelConfig:
+    """Shape of the small Qwen2-architecture model built locally for the CPU demo and tests."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = True
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"model.tiny.num_attention_heads={self.num_attention_heads} must be a multiple of "
+            f"model.tiny.num_key_value_heads={self.num_key_value_heads}",
+        )
+        _require(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"model.tiny.hidden_size={self.hidden_size} must be divisible by "
+            f"model.tiny.num_attention_heads={self.num_attention_heads}",
+        )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which policy to train."""
+
+    hf_dir: str = ""
+    """Local Hugging Face directory (config.json + safetensors + tokenizer). Empty: build the tiny
+    model described by ``tiny`` (the CPU demo)."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the locally built model when ``hf_dir`` is empty."""
+    dtype: str = "float32"
+    """Parameter / compute dtype of the trainer: float32 (CPU), bfloat16 (GPU)."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"model.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.hf_dir:
+            _require(
+                Path(self.hf_dir).is_dir(),
+                f"model.hf_dir={self.hf_dir!r} is not a directory; point it at a local Hugging Face "
+                "checkpoint (nothing is downloaded at run time) or leave it empty for the tiny model",
+            )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Megatron model parallelism; data parallelism is what the world size leaves."""
+
+    tensor_parallel: int = 1
+    """TP degree; must divide the attention heads and KV heads."""
+    pipeline_parallel: int = 1
+    """PP degree; must divide the number of layers."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch; micro-batches accumulate into one optimizer update."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (GPU with TP > 1 only)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size"):
+            _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class VigorConfig:
+    """VIGOR: variance-guided rollout allocation (used when rollout.allocation == 'vigor')."""
+
+    n0: int = 4
+    """Initial rollouts per prompt."""
+    alpha: float = 0.25
+    """Fraction of prompts (highest group reward variance) that receive extra rollouts each round."""
+    increment: int = 4
+    """Extra rollouts per selected prompt per round."""
+    rounds: int = 2
+    """Maximum allocation rounds after the initial one."""
+    budget: int = 0
+    """Total rollouts per generation batch of prompts; 0 means prompts × rollout.group_size."""
+
+    def __post_init__(self) -> None:
+        _require(self.n0 >= 2, f"rollout.vigor.n0={self.n0} must be >= 2 (a variance needs two samples)")
+        _require(0.0 <= self.alpha <= 1.0, f"rollout.vigor.alpha={self.alpha} must be in [0, 1]")
+        _require(self.increment >= 1, f"rollout.vigor.increment={self.increment} must be >= 1")
+        _require(self.rounds >= 0, f"rollout.vigor.rounds={self.rounds} must be >= 0")
+        _require(self.budget >= 0, f"rollout.vigor.budget={self.budget} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Phase 1: the frozen behaviour policy generates the stage's static dataset."""
+
+    engine: str = "transformers"
+    """'transformers' (CPU default, also GPU) or 'sglang' (GPU, optional extra)."""
+    group_size: int = 8
+    """G: responses per prompt (fixed allocation)."""
+    temperature: float = 1.0
+    """Sampling temperature T; the trainer scores log_softmax(logits / T) with the same T."""
+    top_p: float = 1.0
+    """Must stay 1.0: truncated sampling would bias the importance ratio."""
+    top_k: int = 0
+    """Must stay 0 (off) for the same reason."""
+    max_new_tokens: int = 512
+    """Response length cap; longer responses finish with reason 'length'."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this are rejected at load time."""
+    batch_size: int = 64
+    """Prompts generated together by the engine."""
+    shard_groups: int = 64
+    """Prompt groups per on-disk shard of the rollout store (the unit of resume)."""
+    allocation: str = "fixed"
+    """'fixed' (G per prompt) or 'vigor'."""
+    vigor: VigorConfig = field(default_factory=VigorConfig)
+    reward: str = "math"
+    """Reward function from the reward registry."""
+    reward_timeout_s: float = 5.0
+    """Wall-clock bound on verifying one answer; a timeout scores 0 with reason 'timeout'."""
+    reward_workers: int = 2
+    """Processes in the verification pool."""
+    sglang_mem_fraction: float = 0.7
+    """SGLang static memory fraction on GPU."""
+
+    def __post_init__(self) -> None:
+        _require(self.engine in ENGINES, f"rollout.engine={self.engine!r} is not one of {ENGINES}")
+        _require(self.allocation in ALLOCATIONS, f"rollout.allocation={self.allocation!r} is not one of {ALLOCATIONS}")
+        _require(self.group_size >= 2, f"rollout.group_size={self.group_size} must be >= 2 for group advantages")
+        _require(self.temperature > 0, f"rollout.temperature={self.temperature} must be > 0")
+        _require(
+            self.top_p == 1.0 and self.top_k == 0,
+            "rollout.top_p must be 1.0 and rollout.top_k 0: truncated sampling makes the stored behaviour "
+            "log-probs differ from log_softmax(logits / T) and biases the importance ratio",
+        )
+        for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_groups", "reward_workers"):
+            _require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.reward_timeout_s > 0, f"rollout.reward_timeout_s={self.reward_timeout_s} must be > 0")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training prompts: a local JSONL/Parquet file, or the built-in procedural math task."""
+
+    train_path: str = ""
+    """Local JSONL or Parquet file of problems; empty uses the built-in task."""
+    prompt_field: str = "problem"
+    """Column holding the problem text (DeepScaleR: 'problem')."""
+    answer_field: str = "answer"
+    """Column holding the reference answer."""
+    use_chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template when it has one."""
+    builtin_task: str = "arithmetic"
+    """Built-in procedural task used when train_path is empty."""
+    builtin_size: int = 4096
+    """Problems generated for the built-in task."""
+    seed: int = 0
+    """Seed of the prompt order and of the built-in task generator."""
+
+    def __post_init__(self) -> None:
+        if self.train_path:
+            path = Path(self.train_path)
+            _require(path.is_file(), f"data.train_path={self.train_path!r} does not exist; give a local JSONL/Parquet file")
+            _require(
+                path.suffix in (".jsonl", ".json", ".parquet"),
+                f"data.train_path={self.train_path!r}: expected a .jsonl, .json or .parquet file",
+            )
+        _require(self.builtin_size >= 1, f"data.builtin_size={self.builtin_size} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """The policy loss. Defaults are μ-GRPO: clip [0, 5] and the negative-advantage veto."""
+
+    loss: str = "mu_grpo"
+    """Loss registry entry: grpo | mu_grpo | m2po | m2po_clip."""
+    clip_low: float = 0.0
+    """Lower ratio clip c_low (mu_grpo). Standard GRPO is [1 - ε, 1 + ε] = [0.8, 1.2]."""
+    clip_high: float = 5.0
+    """Upper ratio clip c_high (mu_grpo)."""
+    clip_eps: float = 0.2
+    """ε of the 'grpo' loss: clip [1 - ε, 1 + ε]."""
+    veto_scope: str = "seq"
+    """NAV scope: seq | suffix | nontrigger_suffix | trigger | none."""
+    veto_threshold: float = 1e-4
+    """τ_c: a negative-advantage token with ρ < τ_c triggers the veto."""
+    m2_threshold: float = 0.04
+    """τ_M2: M2PO masks tokens until mean (log ρ)² ≤ τ_M2."""
+    aggregation: str = "seq_mean_token_mean"
+    """seq_mean_token_mean (paper Eq. 2) or token_mean."""
+    adv_eps: float = 1e-6
+    """ε in A = (R - mean R) / (std R + ε)."""
+
+    def __post_init__(self) -> None:
+        _require(self.loss in LOSSES, f"algo.loss={self.loss!r} is unknown; choose one of {LOSSES}")
+        _require(self.veto_scope in VETO_SCOPES, f"algo.veto_scope={self.veto_scope!r} is unknown; choose one of {VETO_SCOPES}")
+        _require(
+            self.aggregation in AGGREGATIONS,
+            f"algo.aggregation={self.aggregation!r} is unknown; choose one of {AGGREGATIONS}",
+        )
+        _require(self.clip_low >= 0, f"algo.clip_low={self.clip_low} must be >= 0 (ρ is non-negative)")
+        _require(
+            self.clip_low <= self.clip_high,
+            f"algo.clip_low={self.clip_low} > algo.clip_high={self.clip_high}: swap them or lower clip_low",
+        )
+        _require(0 < self.clip_eps < 1, f"algo.clip_eps={self.clip_eps} must be in (0, 1)")
+        _require(
+            0 < self.veto_threshold < 1,
+            f"algo.veto_threshold (τ_c)={self.veto_threshold} must be in (0, 1); the paper uses 1e-4",
+        )
+        _require(self.m2_threshold > 0, f"algo.m2_threshold={self.m2_threshold} must be > 0")
+        _require(self.adv_eps > 0, f"algo.adv_eps={self.adv_eps} must be > 0")
+
+    def loss_options(self) -> dict[str, Any]:
+        """Keyword options that the chosen registry loss takes (see algorithms.losses)."""
+        common: dict[str, Any] = {"aggregation": self.aggregation}
+        if self.loss == "grpo":
+            return common | {"clip_eps": self.clip_eps}
+        if self.loss == "mu_grpo":
+            return common | {
+                "clip_low": self.clip_low,
+                "clip_high": self.clip_high,
+                "veto_scope": self.veto_scope,
+                "veto_threshold": self.veto_threshold,
+            }
+        return common | {"m2_threshold": self.m2_threshold}
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW as in the paper: β = (0.9, 0.999), weight decay 0.01, constant LR 1e-6."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        _require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+        _require(self.clip_grad >= 0, f"optim.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
+
+
+@dataclass(kw_only=True)
+class StagesConfig:
+    """The staged schedule: μ = train_groups / mini_groups optimizer updates per stage."""
+
+    num_stages: int = 4
+    """Generation → optimization stages (the paper's default is 4)."""
+    train_groups: int = 32768
+    """B_train: prompt groups generated per stage."""
+    mini_groups: int = 32
+    """B_mini: prompt groups per optimizer update."""
+    seed: int = 0
+    """Seed of the minibatch permutation and of sampling."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_stages >= 1, f"stages.num_stages={self.num_stages} must be >= 1")
+        _require(self.mini_groups >= 1, f"stages.mini_groups={self.mini_groups} must be >= 1")
+        _require(
+            self.train_groups >= self.mini_groups and self.train_groups % self.mini_groups == 0,
+            f"stages.train_groups (B_train={self.train_groups}) must be a positive multiple of "
+            f"stages.mini_groups (B_mini={self.mini_groups}); μ = B_train / B_mini updates per stage",
+        )
+
+    @property
+    def updates_per_stage(self) -> int:
+        """μ = B_train / B_mini."""
+        return self.train_groups // self.mini_groups
+
+    @property
+    def total_updates(self) -> int:
+        return self.num_stages * self.updates_per_stage
+
+
+@dataclass(kw_only=True)
+class BenchmarkConfig:
+    """One evaluation benchmark: a local JSONL/Parquet file (or 'builtin')."""
+
+    name: str
+    path: str
+    """Local file, or 'builtin' for the held-out split of the built-in task."""
+    k: int = 4
+    """Samples per problem; pass@1 is averaged over them (paper: 16 for AIME, 4 for AMC/MATH-500)."""
+    prompt_field: str = "problem"
+    answer_field: str = "answer"
+    limit: int = 0
+    """Evaluate at most this many problems (0: all)."""
+
+    def __post_init__(self) -> None:
+        _require(self.k >= 1, f"eval benchmark {self.name!r}: k={self.k} must be >= 1")
+        if self.path != "builtin":
+            _require(Path(self.path).is_file(), f"eval benchmark {self.name!r}: path {self.path!r} does not exist")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation: pass@1 averaged over k samples, every N updates."""
+
+    every_updates: int = 0
+    """Evaluate every N optimizer updates (0: only before training and at the end of each stage)."""
+    benchmarks: list[BenchmarkConfig] = field(default_factory=list)
+    temperature: float = 1.0
+    max_new_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        _require(self.every_updates >= 0, f"eval.every_updates={self.every_updates} must be >= 0")
+        _require(self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")
+
+
+@dataclass(kw_only=True)
+class KernelConfig:
+    """Log-prob computation and low precision."""
+
+    logprob_impl: str = "fused"
+    """'fused' (chunked vocab-parallel log-prob, default) or 'unfused' (materialised logits)."""
+    fp8: str = "none"
+    """FP8 recipe for the transformer layers (needs Transformer Engine and an FP8 GPU)."""
+
+    def __post_init__(self) -> None:
+        _require(self.logprob_impl in LOGPROB_IMPLS, f"kernels.logprob_impl={self.logprob_impl!r} not in {LOGPROB_IMPLS}")
+        _require(self.fp8 in FP8_RECIPES, f"kernels.fp8={self.fp8!r} not in {FP8_RECIPES}")
+
+
+@dataclass(kw_only=True)
+class WarmStartConfig:
+    """Short supervised phase for the locally built demo model (cached in the run directory)."""
+
+    steps: int = 0
+    """SFT steps on the built-in task before RL (0: none)."""
+    lr: float = 3e-3
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    progress_bars: bool = True
+    logprob_gap_tolerance: float = 1e-3
+    """Warn when the first-update train-vs-rollout log-prob gap exceeds this (should be ~0)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    keep_last: int = 2
+    """Checkpoints kept on disk (>= 2 so a crash while writing leaves a good one)."""
+    every_updates: int = 0
+    """Also checkpoint every N updates inside a stage (0: only at stage ends)."""
+
+    def __post_init__(self) -> None:
+        _require(self.keep_last >= 2, f"checkpoint.keep_last={self.keep_last} must be >= 2")
+        _require(self.every_updates >= 0, f"checkpoint.every_updates={self.every_updates} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    seed: int = 0
+    deterministic: bool = True
+    """Deterministic algorithms (CPU resume equals an uninterrupted run)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.stages.mini_groups * self.rollout.group_size >= self.parallel.micro_batch_size,
+            "parallel.micro_batch_size is larger than one update's responses "
+            f"(stages.mini_groups × rollout.group_size = {self.stages.mini_groups * self.rollout.group_size})",
+        )
+        if not self.model.hf_dir:
+            tiny = self.model.tiny
+            check_model_parallelism(
+                tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_model_parallelism(num_heads: int, num_kv_heads: int, num_layers: int, parallel: ParallelConfig) -> None:
+    """Raise ConfigError when TP/PP cannot split a model with these dimensions."""
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    _require(num_heads % tp == 0, f"parallel.tensor_parallel={tp} does not divide the {num_heads} attention heads")
+    _require(
+        num_kv_heads % tp == 0,
+        f"parallel.tensor_parallel={tp} does not divide the {num_kv_heads} key/value heads (query groups)",
+    )
+    _require(num_layers % pp == 0, f"parallel.pipeline_parallel={pp} does not divide the {num_layers} layers")
+
+
+def check_hf_model_parallelism(hf_dir: str | Path, parallel: ParallelConfig) -> None:
+    """Validate TP/PP against a Hugging Face config.json."""
+    path = Path(hf_dir) / "config.json"
+    _require(path.is_file(), f"{path} is missing: model.hf_dir must be a Hugging Face checkpoint directory")
+    hf = json.loads(path.read_text())
+    heads = hf["num_attention_heads"]
+    check_model_parallelism(heads, hf.get("num_key_value_heads", heads), hf["num_hidden_layers"], parallel)
+
+
+def _schema() -> Any:
+    return OmegaConf.structured(RunConfig)
+
+
+def _instantiate(container: dict[str, Any]) -> RunConfig:
+    """Build the dataclass tree from a plain dict, running every section's __post_init__."""
+
+    def build(cls: type, values: dict[str, Any]) -> Any:
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in values:
+                continue
+            value = values[f.name]
+            if f.name == "benchmarks":
+                value = [build(BenchmarkConfig, b) for b in value]
+            elif f.name in _NESTED.get(cls, {}):
+                value = build(_NESTED[cls][f.name], value)
+            kwargs[f.name] = value
+        return cls(**kwargs)
+
+    return build(RunConfig, container)
+
+
+# Field annotations are strings under `from __future__ import annotations`; map nested sections here.
+_NESTED: dict[type, dict[str, type]] = {
+    RunConfig: {
+        "model": ModelConfig,
+        "parallel": ParallelConfig,
+        "data": DataConfig,
+        "rollout": RolloutConfig,
+        "algo": AlgoConfig,
+        "optim": OptimConfig,
+        "stages": StagesConfig,
+        "eval": EvalConfig,
+        "kernels": KernelConfig,
+        "warmstart": WarmStartConfig,
+        "logging": LoggingConfig,
+        "checkpoint": CheckpointConfig,
+    },
+    ModelConfig: {"tiny": TinyModelConfig},
+    RolloutConfig: {"vigor": VigorConfig},
+}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a YAML run file (or the defaults) and apply dotted ``key=value`` overrides."""
+    merged = _schema()
+    try:
+        if path is not None:
+            path = Path(path)
+            _require(path.is_file(), f"config file {str(path)!r} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        for item in overrides:
+            _require("=" in item, f"override {item!r} must look like section.key=value (e.g. algo.clip_high=5)")
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        container = OmegaConf.to_container(merged, resolve=True, structured_config_mode=None)
+    except OmegaConfBaseException as exc:
+        where = f" in {path}" if path is not None else ""
+        key = getattr(exc, "full_key", None)
+        detail = str(exc).split("\n")[0]
+        raise ConfigError(f"invalid configuration{where}: {key + ': ' if key else ''}{detail}") from exc
+    return _instantiate(container)
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """Rebuild a RunConfig from ``RunConfig.to_dict()`` output (e.g. a checkpoint's metadata)."""
+    merged = OmegaConf.merge(_schema(), OmegaConf.create(values))
+    return _instantiate(OmegaConf.to_container(merged, resolve=True))
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (the run directory's snapshot)."""
+    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))

@@ -1,0 +1,130 @@
+"""Typed records that cross stage boundaries: rollout → store → trainer.
+
+Token positions: a response of length T has token ids ``response_ids[t]`` and behaviour
+log-probs ``behaviour_logprobs[t] = log β(response_ids[t] | prompt, response_ids[:t])`` computed as
+log_softmax(logits / T_rollout), the same distribution the trainer scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(kw_only=True)
+class RolloutSample:
+    """One sampled response to one prompt."""
+
+    response_ids: list[int]
+    """Generated token ids, EOS included when the response stopped on it."""
+    behaviour_logprobs: list[float]
+    """Per-token log β(a_t | s_t) at the rollout temperature; same length as response_ids."""
+    finish_reason: str
+    """'stop' (EOS) or 'length' (hit max_new_tokens)."""
+    reward: float = 0.0
+    """Verifier reward (1.0 correct, 0.0 not)."""
+    reward_reason: str = ""
+    """Why the reward is what it is ('correct', 'no_box', 'unparsable', 'wrong', 'timeout')."""
+    advantage: float = 0.0
+    """Group-normalised advantage; every token of the response shares it."""
+
+    def __post_init__(self) -> None:
+        if len(self.response_ids) != len(self.behaviour_logprobs):
+            raise ValueError(
+                f"response has {len(self.response_ids)} tokens but {len(self.behaviour_logprobs)} behaviour log-probs"
+            )
+
+
+@dataclass(kw_only=True)
+class RolloutGroup:
+    """All responses to one prompt: the unit of B_train / B_mini and of advantage normalisation."""
+
+    prompt_id: str
+    """Stable id of the prompt in its dataset."""
+    prompt_ids: list[int]
+    """Prompt token ids (chat template applied)."""
+    answer: str
+    """Reference answer the verifier checks against."""
+    samples: list[RolloutSample] = field(default_factory=list)
+    stage: int = 0
+    """Stage k that generated the group."""
+    policy_version: int = 0
+    """Optimizer updates the behaviour policy had seen when it generated the group."""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    """Padded tensors for one micro-batch (or mini-batch) of responses.
+
+    Layout: ``tokens[b] = prompt + response + padding`` (right padded); position t's logits predict
+    ``targets[b, t] = tokens[b, t + 1]``. Per-token tensors are aligned with ``targets``.
+    """
+
+    tokens: torch.Tensor
+    """[B, L] int64 input ids."""
+    targets: torch.Tensor
+    """[B, L] int64: tokens shifted left by one (padding at the end)."""
+    response_mask: torch.Tensor
+    """[B, L] float32: 1 where targets[b, t] is a response token, else 0."""
+    behaviour_logprobs: torch.Tensor
+    """[B, L] float32 aligned with targets; 0 outside the response."""
+    advantages: torch.Tensor
+    """[B] float32, one advantage per response."""
+    group_index: torch.Tensor
+    """[B] int64: which prompt group (within the mini-batch) each response belongs to."""
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def slice(self, start: int, stop: int) -> TrainBatch:
+        """Rows [start, stop): a micro-batch."""
+        return TrainBatch(
+            tokens=self.tokens[start:stop],
+            targets=self.targets[start:stop],
+            response_mask=self.response_mask[start:stop],
+            behaviour_logprobs=self.behaviour_logprobs[start:stop],
+            advantages=self.advantages[start:stop],
+            group_index=self.group_index[start:stop],
+        )
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return TrainBatch(**{k: getattr(self, k).to(device) for k in _BATCH_FIELDS})
+
+
+_BATCH_FIELDS = ("tokens", "targets", "response_mask", "behaviour_logprobs", "advantages", "group_index")
+
+
+def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -> TrainBatch:
+    """Flatten prompt groups into one right-padded TrainBatch (one row per response)."""
+    rows = [(g_idx, g.prompt_ids, s) for g_idx, g in enumerate(groups) for s in g.samples]
+    if not rows:
+        raise ValueError("collate() got no responses: every group is empty")
+    length = max(len(p) + len(s.response_ids) for _, p, s in rows)
+    length = -(-length // pad_to_multiple) * pad_to_multiple
+    batch = len(rows)
+    tokens = torch.full((batch, length), pad_id, dtype=torch.long)
+    targets = torch.full((batch, length), pad_id, dtype=torch.long)
+    mask = torch.zeros(batch, length)
+    behaviour = torch.zeros(batch, length)
+    for b, (_, prompt, sample) in enumerate(rows):
+        seq = torch.tensor(prompt + sample.response_ids, dtype=torch.long)
+        tokens[b, : len(seq)] = seq
+        targets[b, : len(seq) - 1] = seq[1:]
+        # targets[t] for t in [P-1, P-1+T) are the response tokens.
+        start, stop = len(prompt) - 1, len(prompt) - 1 + len(sample.response_ids)
+        mask[b, start:stop] = 1.0
+        behaviour[b, start:stop] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+    return TrainBatch(
+        tokens=tokens,
+        targets=targets,
+        response_mask=mask,
+        behaviour_logprobs=behaviour,
+        advantages=torch.tensor([s.advantage for _, _, s in rows], dtype=torch.float32),
+        group_index=torch.tensor([g for g, _, _ in rows], dtype=torch.long),
+    )

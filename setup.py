@@ -1,0 +1,36 @@
+"""megatron_mugrpo: μ-GRPO (staged GRPO with relaxed clipping and NAV) on Megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_mugrpo",
+    version="0.1.0",
+    description="Megatron-core RL training stack for μ-GRPO and its baselines",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_mugrpo", "megatron_mugrpo.*", "conversion", "conversion.*"]),
+    include_package_data=True,
+    install_requires=[
+        # A range, not a pin: GPU users keep their CUDA build. The Makefile installs the CPU build.
+        "torch>=2.6,<2.15",
+        "megatron-core>=0.16.1,<0.20",
+        "transformers>=4.51",
+        "datasets>=3.0",
+        "safetensors>=0.4",
+        "tensorboard>=2.15",
+        "math-verify>=0.7",
+        "psutil>=5.9",
+        "pyyaml>=6.0",
+        "omegaconf>=2.3",
+        "tqdm>=4.66",
+        "pyarrow>=15",
+        "numpy>=1.26",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "sglang": ["sglang>=0.4.6"],
+        "te": ["transformer-engine[pytorch]>=2.0"],
+        "triton": ["triton>=3.7.1"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["mugrpo=megatron_mugrpo.cli:main"]},
+)
