@@ -500,14 +500,31 @@ _NESTED: dict[type, dict[str, type]] = {
 }
 
 
+def _load_yaml_with_inherit(path: Path, chain: tuple[Path, ...]) -> Any:
+    """Load a YAML file; its optional ``inherit: [files]`` (relative to it) are merged first, in order."""
+    _require(path.is_file(), f"config file {str(path)!r} does not exist")
+    _require(path.resolve() not in chain, f"config file {path} inherits itself (cycle: {' -> '.join(map(str, chain))})")
+    node = OmegaConf.load(path)
+    parents = node.pop("inherit", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    merged = OmegaConf.create({})
+    for parent in parents:
+        merged = OmegaConf.merge(merged, _load_yaml_with_inherit(path.parent / parent, (*chain, path.resolve())))
+    return OmegaConf.merge(merged, node)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load a YAML run file (or the defaults) and apply dotted ``key=value`` overrides."""
+    """Load a YAML run file (or the defaults) and apply dotted ``key=value`` overrides.
+
+    A YAML file may start with ``inherit: [base.yaml, ...]`` (paths relative to it): those are merged
+    first, so the paper configs share one file per model and one per method.
+    """
     merged = _schema()
     try:
         if path is not None:
             path = Path(path)
-            _require(path.is_file(), f"config file {str(path)!r} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, _load_yaml_with_inherit(path, ()))
         for item in overrides:
             _require("=" in item, f"override {item!r} must look like section.key=value (e.g. algo.clip_high=5)")
         if overrides:
