@@ -1,24 +1,211 @@
-"""The `mugrpo` command line."""
+"""`mugrpo`: the command line of the μ-GRPO stack.
+
+    mugrpo train --config configs/demo_cpu.yaml --run-dir runs/demo [section.key=value ...]
+    mugrpo train --resume runs/demo
+    mugrpo generate --run-dir runs/demo --stage 1          # phase 1 of one stage only
+    mugrpo optimize --run-dir runs/demo --stage 1          # phase 2 only, on the stored D_1
+    mugrpo eval --run-dir runs/demo [--checkpoint STEP_DIR]
+    mugrpo report runs/mu_grpo runs/grpo --out reports/cmp
+    mugrpo convert {hf-to-megatron,megatron-to-hf,verify} ...
+
+Multi-GPU and multi-node runs go through launch/torchrun.sh and launch/slurm.sbatch, which call
+`python -m megatron_mugrpo.cli train ...` on every rank. Errors in the input (config, run
+directory, checkpoint, data) print one `error:` line and exit with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="run YAML under configs/ (e.g. configs/demo_cpu.yaml)")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides applied after the YAML, e.g. algo.clip_high=5 stages.num_stages=2"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mugrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    train = verbs.add_parser(
+        "train",
+        help="run the staged loop (generate D_k → μ updates → checkpoint → eval, per stage)",
+        description="Run all stages. With --resume, continue RUN_DIR from its latest checkpoint and its "
+        "stored rollout datasets (a complete D_k is never regenerated).",
+    )
+    _add_config_args(train)
+    train.add_argument("--run-dir", type=Path, help="directory for everything the run writes")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue an existing run directory")
+
+    for name, text in (
+        ("generate", "phase 1 only: generate (or finish) the rollout dataset D_k of one stage"),
+        ("optimize", "phase 2 only: make the μ updates of one stage on its stored D_k, then checkpoint"),
+    ):
+        verb = verbs.add_parser(name, help=text, description=text + ". Uses the run's latest checkpoint.")
+        _add_config_args(verb)
+        verb.add_argument("--run-dir", type=Path, required=True, help="run directory (created with --config if new)")
+        verb.add_argument("--stage", type=int, required=True, help="stage index k (0-based)")
+
+    ev = verbs.add_parser("eval", help="evaluate a checkpoint on the configured benchmarks (pass@1 over k samples)")
+    _add_config_args(ev)
+    ev.add_argument("--run-dir", type=Path, required=True, help="run directory")
+    ev.add_argument("--checkpoint", type=Path, help="step directory (default: the latest checkpoint, else the base)")
+
+    report = verbs.add_parser("report", help="PNG plots comparing run directories (accuracy vs wall clock, ...)")
+    report.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding metrics.jsonl")
+    report.add_argument("--out", type=Path, help="output directory (default: FIRST_RUN/report)")
+
+    from conversion.cli import add_convert_parser
+
+    add_convert_parser(verbs)
+    return parser
+
+
+def _resolve_config(args: argparse.Namespace, run_dir: Path):
+    """The YAML plus overrides for a new run; the run's snapshot for an existing one."""
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.runtime import CONFIG_FILE, load_run_config
+
+    if args.config is not None:
+        return load_config(args.config, args.overrides)
+    if (run_dir / CONFIG_FILE).is_file():
+        return load_run_config(run_dir) if not args.overrides else load_config(run_dir / CONFIG_FILE, args.overrides)
+    raise _usage(f"{run_dir} has no {CONFIG_FILE}: pass --config C to start a new run there")
+
+
+class _UsageError(ValueError):
+    pass
+
+
+def _usage(message: str) -> _UsageError:
+    return _UsageError(message)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from megatron_mugrpo import stages
+    from megatron_mugrpo.runtime import load_run_config, open_run
+
+    if args.resume is not None:
+        if args.config is not None or args.run_dir is not None:
+            raise _usage("--resume RUN_DIR takes neither --config nor --run-dir (the run's config.yaml is used)")
+        if not args.resume.is_dir():
+            raise _usage(f"--resume {args.resume}: no such run directory")
+        cfg, run_dir = load_run_config(args.resume), args.resume
+    else:
+        if args.config is None or args.run_dir is None:
+            raise _usage("train needs --config C and --run-dir DIR (or --resume RUN_DIR)")
+        from megatron_mugrpo.config import load_config
+
+        cfg, run_dir = load_config(args.config, args.overrides), args.run_dir
+        if (run_dir / "config.yaml").exists():
+            raise _usage(f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
+                         "or choose another --run-dir")
+    run = open_run(cfg, run_dir, resume=args.resume is not None)
+    try:
+        result = stages.train(run)
+    finally:
+        run.close()
+    if run.is_writer:
+        print_summary(result)
+        from megatron_mugrpo.report import write_report
+
+        write_report([run_dir], run_dir / "report")
+    return 0
+
+
+def print_summary(result: dict[str, float]) -> None:
+    """The one-screen summary; its last line is machine-readable."""
+    print("\n==== μ-GRPO run summary ====")
+    print(f"eval accuracy (avg pass@1): before {result['acc_before']:.3f}  after {result['acc_after']:.3f}  "
+          f"best {result['best_acc']:.3f}")
+    print(f"time: rollout {result['t_rollout_s']:.1f}s  optimize {result['t_optimize_s']:.1f}s  "
+          f"eval {result['t_eval_s']:.1f}s  total {result['t_total_s']:.1f}s")
+    print(f"updates {int(result['updates'])}  trained response tokens {int(result['train_tokens'])}")
+    print(f"acc_before={result['acc_before']:.4f} acc_after={result['acc_after']:.4f} t_total_s={result['t_total_s']:.1f}")
+
+
+def cmd_phase(args: argparse.Namespace) -> int:
+    from megatron_mugrpo import stages
+    from megatron_mugrpo.rollout.store import is_complete
+    from megatron_mugrpo.runtime import open_run
+
+    cfg = _resolve_config(args, args.run_dir)
+    if not 0 <= args.stage < cfg.stages.num_stages:
+        raise _usage(f"--stage {args.stage} is outside [0, stages.num_stages={cfg.stages.num_stages})")
+    run = open_run(cfg, args.run_dir, resume=True)
+    try:
+        if args.verb == "generate":
+            stages.rollout_phase(run, args.stage)
+            print(f"rollout dataset complete: {run.rollout_dir(args.stage)}")
+            return 0
+        if not is_complete(run.rollout_dir(args.stage)):
+            raise _usage(f"{run.rollout_dir(args.stage)} is not a complete rollout dataset: run "
+                         f"`mugrpo generate --run-dir {args.run_dir} --stage {args.stage}` first")
+        stages.optimize_stage(run, args.stage)
+    finally:
+        run.close()
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from megatron_mugrpo import stages
+    from megatron_mugrpo.runtime import open_run
+
+    cfg = _resolve_config(args, args.run_dir)
+    if not cfg.eval.benchmarks:
+        raise _usage("no benchmarks configured: add eval.benchmarks to the config")
+    run = open_run(cfg, args.run_dir, resume=True, checkpoint=args.checkpoint)
+    try:
+        metrics = stages.run_evaluation(run)
+    finally:
+        run.close()
+    for key, value in sorted(metrics.items()):
+        print(f"{key} = {value:.4f}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from megatron_mugrpo.report import write_report
+
+    for path in write_report(args.run_dirs, args.out or args.run_dirs[0] / "report"):
+        print(path)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mugrpo", description=__doc__)
-    sub = parser.add_subparsers(dest="verb", required=True)
-    train = sub.add_parser("train", help="run the staged μ-GRPO loop")
-    train.add_argument("--config", required=True)
-    train.add_argument("--run-dir", required=True)
-    train.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    from megatron_mugrpo.config import load_config
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.verb == "convert":
+        from conversion.cli import run_convert
 
-    load_config(args.config, args.overrides)
-    print("mugrpo train: the staged trainer is not yet available (config validated).")
-    return 0
+        return run_convert(args)
+    handlers = {"train": cmd_train, "generate": cmd_phase, "optimize": cmd_phase, "eval": cmd_eval,
+                "report": cmd_report}
+    from megatron_mugrpo.config import ConfigError
+
+    try:
+        return handlers[args.verb](args)
+    except (_UsageError, ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # known input errors of the components, reported in one line
+        if type(exc).__name__ in INPUT_ERRORS:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
+
+
+INPUT_ERRORS = {"RunError", "CheckpointError", "StoreError", "PromptDataError", "ConversionError", "ModelConfigError"}
+"""Component exceptions that mean bad input (reported as one line, exit 2) rather than a bug."""
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -394,9 +395,13 @@ class CheckpointConfig:
     """Checkpoints kept on disk (>= 2 so a crash while writing leaves a good one)."""
     every_updates: int = 0
     """Also checkpoint every N updates inside a stage (0: only at stage ends)."""
+    every_stages: int = 1
+    """Checkpoint at the end of every N-th stage (and always after the last). Standard GRPO's many tiny
+    stages want a larger N; a resume redoes at most N stages of updates (stored rollouts are reused)."""
 
     def __post_init__(self) -> None:
         _require(self.keep_last >= 2, f"checkpoint.keep_last={self.keep_last} must be >= 2")
+        _require(self.every_stages >= 1, f"checkpoint.every_stages={self.every_stages} must be >= 1")
         _require(self.every_updates >= 0, f"checkpoint.every_updates={self.every_updates} must be >= 0")
 
 
@@ -454,6 +459,9 @@ def check_hf_model_parallelism(hf_dir: str | Path, parallel: ParallelConfig) -> 
     hf = json.loads(path.read_text())
     heads = hf["num_attention_heads"]
     check_model_parallelism(heads, hf.get("num_key_value_heads", heads), hf["num_hidden_layers"], parallel)
+
+
+_MISSING = object()
 
 
 def _schema() -> Any:
@@ -527,8 +535,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             merged = OmegaConf.merge(merged, _load_yaml_with_inherit(path, ()))
         for item in overrides:
             _require("=" in item, f"override {item!r} must look like section.key=value (e.g. algo.clip_high=5)")
-        if overrides:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        for item in overrides:
+            key, value = item.split("=", 1)
+            _require(OmegaConf.select(merged, key, default=_MISSING) is not _MISSING,
+                     f"override {item!r}: {key!r} is not a configuration key (see configs/ and config.py)")
+            # update() (unlike merging a dotlist) also reaches list elements: eval.benchmarks.0.k=16
+            OmegaConf.update(merged, key, yaml.safe_load(value) if value else "", merge=True)
         container = OmegaConf.to_container(merged, resolve=True, structured_config_mode=None)
     except OmegaConfBaseException as exc:
         where = f" in {path}" if path is not None else ""

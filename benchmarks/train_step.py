@@ -1,0 +1,173 @@
+"""Megatron train step vs a plain PyTorch one on the same small model: time per update, tokens/s, ratio.
+
+    python benchmarks/train_step.py                 # CPU (float32), ~1 minute
+    python benchmarks/train_step.py --layers 8      # bigger; on a GPU the same script runs in bf16
+
+Both sides make the same μ-GRPO update (same Qwen2-architecture shapes, same batch, same
+``policy_loss``, AdamW + gradient clipping, the same micro-batching):
+
+* megatron: ``training.train_step`` at TP = PP = DP = 1 — Megatron ``GPTModel`` (local layer spec on
+  CPU, Transformer Engine's on GPU when importable), DDP buffers, ``get_forward_backward_func``,
+  Megatron's optimizer, the fused vocab-parallel log-prob; on CPU it includes the compatibility
+  layer's device mode (that cost is part of running Megatron on CPU).
+* plain: transformers' ``Qwen2ForCausalLM`` (eager attention on CPU, like Megatron's local
+  attention; SDPA on GPU), ``log_softmax(logits / T)`` + gather, ``torch.optim.AdamW``.
+
+The plain side runs first, before the compatibility layer is activated. Last line:
+``megatron_overhead=<Megatron time per update / plain time per update>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_mugrpo.algorithms.losses import policy_loss  # noqa: E402
+from megatron_mugrpo.config import AlgoConfig, OptimConfig  # noqa: E402
+from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate  # noqa: E402
+from megatron_mugrpo.training.model import tiny_hf_config  # noqa: E402
+
+LR = 1e-6
+CLIP_GRAD = 1.0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--groups", type=int, default=2, help="prompt groups per update (B_mini)")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--response-len", type=int, default=192)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--updates", type=int, default=5)
+    return parser.parse_args()
+
+
+def make_batch(args: argparse.Namespace, seed: int = 0) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for g in range(args.groups):
+        prompt = torch.randint(3, args.vocab, (args.prompt_len,), generator=gen).tolist()
+        samples = [
+            RolloutSample(
+                response_ids=torch.randint(3, args.vocab, (args.response_len,), generator=gen).tolist(),
+                behaviour_logprobs=[-9.0] * args.response_len,
+                finish_reason="length",
+                advantage=float(torch.randn((), generator=gen)),
+            )
+            for _ in range(args.group_size)
+        ]
+        groups.append(RolloutGroup(prompt_id=str(g), prompt_ids=prompt, answer="", samples=samples))
+    return collate(groups, pad_id=0)
+
+
+def hf_config(args: argparse.Namespace) -> dict:
+    heads = max(4, args.hidden // 64)
+    return tiny_hf_config(
+        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+        max_position_embeddings=args.prompt_len + args.response_len, tie_word_embeddings=True,
+    )
+
+
+def time_updates(step: Callable[[], None], warmup: int, updates: int, device: torch.device) -> float:
+    """Seconds per update (median-free mean over ``updates`` after ``warmup``)."""
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(updates):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / updates
+
+
+def plain_step_fn(
+    args: argparse.Namespace, config: dict, batch: TrainBatch, device: torch.device, dtype: torch.dtype
+) -> Callable[[], None]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    attention = "sdpa" if device.type == "cuda" else "eager"
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config | {"attn_implementation": attention}))
+    model.to(device=device, dtype=dtype).train()
+    optim = OptimConfig(lr=LR, clip_grad=CLIP_GRAD)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
+    options = AlgoConfig().loss_options()
+    batch = batch.to(device)
+    micro = [batch.slice(i, i + args.micro_batch) for i in range(0, batch.num_sequences, args.micro_batch)]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        total = sum(float(mb.response_mask.bool().any(-1).sum()) for mb in micro)  # seq-mean normaliser
+        for mb in micro:
+            logits = model(input_ids=mb.tokens).logits.float()
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+            out = policy_loss("mu_grpo", logprobs, mb.behaviour_logprobs, mb.advantages, mb.response_mask, **options)
+            (out.loss_sum / total).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
+        opt.step()
+
+    return step
+
+
+def megatron_step_fn(
+    args: argparse.Namespace, config: dict, batch: TrainBatch, dtype: torch.dtype
+) -> Callable[[], None]:
+    from megatron_mugrpo.training.parallel import initialize_parallel
+    from megatron_mugrpo.training.setup import build_policy
+    from megatron_mugrpo.training.train_step import train_step
+
+    groups = initialize_parallel(1, 1, seed=0)
+    policy = build_policy(config, groups=groups, dtype=dtype, optim=OptimConfig(lr=LR, clip_grad=CLIP_GRAD))
+    options = AlgoConfig().loss_options()
+
+    def step() -> None:
+        train_step(
+            policy, batch, loss_name="mu_grpo", loss_options=options, temperature=1.0,
+            micro_batch_size=args.micro_batch, impl="fused",
+        )
+
+    return step
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    config = hf_config(args)
+    batch = make_batch(args)
+    tokens = int(batch.tokens.numel())
+    print(
+        f"device={device.type} dtype={str(dtype).removeprefix('torch.')} threads={torch.get_num_threads()} "
+        f"hidden={args.hidden} layers={args.layers} vocab={args.vocab} sequences={batch.num_sequences} "
+        f"seq_len={batch.tokens.shape[1]} micro_batch={args.micro_batch}"
+    )
+    plain = time_updates(plain_step_fn(args, config, batch, device, dtype), args.warmup, args.updates, device)
+    print(f"plain     {plain * 1e3:9.1f} ms/update  {tokens / plain:10.0f} tokens/s")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("RANK", "0")
+    megatron = time_updates(megatron_step_fn(args, config, batch, dtype), args.warmup, args.updates, device)
+    print(f"megatron  {megatron * 1e3:9.1f} ms/update  {tokens / megatron:10.0f} tokens/s")
+    print(f"megatron_overhead={megatron / plain:.3f}")
+
+
+if __name__ == "__main__":
+    main()

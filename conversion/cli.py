@@ -1,0 +1,101 @@
+"""``mugrpo convert``: Hugging Face <-> Megatron checkpoints with TP/PP resharding, and a numeric check.
+
+    mugrpo convert hf-to-megatron --hf-dir D --out O --tp 2 --pp 2
+    mugrpo convert megatron-to-hf --ckpt O --out D2
+    mugrpo convert verify --hf-dir D --ckpt O --tp 2 --pp 2
+
+Also runnable as ``python -m conversion.cli convert ...``. Bad input prints one ``error:`` line and
+exits with status 2; a failed ``verify`` exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EXIT_OK = 0
+EXIT_VERIFY_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size {what} (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help=f"pipeline-parallel size {what} (default 1)")
+
+
+def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``convert`` verb (sub-verbs hf-to-megatron, megatron-to-hf, verify) to ``subparsers``."""
+    convert = subparsers.add_parser(
+        "convert", help="convert checkpoints between Hugging Face and Megatron", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verbs = convert.add_subparsers(dest="convert_verb", required=True)
+
+    to_mg = verbs.add_parser("hf-to-megatron", help="HF directory -> Megatron dist checkpoint (root with step_00000000)")
+    to_mg.add_argument("--hf-dir", required=True, help="local Hugging Face directory (config.json + safetensors)")
+    to_mg.add_argument("--out", required=True, help="new checkpoint root (must not exist or be empty)")
+    _add_parallel_args(to_mg, "to convert at; the result loads at any TP/PP")
+    to_mg.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="parameter dtype (default: the checkpoint's torch_dtype, else float32)")
+
+    to_hf = verbs.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF directory (safetensors + config)")
+    to_hf.add_argument("--ckpt", required=True, help="checkpoint root (follows 'latest') or step directory")
+    to_hf.add_argument("--out", required=True, help="new HF directory (must not exist or be empty)")
+    _add_parallel_args(to_hf, "to load the checkpoint at")
+    to_hf.add_argument("--tokenizer-dir", default=None,
+                       help="copy tokenizer files from here (default: the tokenizer/ saved by hf-to-megatron)")
+
+    check = verbs.add_parser("verify", help="compare Megatron and transformers logits on random tokens")
+    check.add_argument("--hf-dir", required=True, help="the Hugging Face directory (reference model)")
+    check.add_argument("--ckpt", required=True, help="checkpoint root or step directory to check")
+    _add_parallel_args(check, "to run the Megatron model at")
+    check.add_argument("--batch", type=int, default=2, help="random sequences (default 2)")
+    check.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
+    check.add_argument("--atol", type=float, default=None, help="max |logit difference| accepted (default 1e-3)")
+    check.add_argument("--kl-tol", type=float, default=None, help="mean KL accepted (default 1e-5)")
+    return convert
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """Run a parsed ``convert`` command; returns the process exit status."""
+    from conversion.errors import ConversionError
+
+    try:
+        return _dispatch(args)
+    except ConversionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    import conversion.convert as convert
+    import conversion.verify as verify
+
+    if args.convert_verb == "hf-to-megatron":
+        step_dir = convert.hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype)
+        print(f"wrote {step_dir} (converted at tp={args.tp} pp={args.pp})")
+        return EXIT_OK
+    if args.convert_verb == "megatron-to-hf":
+        out = convert.megatron_to_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp, tokenizer_dir=args.tokenizer_dir)
+        print(f"wrote {out}")
+        return EXIT_OK
+    result = verify.verify(
+        args.hf_dir, args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch, seq_len=args.seq_len, seed=args.seed,
+        atol=verify.DEFAULT_ATOL if args.atol is None else args.atol,
+        kl_tol=verify.DEFAULT_KL_TOL if args.kl_tol is None else args.kl_tol,
+    )
+    print(f"verify tp={args.tp} pp={args.pp}: {result.line()} (atol={result.atol:g} kl_tol={result.kl_tol:g})")
+    return EXIT_OK if result.ok else EXIT_VERIFY_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m conversion.cli convert ...``: the same verbs as ``mugrpo convert``."""
+    parser = argparse.ArgumentParser(prog="python -m conversion.cli")
+    add_convert_parser(parser.add_subparsers(dest="verb", required=True))
+    return run_convert(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

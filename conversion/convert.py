@@ -1,0 +1,126 @@
+"""Whole-checkpoint conversion: HF directory -> Megatron step directory, and back.
+
+hf -> megatron runs on TP × PP ranks (spawned unless already under torchrun): each rank builds its
+shard of the model, fills it from the safetensors files (reading only its stage's tensors) and
+saves it with dist_checkpointing, the format the trainer loads. Because dist_checkpointing stores
+global tensors with shard offsets, the result loads at any other TP × PP too; converting at the
+training TP × PP keeps each rank's memory at 1 / (TP × PP) of the model.
+
+megatron -> hf loads a step directory at the requested TP × PP (default 1 × 1, one process) and
+streams ``export_hf`` into ``save_hf_dir`` on global rank 0.
+
+Outputs are written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from conversion.errors import ConversionError
+from conversion.hf_io import TOKENIZER_FILES, HfCheckpoint, atomic_output_dir, save_hf_dir
+from conversion.launch import run_on_ranks
+from conversion.live import export_hf, load_hf_into_model
+from conversion.megatron_io import (
+    TOKENIZER_SUBDIR,
+    build_model_chunks,
+    dtype_from_name,
+    load_model,
+    read_metadata,
+    resolve_step_dir,
+    save_converted,
+)
+from megatron_mugrpo.training.model import ModelConfigError, check_divisibility, check_supported
+
+
+def default_dtype(hf_config: dict) -> str:
+    """The dtype a HF checkpoint declares (``torch_dtype`` / ``dtype``), float32 when it declares none."""
+    return str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
+
+
+def check_convertible(hf_config: dict, tp: int, pp: int) -> None:
+    """ConversionError when the architecture is unsupported or TP / PP cannot split this model."""
+    try:
+        check_supported(hf_config)
+        check_divisibility(hf_config, tp, pp)
+    except ModelConfigError as err:
+        raise ConversionError(str(err)) from err
+
+
+def hf_to_megatron_on_rank(hf_dir: str, root: str, dtype_name: str) -> None:
+    """Rank body of hf -> megatron: build this rank's shard, fill it from HF, save ``root/step_00000000``."""
+    ckpt = HfCheckpoint(hf_dir)
+    chunks = build_model_chunks(ckpt.config, dtype_from_name(dtype_name))
+    load_hf_into_model(chunks, ckpt)
+    save_converted(root, chunks, ckpt.config)
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str | None = None) -> Path:
+    """Convert a HF directory into a Megatron checkpoint root ``out`` (step_00000000 + latest + tokenizer).
+
+    Validates everything it can before spawning ranks (architecture, TP/PP divisibility, missing or
+    extra tensors, shapes, output path). Returns the step directory.
+    """
+    ckpt = HfCheckpoint(hf_dir)
+    check_convertible(ckpt.config, tp, pp)
+    ckpt.validate()
+    dtype = dtype or default_dtype(ckpt.config)
+    dtype_from_name(dtype)
+    with atomic_output_dir(out) as tmp:
+        run_on_ranks(hf_to_megatron_on_rank, tp=tp, pp=pp, args=(str(ckpt.path), str(tmp), dtype))
+        _copy_tokenizer(ckpt.path, tmp / TOKENIZER_SUBDIR)
+    return resolve_step_dir(out)
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if files:
+        dst.mkdir()
+        for file in files:
+            shutil.copy2(file, dst / file.name)
+
+
+def tokenizer_dir_for(step_dir: Path) -> Path | None:
+    """Tokenizer files saved next to a converted checkpoint (root/tokenizer), if any."""
+    for candidate in (step_dir / TOKENIZER_SUBDIR, step_dir.parent / TOKENIZER_SUBDIR):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def megatron_to_hf_on_rank(step_dir: str, out_dir: str, dtype_name: str, tokenizer_dir: str | None) -> None:
+    """Rank body of megatron -> hf: load the step dir, stream the export; global rank 0 writes."""
+    hf_config = read_metadata(step_dir)["hf_config"]
+    chunks = build_model_chunks(hf_config, dtype_from_name(dtype_name))
+    load_model(step_dir, chunks)
+    tensors = ((name, tensor.cpu()) for name, tensor in export_hf(chunks, hf_config))
+    if dist.get_rank() == 0:
+        save_hf_dir(tensors, out_dir, hf_config, tokenizer_dir)
+    else:
+        for _ in tensors:  # take part in the export's collectives
+            pass
+
+
+def megatron_to_hf(
+    ckpt: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, tokenizer_dir: str | Path | None = None
+) -> Path:
+    """Convert a step directory (or checkpoint root) into a HF directory at ``out``.
+
+    Tensors keep the checkpoint's dtype; tokenizer files come from ``tokenizer_dir`` or the
+    ``tokenizer/`` folder the converter saved next to the checkpoint.
+    """
+    step_dir = resolve_step_dir(ckpt)
+    metadata = read_metadata(step_dir)
+    check_convertible(metadata["hf_config"], tp, pp)
+    tokenizer = Path(tokenizer_dir) if tokenizer_dir else tokenizer_dir_for(step_dir)
+    with atomic_output_dir(out) as tmp:
+        # save_hf_dir writes atomically itself; it gets a fresh path inside our temporary directory.
+        run_on_ranks(megatron_to_hf_on_rank, tp=tp, pp=pp,
+                     args=(str(step_dir), str(tmp / "hf"), metadata["dtype"], str(tokenizer) if tokenizer else None))
+        for item in (tmp / "hf").iterdir():
+            item.rename(tmp / item.name)
+        (tmp / "hf").rmdir()
+    return Path(out)
+

@@ -1,0 +1,238 @@
+"""Declarative name maps between Hugging Face and Megatron parameters, one per architecture.
+
+A ``TensorMap`` says which HF tensors make one Megatron parameter and how (its ``kind``); the
+``kind`` picks a pair of pure functions from ``conversion.fused`` (TP shard / TP gather). Megatron
+names are the canonical (Transformer Engine style, dist-checkpoint) names with the layer index as
+``{layer}``; the local layer spec's ``input_layernorm`` / ``pre_mlp_layernorm`` are aliases of the
+TE names (``canonical_megatron_name``), as in megatron-core's own ``sharded_state_dict_keys_map``.
+
+    maps = architecture_maps(hf_config)                  # [TensorMap, ...] for the whole model
+    shard = to_megatron_shard(entry, hf_tensors, dims, tp=2, rank=1)
+    hf_tensors = to_hf(entry, shards, dims)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from conversion import fused
+from conversion.errors import ConversionError
+from megatron_mugrpo.training import model as model_provider
+
+LAYER = "{layer}"
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One Megatron parameter and the HF tensors it is made from."""
+
+    megatron: str
+    """Canonical Megatron name; ``{layer}`` stands for the global layer index."""
+    hf: tuple[str, ...]
+    """HF names in the order the ``kind`` functions take them (e.g. q, k, v)."""
+    kind: str
+    """'replicated', 'column' (TP rows), 'row' (TP columns), 'qkv', 'gated_fc1' or 'vocab'."""
+
+    @property
+    def per_layer(self) -> bool:
+        return LAYER in self.megatron
+
+    def at(self, layer: int | None) -> TensorMap:
+        """This entry with ``{layer}`` filled in (unchanged for non-layer entries)."""
+        if layer is None or not self.per_layer:
+            return self
+        return TensorMap(
+            self.megatron.replace(LAYER, str(layer)), tuple(n.replace(LAYER, str(layer)) for n in self.hf), self.kind
+        )
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The dimensions the fused-tensor functions need."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    vocab_size: int
+    """True (unpadded) vocabulary size, as in HF and the rollout engine."""
+
+    @classmethod
+    def from_hf(cls, hf_config: dict[str, Any]) -> ModelDims:
+        return cls(
+            num_heads=hf_config["num_attention_heads"],
+            num_groups=model_provider.num_kv_heads(hf_config),
+            head_dim=model_provider.head_dim(hf_config),
+            vocab_size=hf_config["vocab_size"],
+        )
+
+
+_HF_LAYER = "model.layers.{layer}."
+_MG_LAYER = "decoder.layers.{layer}."
+_ATTN_QKV = (_HF_LAYER + "self_attn.q_proj", _HF_LAYER + "self_attn.k_proj", _HF_LAYER + "self_attn.v_proj")
+
+_DECODER_LAYER = (
+    TensorMap(_MG_LAYER + "self_attention.linear_qkv.layer_norm_weight", (_HF_LAYER + "input_layernorm.weight",),
+              "replicated"),
+    TensorMap(_MG_LAYER + "self_attention.linear_qkv.weight", tuple(p + ".weight" for p in _ATTN_QKV), "qkv"),
+    TensorMap(_MG_LAYER + "self_attention.linear_proj.weight", (_HF_LAYER + "self_attn.o_proj.weight",), "row"),
+    TensorMap(_MG_LAYER + "mlp.linear_fc1.layer_norm_weight", (_HF_LAYER + "post_attention_layernorm.weight",),
+              "replicated"),
+    TensorMap(_MG_LAYER + "mlp.linear_fc1.weight",
+              (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"), "gated_fc1"),
+    TensorMap(_MG_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",), "row"),
+)
+_QKV_BIAS = (TensorMap(_MG_LAYER + "self_attention.linear_qkv.bias", tuple(p + ".bias" for p in _ATTN_QKV), "qkv"),)
+_QK_NORM = (
+    TensorMap(_MG_LAYER + "self_attention.q_layernorm.weight", (_HF_LAYER + "self_attn.q_norm.weight",), "replicated"),
+    TensorMap(_MG_LAYER + "self_attention.k_layernorm.weight", (_HF_LAYER + "self_attn.k_norm.weight",), "replicated"),
+)
+_EMBEDDING = TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
+_FINAL_NORM = TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
+_OUTPUT = TensorMap("output_layer.weight", ("lm_head.weight",), "vocab")
+_TIED_OUTPUT = TensorMap("output_layer.weight", ("model.embed_tokens.weight",), "vocab")
+
+ARCHITECTURES: dict[str, tuple[TensorMap, ...]] = {
+    "qwen2": _DECODER_LAYER + _QKV_BIAS,
+    "llama": _DECODER_LAYER,
+    "qwen3": _DECODER_LAYER + _QK_NORM,
+}
+"""Per-layer maps by HF ``model_type``; the embedding, final norm and LM head are shared by all."""
+
+# Tensors some HF checkpoints carry that hold no weights (old RoPE caches).
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# Local-spec parameter names -> canonical (TE) names: TE fuses the pre-norms into the next linear.
+_LOCAL_ALIASES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def layer_maps(hf_config: dict[str, Any]) -> tuple[TensorMap, ...]:
+    """Per-layer entries (with ``{layer}``) for the architecture of ``hf_config``."""
+    arch = hf_config.get("model_type")
+    if arch not in ARCHITECTURES:
+        raise ConversionError(
+            f"unknown architecture model_type={arch!r} (architectures={hf_config.get('architectures')}); "
+            f"the converter supports {tuple(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[arch]
+
+
+def global_maps(hf_config: dict[str, Any]) -> tuple[TensorMap, ...]:
+    """Entries outside the decoder layers: embedding, final norm and (untied or tied) output layer."""
+    tied = model_provider.tie_word_embeddings(hf_config)
+    return (_EMBEDDING, _FINAL_NORM, _TIED_OUTPUT if tied else _OUTPUT)
+
+
+def architecture_maps(hf_config: dict[str, Any]) -> list[TensorMap]:
+    """Every entry of the model, layers filled in, in export order (embedding, layers, norm, head)."""
+    embedding, final_norm, output = global_maps(hf_config)
+    layers = [entry.at(i) for i in range(hf_config["num_hidden_layers"]) for entry in layer_maps(hf_config)]
+    return [embedding, *layers, final_norm, output]
+
+
+def expected_hf_tensors(hf_config: dict[str, Any]) -> set[str]:
+    """HF names a checkpoint of this config must hold (``lm_head.weight`` only when untied)."""
+    return {name for entry in architecture_maps(hf_config) for name in entry.hf}
+
+
+def canonical_megatron_name(local_name: str, layer_numbers: dict[int, int]) -> str:
+    """Canonical Megatron name of a live parameter: global layer index, TE-style norm names.
+
+    ``layer_numbers`` maps the local layer index of a pipeline stage to its global index.
+    """
+    if not local_name.startswith("decoder.layers."):
+        return local_name
+    _, _, index, rest = local_name.split(".", 3)
+    rest = _LOCAL_ALIASES.get(rest, rest)
+    return f"decoder.layers.{layer_numbers[int(index)]}.{rest}"
+
+
+def entry_for(megatron_name: str, hf_config: dict[str, Any]) -> TensorMap:
+    """The filled-in entry for a canonical Megatron name; raises ConversionError for unmapped names."""
+    if megatron_name.startswith("decoder.layers."):
+        _, _, index, rest = megatron_name.split(".", 3)
+        for entry in layer_maps(hf_config):
+            if entry.megatron == _MG_LAYER + rest:
+                return entry.at(int(index))
+    for entry in global_maps(hf_config):
+        if entry.megatron == megatron_name:
+            return entry
+    raise ConversionError(
+        f"Megatron parameter {megatron_name!r} has no Hugging Face mapping for model_type="
+        f"{hf_config.get('model_type')!r}; the model and config.json disagree"
+    )
+
+
+def _qkv_dims(dims: ModelDims) -> dict[str, int]:
+    return {"num_heads": dims.num_heads, "num_groups": dims.num_groups, "head_dim": dims.head_dim}
+
+
+_ShardFn = Callable[[list[Tensor], ModelDims, int, int], Tensor]
+_GatherFn = Callable[[list[Tensor], ModelDims], list[Tensor]]
+
+_SHARD: dict[str, _ShardFn] = {
+    "replicated": lambda ts, dims, tp, rank: ts[0],
+    "column": lambda ts, dims, tp, rank: fused.split_shard(ts[0], 0, tp, rank),
+    "row": lambda ts, dims, tp, rank: fused.split_shard(ts[0], 1, tp, rank),
+    "qkv": lambda ts, dims, tp, rank: fused.qkv_shard(*ts, **_qkv_dims(dims), tp=tp, rank=rank),
+    "gated_fc1": lambda ts, dims, tp, rank: fused.gated_fc1_shard(*ts, tp=tp, rank=rank),
+    "vocab": lambda ts, dims, tp, rank: fused.vocab_shard(
+        ts[0], padded_vocab=model_provider.padded_vocab_size(dims.vocab_size, tp), tp=tp, rank=rank
+    ),
+}
+_GATHER: dict[str, _GatherFn] = {
+    "replicated": lambda shards, dims: [fused.concat_shards(shards, None)],
+    "column": lambda shards, dims: [fused.concat_shards(shards, 0)],
+    "row": lambda shards, dims: [fused.concat_shards(shards, 1)],
+    "qkv": lambda shards, dims: list(fused.qkv_gather(shards, **_qkv_dims(dims))),
+    "gated_fc1": lambda shards, dims: list(fused.gated_fc1_gather(shards)),
+    "vocab": lambda shards, dims: [fused.vocab_gather(shards, vocab_size=dims.vocab_size)],
+}
+TP_AXIS = {"replicated": None, "column": 0, "row": 1, "qkv": 0, "gated_fc1": 0, "vocab": 0}
+"""Axis along which each kind is split over TP ranks (None: every rank holds the full tensor)."""
+
+
+def to_megatron_shard(entry: TensorMap, hf_tensors: list[Tensor], dims: ModelDims, *, tp: int, rank: int) -> Tensor:
+    """TP rank ``rank``'s tensor for ``entry`` from its HF tensors (in ``entry.hf`` order)."""
+    return _SHARD[entry.kind](hf_tensors, dims, tp, rank)
+
+
+def to_hf(entry: TensorMap, shards: list[Tensor], dims: ModelDims) -> list[tuple[str, Tensor]]:
+    """HF ``(name, tensor)`` pairs for ``entry`` from every TP rank's shard (in rank order)."""
+    return list(zip(entry.hf, _GATHER[entry.kind](shards, dims)))
+
+
+def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor this config implies (used to reject mismatched checkpoints early)."""
+    dims = ModelDims.from_hf(hf_config)
+    hidden, ffn = hf_config["hidden_size"], hf_config["intermediate_size"]
+    q_rows, kv_rows = dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
+    by_suffix = {
+        "embed_tokens.weight": (dims.vocab_size, hidden),
+        "lm_head.weight": (dims.vocab_size, hidden),
+        "layernorm.weight": (hidden,),
+        "model.norm.weight": (hidden,),
+        "q_proj.weight": (q_rows, hidden),
+        "k_proj.weight": (kv_rows, hidden),
+        "v_proj.weight": (kv_rows, hidden),
+        "q_proj.bias": (q_rows,),
+        "k_proj.bias": (kv_rows,),
+        "v_proj.bias": (kv_rows,),
+        "o_proj.weight": (hidden, q_rows),
+        "q_norm.weight": (dims.head_dim,),
+        "k_norm.weight": (dims.head_dim,),
+        "gate_proj.weight": (ffn, hidden),
+        "up_proj.weight": (ffn, hidden),
+        "down_proj.weight": (hidden, ffn),
+    }
+    shapes = {}
+    for name in expected_hf_tensors(hf_config):
+        suffix = next(s for s in by_suffix if name.endswith(s))
+        shapes[name] = by_suffix[suffix]
+    return shapes

@@ -1,0 +1,291 @@
+"""Metrics in one place: components return dicts, one logger writes JSONL, TensorBoard and console.
+
+Every metric name starts with one of ``rollout/``, ``train/``, ``perf/``, ``eval/``. Each
+``MetricsLogger.log`` call appends one JSON line to ``<run_dir>/metrics.jsonl``::
+
+    {"step": 12, "wall_s": 84.2, "time": 1764482531.4, "train/loss": 0.31, ...}
+
+``step`` is the optimizer-update count, ``wall_s`` the seconds since the run started (continued across
+resumes from the file's last line), ``time`` the Unix time. The line is flushed at once so a killed run
+keeps everything it logged; a resumed run appends (``purge_step=`` first drops the records it will
+repeat, in the JSONL file and in TensorBoard). Non-finite values are written (JSON ``NaN`` /
+``Infinity``, which ``read_metrics`` reads back) and their names listed under ``"nonfinite"``.
+
+    logger = MetricsLogger(run_dir, rank=rank)
+    timer = Timer()
+    with timer("perf/t_rollout_s"):
+        groups = generate(...)
+    logger.log(rollout_metrics | timer.metrics(), step=update)
+    logger.close()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+METRIC_PREFIXES = ("rollout/", "train/", "perf/", "eval/")
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+RESERVED_FIELDS = ("step", "wall_s", "time", "nonfinite")
+"""Keys of a JSONL record that are not metrics."""
+CONSOLE_KEYS = (
+    "train/loss",
+    "rollout/reward_mean",
+    "train/clip_frac_low",
+    "train/clip_frac_high",
+    "train/nav_vetoed_frac",
+    "train/ratio_mean_neg_adv",
+    "eval/avg_pass@1",
+    "perf/t_total_s",
+)
+"""Metrics shown on the console line when present (all of them go to JSONL and TensorBoard)."""
+CONSOLE_FALLBACK_COUNT = 6
+"""Metrics shown on the console line when none of CONSOLE_KEYS is in the record."""
+
+
+def check_metric_name(name: object) -> str:
+    """Return ``name`` if it is a string under one of METRIC_PREFIXES, else raise ValueError."""
+    if not isinstance(name, str) or not name.startswith(METRIC_PREFIXES):
+        raise ValueError(
+            f"metric name {name!r} must be a string starting with one of {METRIC_PREFIXES}; "
+            "rename it, e.g. 'train/loss' or 'perf/t_rollout_s'"
+        )
+    return name
+
+
+def _to_float(name: str, value: Any) -> float:
+    """Convert a Python/NumPy/0-d torch number to float; anything else is an error naming the metric."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"metric {name!r} has value {value!r} of type {type(value).__name__}; log a number "
+            "(call .item() on a tensor, or summarise a list)"
+        ) from exc
+
+
+def _truncate_partial_line(path: Path) -> None:
+    """Cut a half-written last line (the run was killed mid-write) so appended records stay parseable."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        warnings.warn(f"{path}: dropping a truncated last line before appending", stacklevel=3)
+        with path.open("r+b") as handle:
+            handle.truncate(keep)
+
+
+def _purge_from(path: Path, purge_step: int) -> list[dict[str, Any]]:
+    """Drop records with step >= purge_step (logged after the checkpoint a resumed run restarts from).
+
+    Rewritten under a temporary name and renamed, so a crash here leaves the old file intact.
+    """
+    records = _read_records(path)
+    kept = [r for r in records if r["step"] < purge_step]
+    if len(kept) < len(records):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        tmp.replace(path)
+    return kept
+
+
+class MetricsLogger:
+    """Send metric dicts to ``<run_dir>/metrics.jsonl``, TensorBoard and the console.
+
+    Only ``rank`` 0 writes anything; other ranks still validate names so a bad metric fails everywhere.
+    A run resumed from the checkpoint taken after update ``k`` passes ``purge_step=k + 1``: records
+    the interrupted run logged from that step on (work the resumed run repeats) are removed from the
+    JSONL file and from TensorBoard, so every step appears once.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        console: bool = True,
+        rank: int = 0,
+        purge_step: int | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.console = console
+        self.rank = rank
+        self._tensorboard = tensorboard
+        self._purge_step = purge_step
+        self._writer: Any = None
+        self._file = None
+        self._start = time.monotonic()
+        self._wall_offset = 0.0
+        if rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            path = self.run_dir / METRICS_FILE
+            if path.exists():
+                _truncate_partial_line(path)
+                kept = _purge_from(path, purge_step) if purge_step is not None else _read_records(path)
+                # A resumed run continues the wall clock so plots against wall_s stay monotone.
+                self._wall_offset = float(kept[-1].get("wall_s", 0.0)) if kept else 0.0
+            self._file = path.open("a", encoding="utf-8")
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / METRICS_FILE
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Record ``metrics`` (name → number) at optimizer update ``step``."""
+        values = {check_metric_name(name): _to_float(name, value) for name, value in metrics.items()}
+        if self.rank != 0:
+            return
+        if self._file is None:
+            raise RuntimeError(f"MetricsLogger for {self.run_dir} is closed; create a new one to log again")
+        nonfinite = [name for name, value in values.items() if not math.isfinite(value)]
+        record: dict[str, Any] = {"step": int(step), "wall_s": self.wall_s(), "time": time.time()}
+        record.update(values)
+        if nonfinite:
+            record["nonfinite"] = nonfinite
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self._log_tensorboard(values, int(step), record["time"])
+        if self.console:
+            tqdm.write(format_console_line(record))
+
+    def wall_s(self) -> float:
+        """Seconds since the run started (including earlier runs this one resumed)."""
+        return self._wall_offset + time.monotonic() - self._start
+
+    def _log_tensorboard(self, values: dict[str, float], step: int, walltime: float) -> None:
+        writer = self._tensorboard_writer()
+        if writer is None:
+            return
+        for name, value in values.items():
+            writer.add_scalar(name, value, global_step=step, walltime=walltime)
+        writer.flush()
+
+    def _tensorboard_writer(self) -> Any:
+        """Create the SummaryWriter on first use; warn once and turn TensorBoard off if it is missing."""
+        if self._writer is not None or not self._tensorboard:
+            return self._writer
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            warnings.warn(
+                f"TensorBoard logging is off: {exc}. Install it (pip install tensorboard) or set "
+                "logging.tensorboard=false; metrics are still written to metrics.jsonl",
+                stacklevel=3,
+            )
+            self._tensorboard = False
+            return None
+        self._writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=self._purge_step)
+        return self._writer
+
+    def close(self) -> None:
+        """Flush and close the files; safe to call twice."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def format_console_line(record: Mapping[str, Any]) -> str:
+    """One compact line: step, wall time and a few key metrics (non-finite ones flagged with '!')."""
+    names = [name for name in CONSOLE_KEYS if name in record]
+    if not names:
+        names = [name for name in record if name not in RESERVED_FIELDS][:CONSOLE_FALLBACK_COUNT]
+    parts = [f"step {record['step']}", f"{record['wall_s']:.0f}s"]
+    parts += [f"{name}={record[name]:.4g}" for name in names]
+    nonfinite = record.get("nonfinite", [])
+    if nonfinite:
+        parts.append(f"! non-finite: {', '.join(nonfinite)}")
+    return " | ".join(parts)
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """Parse a JSONL metrics file; a truncated final line (killed mid-write) is dropped with a warning."""
+    records = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                warnings.warn(f"{path}:{number}: dropping a truncated last line ({exc})", stacklevel=3)
+                continue
+            raise ValueError(f"{path}:{number} is not a JSON record ({exc}); the file is corrupt") from exc
+    return records
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of ``<run_dir>/metrics.jsonl`` in file order."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: {run_dir} is not a run directory written by MetricsLogger "
+            "(pass the --run-dir of a training run)"
+        )
+    return _read_records(path)
+
+
+def progress(total: int | None, desc: str, enabled: bool = True, **kwargs: Any) -> tqdm:
+    """A tqdm progress bar, or a disabled one (same methods, prints nothing) when ``enabled`` is False.
+
+    Pass ``enabled=logging.progress_bars and rank == 0``; console lines of MetricsLogger go through
+    ``tqdm.write`` and so do not break an open bar.
+    """
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, **kwargs)
+
+
+class Timer:
+    """Accumulate wall-clock durations of named ``perf/`` sections.
+
+    ``sync`` is called before reading the clock (e.g. ``torch.cuda.synchronize`` so asynchronous GPU
+    work is attributed to the section that launched it).
+    """
+
+    def __init__(self, sync: Any = None) -> None:
+        self._sync = sync
+        self._totals: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if not check_metric_name(name).startswith("perf/"):
+            raise ValueError(f"timer name {name!r} must start with 'perf/' (e.g. 'perf/t_rollout_s')")
+        self._synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._synchronize()
+            self._totals[name] += time.perf_counter() - start
+
+    def _synchronize(self) -> None:
+        if self._sync is not None:
+            self._sync()
+
+    def total(self, name: str) -> float:
+        """Seconds accumulated under ``name`` so far (0.0 if never timed)."""
+        return self._totals.get(name, 0.0)
+
+    def metrics(self, reset: bool = False) -> dict[str, float]:
+        """Accumulated seconds per name; ``reset`` starts every total again from zero."""
+        out = dict(self._totals)
+        if reset:
+            self._totals.clear()
+        return out

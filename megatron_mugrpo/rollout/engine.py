@@ -1,0 +1,231 @@
+"""Rollout engine protocol: what phase 1 of a stage needs from an inference engine.
+
+An engine holds the frozen behaviour policy β of a stage. It loads a Hugging Face directory (or
+receives ``(name, tensor)`` weights from the trainer), samples ``n`` responses per prompt and
+returns, for every sampled token, its behaviour log-prob
+
+    b_t = log_softmax(raw_logits_t / T)[a_t]
+
+with top_p = 1 and top_k off: the same distribution the trainer scores, so that the importance
+ratio ρ_t = exp(log π_θ(a_t | s_t) − b_t) is exactly 1 at the first update of a stage. ``release()``
+frees the engine's memory before the optimizer phase.
+
+Engines are built by name through a small registry (``build_engine``); the heavy modules
+(transformers, SGLang) are imported only when their engine is built.
+
+    engine = build_engine("transformers", "runs/demo/hf", batch_size=64)
+    groups = engine.generate(prompt_ids, n=8, params=SamplingParams(max_new_tokens=32, seed=3))
+    engine.release()
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_mugrpo.config import RolloutConfig
+
+FINISH_REASONS = ("stop", "length")
+"""'stop': the response ends with a sampled EOS token; 'length': it hit max_new_tokens."""
+
+ProgressCallback = Callable[[int], None]
+"""Called with the number of sequences finished since the previous call (tqdm.update style)."""
+
+
+class EngineOutputError(ValueError):
+    """An engine returned something the rollout dataset must not store (NaN log-prob, bad id, ...)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Sampling settings of one generation call. top_p = 1 and top_k off are not knobs on purpose:
+    truncated sampling would make the stored log-probs differ from log_softmax(logits / T)."""
+
+    max_new_tokens: int
+    """Response length cap; a response that reaches it finishes with reason 'length'."""
+    temperature: float = 1.0
+    """T: logits are divided by T before the softmax, for sampling and for the stored log-probs."""
+    seed: int = 0
+    """Seed of the sampling RNG (bitwise reproducible with the transformers engine on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"SamplingParams.temperature={self.temperature} must be a finite number > 0")
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    response_ids: list[int]
+    """Generated token ids; the EOS token is included (and scored) when finish_reason == 'stop'."""
+    logprobs: list[float]
+    """Behaviour log-prob of each generated token at temperature T; same length as response_ids."""
+    finish_reason: str
+    """'stop' or 'length' (see FINISH_REASONS)."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the staged loop needs from an inference engine."""
+
+    vocab_size: int
+    """Ids the model can emit (rows of its output layer, unpadded): valid ids are [0, vocab_size)."""
+
+    def load_hf_dir(self, path: str) -> None:
+        """(Re)load all weights from a local Hugging Face directory with the same architecture."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the weights with full, Hugging Face-named tensors (e.g. ``conversion.export_hf``)."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int | list[int],
+        params: SamplingParams,
+        progress: ProgressCallback | None = None,
+    ) -> list[list[Generation]]:
+        """Sample ``n`` (or ``n[i]`` for prompt i) responses per prompt; result[i] lists prompt i's."""
+
+    def release(self) -> None:
+        """Free the engine's memory before the optimizer phase. The weights are gone afterwards:
+        ``load_hf_dir`` or ``load_weights`` (the next stage's policy) must come before ``generate``."""
+
+
+def responses_per_prompt(n: int | Sequence[int], num_prompts: int) -> list[int]:
+    """Normalise ``n`` (one count for all prompts, or one per prompt as VIGOR allocates) to a list."""
+    if isinstance(n, int):
+        if n < 1:
+            raise ValueError(f"n={n} responses per prompt must be >= 1")
+        return [n] * num_prompts
+    counts = [int(c) for c in n]
+    if len(counts) != num_prompts:
+        raise ValueError(f"n has {len(counts)} per-prompt counts but {num_prompts} prompts were given")
+    negative = [i for i, c in enumerate(counts) if c < 0]
+    if negative:
+        raise ValueError(f"n must be >= 0 for every prompt; prompts {negative[:5]} have negative counts")
+    return counts
+
+
+def check_prompt_ids(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Raise ValueError when a prompt is empty or holds an id outside [0, vocab_size)."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {i} holds token ids {bad[:5]} outside the model vocabulary [0, {vocab_size}): "
+                "was it tokenized with another model's tokenizer?"
+            )
+
+
+def validate_generations(
+    generations: Sequence[Sequence[Generation]],
+    counts: Sequence[int],
+    *,
+    vocab_size: int,
+    max_new_tokens: int,
+    engine: str,
+) -> None:
+    """Reject engine output that the rollout dataset must not store.
+
+    Checks per response: as many log-probs as tokens, every id in [0, vocab_size), every log-prob
+    finite and <= 0, a known finish reason, at most max_new_tokens tokens; and the per-prompt counts.
+    """
+    if len(generations) != len(counts):
+        raise EngineOutputError(
+            f"{engine} engine returned {len(generations)} prompt groups for {len(counts)} prompts"
+        )
+    for i, (group, expected) in enumerate(zip(generations, counts)):
+        if len(group) != expected:
+            raise EngineOutputError(
+                f"{engine} engine returned {len(group)} responses for prompt {i}, expected {expected}"
+            )
+        for j, gen in enumerate(group):
+            problem = _generation_problem(gen, vocab_size, max_new_tokens)
+            if problem:
+                raise EngineOutputError(f"{engine} engine, prompt {i} response {j}: {problem}")
+
+
+def _generation_problem(gen: Generation, vocab_size: int, max_new_tokens: int) -> str:
+    """Describe what is wrong with one response, or return '' when it is valid."""
+    if len(gen.response_ids) != len(gen.logprobs):
+        return f"{len(gen.response_ids)} token ids but {len(gen.logprobs)} log-probs"
+    if gen.finish_reason not in FINISH_REASONS:
+        return f"finish_reason {gen.finish_reason!r} is not one of {FINISH_REASONS}"
+    if len(gen.response_ids) > max_new_tokens:
+        return f"{len(gen.response_ids)} tokens exceed max_new_tokens={max_new_tokens}"
+    bad_ids = [t for t in gen.response_ids if not 0 <= t < vocab_size]
+    if bad_ids:
+        return f"token ids {bad_ids[:5]} are outside the vocabulary [0, {vocab_size})"
+    bad_lp = [(t, lp) for t, lp in enumerate(gen.logprobs) if not (math.isfinite(lp) and lp <= 0.0)]
+    if bad_lp:
+        return f"log-probs at positions {bad_lp[:5]} are not finite numbers <= 0"
+    return ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry. Values are "module:attribute" strings until first use so that importing this module
+# never imports transformers or SGLang; register_engine() also accepts a ready factory.
+# --------------------------------------------------------------------------------------------------
+
+EngineFactory = Callable[..., RolloutEngine]
+
+_ENGINES: dict[str, EngineFactory | str] = {
+    "transformers": "megatron_mugrpo.rollout.transformers_engine:TransformersEngine",
+    "sglang": "megatron_mugrpo.rollout.sglang_engine:SGLangEngine",
+}
+
+
+def register_engine(name: str, factory: EngineFactory | str) -> None:
+    """Add an engine: ``factory(hf_dir, **kwargs)`` returns a RolloutEngine (or 'module:attr')."""
+    if name in _ENGINES:
+        raise ValueError(f"rollout engine {name!r} is already registered")
+    _ENGINES[name] = factory
+
+
+def available_engines() -> tuple[str, ...]:
+    return tuple(sorted(_ENGINES))
+
+
+def build_engine(name: str, hf_dir: str, **kwargs: Any) -> RolloutEngine:
+    """Build the engine registered as ``name`` on the Hugging Face directory ``hf_dir``."""
+    if name not in _ENGINES:
+        raise ValueError(
+            f"unknown rollout engine {name!r}; choose one of {available_engines()} (rollout.engine)"
+        )
+    factory = _ENGINES[name]
+    if isinstance(factory, str):
+        module_name, attr = factory.split(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+    return factory(hf_dir, **kwargs)
+
+
+def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0) -> dict[str, Any]:
+    """Engine construction knobs taken from the rollout config, per engine."""
+    if rollout.engine == "transformers":
+        return {"batch_size": rollout.batch_size}
+    if rollout.engine == "sglang":
+        return {"mem_fraction_static": rollout.sglang_mem_fraction, "seed": seed}
+    return {}
+
+
+def build_engine_from_config(
+    rollout: RolloutConfig, hf_dir: str, *, seed: int = 0, **overrides: Any
+) -> RolloutEngine:
+    """``build_engine(rollout.engine, hf_dir, ...)`` with the config's knobs (overrides win)."""
+    return build_engine(rollout.engine, hf_dir, **(engine_kwargs(rollout, seed=seed) | overrides))
+
+
+def sampling_params(rollout: RolloutConfig, *, seed: int) -> SamplingParams:
+    """The stage's SamplingParams from the rollout config."""
+    return SamplingParams(temperature=rollout.temperature, max_new_tokens=rollout.max_new_tokens, seed=seed)

@@ -1,0 +1,245 @@
+"""Prompt data: local JSONL / Parquet problem files (or the built-in task) → tokenized prompts.
+
+Real datasets (DeepScaleR: fields ``problem`` / ``answer``) get the paper's instruction appended
+and, when the tokenizer has one and ``data.use_chat_template`` is set, the chat template with a
+generation prompt. The built-in task uses its own short template (``23+58=``).
+
+Rows with a missing field, empty text or a prompt longer than ``max_prompt_tokens`` are skipped
+and counted; one warning reports the counts. A file with no usable row is an error that names the
+file and the fields. Nothing is shuffled here: prompt order is the stage sampler's business.
+
+    prompts = load_prompts(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens)
+    evals = load_benchmark(cfg.eval.benchmarks[0], tokenizer, cfg.rollout.max_prompt_tokens)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_mugrpo.config import BenchmarkConfig, DataConfig
+from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+"""The paper's instruction, appended to every problem of a real dataset."""
+
+DEFAULT_BUILTIN_EVAL_SIZE = 256
+"""Problems in the built-in task's eval split when a 'builtin' benchmark sets no limit."""
+
+REJECT_REASONS = ("missing_prompt", "missing_answer", "empty_prompt", "empty_answer", "too_long")
+
+
+class PromptDataError(ValueError):
+    """A prompt file has no usable row (or cannot be read); the message names the file and fields."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One tokenized prompt."""
+
+    prompt_id: str
+    """Stable id: '<source>-<row index>' (the row index in the file, rejected rows included)."""
+    prompt_ids: list[int]
+    """Token ids of ``text`` (special tokens / chat template included)."""
+    answer: str
+    """Reference answer for the verifier."""
+    text: str
+    """The prompt text the model sees (instruction and chat template applied)."""
+
+
+@dataclass
+class PromptLoadReport:
+    """What happened to the rows of one source."""
+
+    source: str
+    """Prefix of the prompt ids (file stem, benchmark name or built-in task)."""
+    origin: str
+    """Where the rows came from (the file path), for messages."""
+    total: int = 0
+    kept: int = 0
+    columns: set[str] = field(default_factory=set)
+    """Field names seen in the rows."""
+    rejected: Counter[str] = field(default_factory=Counter)
+
+
+def load_prompts(
+    data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int
+) -> list[PromptRecord]:
+    """Training prompts from ``data.train_path``, or the built-in task's train split when it is empty."""
+    if data_cfg.train_path:
+        rows = read_rows(data_cfg.train_path)
+        source, origin, template = Path(data_cfg.train_path).stem, data_cfg.train_path, instruction_prompt
+        prompt_field, answer_field = data_cfg.prompt_field, data_cfg.answer_field
+    else:
+        rows = builtin_problems(data_cfg.builtin_task, data_cfg.builtin_size, data_cfg.seed, "train")
+        source, template = f"builtin-{data_cfg.builtin_task}-train", builtin_prompt
+        origin = f"built-in task {data_cfg.builtin_task!r}"
+        prompt_field, answer_field = "problem", "answer"
+    records, _ = build_records(
+        rows,
+        source=source,
+        origin=origin,
+        prompt_field=prompt_field,
+        answer_field=answer_field,
+        tokenizer=tokenizer,
+        max_prompt_tokens=max_prompt_tokens,
+        use_chat_template=data_cfg.use_chat_template,
+        template=template,
+    )
+    return records
+
+
+def load_benchmark(
+    bench: BenchmarkConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_tokens: int,
+    *,
+    builtin_task: str = "arithmetic",
+    seed: int = 0,
+    use_chat_template: bool = True,
+) -> list[PromptRecord]:
+    """Evaluation problems of one benchmark (``path == 'builtin'``: the built-in task's eval split).
+
+    ``bench.limit`` keeps the first N usable problems (0: all).
+    """
+    if bench.path == "builtin":
+        rows = builtin_problems(builtin_task, bench.limit or DEFAULT_BUILTIN_EVAL_SIZE, seed, "eval")
+        template, prompt_field, answer_field = builtin_prompt, "problem", "answer"
+        origin = f"built-in task {builtin_task!r} (eval split)"
+    else:
+        rows = read_rows(bench.path)
+        template, prompt_field, answer_field = instruction_prompt, bench.prompt_field, bench.answer_field
+        origin = bench.path
+    records, _ = build_records(
+        rows,
+        source=bench.name,
+        origin=origin,
+        prompt_field=prompt_field,
+        answer_field=answer_field,
+        tokenizer=tokenizer,
+        max_prompt_tokens=max_prompt_tokens,
+        use_chat_template=use_chat_template,
+        template=template,
+    )
+    return records[: bench.limit] if bench.limit else records
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a local .jsonl / .json / .parquet file, read with the `datasets` library."""
+    from datasets import load_dataset
+
+    path = Path(path)
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
+    if builder is None:
+        raise PromptDataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet")
+    if not path.is_file():
+        raise PromptDataError(f"{path} does not exist")
+    try:
+        dataset = load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # datasets raises many types for malformed files
+        raise PromptDataError(f"{path} could not be read as {builder}: {exc}") from exc
+    return list(dataset)
+
+
+def instruction_prompt(problem: str) -> str:
+    """A real dataset's prompt: the problem followed by the paper's instruction."""
+    return f"{problem.strip()}\n{INSTRUCTION}"
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, content: str, *, use_chat_template: bool
+) -> tuple[str, list[int]]:
+    """(text, token ids) of a user message: the chat template with a generation prompt when asked
+    for and available, else the plain text with the tokenizer's own special tokens."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        # The template already holds the special tokens (BOS, role markers): do not add them again.
+        return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return content, list(tokenizer(content)["input_ids"])
+
+
+def build_records(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    source: str,
+    origin: str,
+    prompt_field: str,
+    answer_field: str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_tokens: int,
+    use_chat_template: bool,
+    template: Callable[[str], str],
+) -> tuple[list[PromptRecord], PromptLoadReport]:
+    """Validate, template and tokenize rows; rejected rows are counted, not fatal (unless all are)."""
+    report = PromptLoadReport(source=source, origin=origin)
+    records = []
+    for index, row in enumerate(rows):
+        report.total += 1
+        report.columns.update(row.keys())
+        problem, answer = _text(row.get(prompt_field)), _text(row.get(answer_field))
+        reason = _reject_reason(problem, answer)
+        if reason is None:
+            text, ids = encode_prompt(tokenizer, template(problem), use_chat_template=use_chat_template)
+            reason = "too_long" if len(ids) > max_prompt_tokens else None
+        if reason is not None:
+            report.rejected[reason] += 1
+            continue
+        records.append(PromptRecord(prompt_id=f"{source}-{index}", prompt_ids=ids, answer=answer, text=text))
+    report.kept = len(records)
+    _check_report(report, prompt_field, answer_field, max_prompt_tokens)
+    return records, report
+
+
+def _text(value: Any) -> str | None:
+    """A field as stripped text (numbers become strings); None when the field is absent."""
+    if value is None:
+        return None
+    return str(value).strip()
+
+
+def _reject_reason(problem: str | None, answer: str | None) -> str | None:
+    if problem is None:
+        return "missing_prompt"
+    if answer is None:
+        return "missing_answer"
+    if not problem:
+        return "empty_prompt"
+    if not answer:
+        return "empty_answer"
+    return None
+
+
+def _check_report(
+    report: PromptLoadReport, prompt_field: str, answer_field: str, max_prompt_tokens: int
+) -> None:
+    counts = ", ".join(f"{reason}={count}" for reason, count in sorted(report.rejected.items()))
+    if report.kept == 0:
+        raise PromptDataError(
+            f"{report.origin}: none of its {report.total} rows is usable ({counts or 'the file is empty'}); "
+            f"expected text fields {prompt_field!r} (problem) and {answer_field!r} (answer), found "
+            f"{sorted(report.columns)} — set data.prompt_field / data.answer_field (or the benchmark's "
+            f"prompt_field / answer_field) to the file's names — and prompts of at most "
+            f"rollout.max_prompt_tokens={max_prompt_tokens} tokens"
+        )
+    if report.rejected:
+        logger.warning(
+            "%s: skipped %d of %d rows (%s); fields %r / %r, max_prompt_tokens=%d",
+            report.origin,
+            sum(report.rejected.values()),
+            report.total,
+            counts,
+            prompt_field,
+            answer_field,
+            max_prompt_tokens,
+        )

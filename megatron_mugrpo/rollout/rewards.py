@@ -1,0 +1,372 @@
+"""Verifiable rewards: a registry of reward functions and the math reward with a bounded verifier pool.
+
+The math reward takes the answer in the LAST ``\\boxed{...}`` of a response (balanced braces) and
+checks it against the reference: 1.0 when equal, else 0.0, always with a reason:
+
+    correct     equal to the reference (exactly after normalisation, or equivalent per math-verify)
+    no_box      the response has no ``\\boxed``
+    unparsable  a ``\\boxed`` without balanced braces, or content math-verify cannot parse
+    wrong       parsed and not equal
+    timeout     verification took longer than ``timeout_s``; the worker was killed and replaced
+    crash       the verifier process died (e.g. out of memory); it was replaced
+
+Most answers never reach math-verify: an exact match of the normalised strings is correct and two
+different integers are wrong (the CPU demo verifies hundreds of thousands of short integer answers).
+The rest run in a pool of worker processes with a per-answer wall-clock bound. math-verify's own
+timeouts use ``signal.alarm`` (main thread only), so they are disabled and the pool kills a worker
+that runs past the bound, e.g. on ``\\boxed{9^{9^{9^{9}}}}``, which sympy would try to evaluate forever.
+
+    reward = build_reward("math", workers=2, timeout_s=5.0)
+    results = reward.score(responses, answers)      # [(1.0, "correct"), (0.0, "no_box"), ...]
+    metrics = reward_metrics(results)               # {"rollout/reason_correct": 1.0, ...}
+    reward.close()
+
+A new reward (e.g. code execution) registers a factory with ``@register_reward("code")``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import re
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+REASONS = ("correct", "no_box", "unparsable", "wrong", "timeout", "crash")
+CORRECT_REWARD = 1.0
+INCORRECT_REWARD = 0.0
+WORKER_START_TIMEOUT_S = 120.0
+"""How long a fresh verifier process may take to import math-verify/sympy before the pool gives up."""
+_TIMEOUT = "timeout"
+_CRASH = "crash"
+
+
+class RewardError(RuntimeError):
+    """The reward function cannot run (unknown name, bad arguments, verifier pool cannot start)."""
+
+
+class RewardFn(Protocol):
+    """Scores decoded responses against reference answers."""
+
+    def score(self, responses: list[str], answers: list[str]) -> list[tuple[float, str]]:
+        """One (reward, reason) per response; ``answers[i]`` is the reference for ``responses[i]``."""
+        ...
+
+    def close(self) -> None:
+        """Free the reward's resources (worker processes)."""
+        ...
+
+
+_REGISTRY: dict[str, Callable[..., RewardFn]] = {}
+
+
+def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    """Decorator: register a reward factory ``factory(*, workers: int, timeout_s: float) -> RewardFn``."""
+
+    def decorate(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        if name in _REGISTRY:
+            raise RewardError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorate
+
+
+def build_reward(name: str, *, workers: int, timeout_s: float) -> RewardFn:
+    """Instantiate a registered reward.
+
+    Config: rollout.reward (name), rollout.reward_workers, rollout.reward_timeout_s.
+    """
+    if name not in _REGISTRY:
+        raise RewardError(f"unknown reward {name!r} (rollout.reward); registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name](workers=workers, timeout_s=timeout_s)
+
+
+def reason_counts(results: Sequence[tuple[float, str]]) -> dict[str, int]:
+    """How many results carry each reason (every known reason present, zeros included)."""
+    counts = Counter(reason for _, reason in results)
+    return {reason: counts.get(reason, 0) for reason in (*REASONS, *sorted(set(counts) - set(REASONS)))}
+
+
+def reward_metrics(results: Sequence[tuple[float, str]], prefix: str = "rollout/") -> dict[str, float]:
+    """``{prefix}reason_<reason>`` counts plus ``{prefix}reward_mean`` over the results."""
+    metrics = {f"{prefix}reason_{reason}": float(n) for reason, n in reason_counts(results).items()}
+    metrics[f"{prefix}reward_mean"] = sum(r for r, _ in results) / len(results) if results else 0.0
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------
+# Answer extraction and the cheap fast path (pure string functions)
+# ---------------------------------------------------------------------------------------------------
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_INTEGER = re.compile(r"[+-]?\d+")
+_STRIP_TOKENS = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$")
+
+
+@dataclass(frozen=True)
+class BoxedAnswer:
+    """Result of looking for the last box: ``content`` is None when there is no usable box."""
+
+    content: str | None
+    reason: str = ""
+    """'no_box' or 'unparsable' when content is None."""
+
+
+def last_boxed(text: str) -> BoxedAnswer:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced.
+
+    A last box whose braces never close (a truncated response) is 'unparsable', even when an earlier
+    box is complete: the model's final answer is the last one it started.
+    """
+    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
+    if start < 0:
+        return BoxedAnswer(None, "no_box")
+    brace = text.find("{", start)
+    between = text[start:brace] if brace >= 0 else ""
+    if brace < 0 or not re.fullmatch(r"\\(boxed|fbox)\s*", between):
+        return BoxedAnswer(None, "unparsable")
+    depth = 0
+    for pos in range(brace, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[pos], 0)
+        if depth == 0:
+            content = text[brace + 1 : pos].strip()
+            return BoxedAnswer(content, "") if content else BoxedAnswer(None, "unparsable")
+    return BoxedAnswer(None, "unparsable")
+
+
+def normalise_answer(answer: str) -> str:
+    """Canonical spelling for the exact-match fast path: no spaces, ``$``, sizing or spacing commands."""
+    text = answer.strip()
+    for token in _STRIP_TOKENS:
+        text = text.replace(token, "")
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = "".join(text.split())
+    return text.rstrip(".")
+
+
+def fast_verdict(boxed: str, answer: str) -> str | None:
+    """'correct' / 'wrong' when the strings decide it without math-verify, else None."""
+    pred, gold = normalise_answer(boxed), normalise_answer(answer)
+    if pred == gold:
+        return "correct"
+    if _INTEGER.fullmatch(pred) and _INTEGER.fullmatch(gold):
+        return "correct" if int(pred) == int(gold) else "wrong"
+    return None
+
+
+def verify_with_math_verify(boxed: str, answer: str) -> str:
+    """math-verify's verdict on one boxed answer: 'correct', 'wrong' or 'unparsable'.
+
+    Runs without math-verify's signal-based timeouts: call it inside ``VerifierPool``, which bounds
+    its time. Sympy can hang or explode on adversarial input.
+    """
+    from math_verify import parse, verify  # heavy (sympy); imported in the worker processes only
+
+    gold = parse("\\boxed{" + answer + "}", parsing_timeout=None)
+    pred = parse("\\boxed{" + boxed + "}", parsing_timeout=None)
+    if not pred:
+        return "unparsable"
+    if gold and verify(gold, pred, timeout_seconds=None):
+        return "correct"
+    # math-verify returns the raw string as a fallback when it could not build a sympy object.
+    return "wrong" if any(not isinstance(p, str) for p in pred) else "unparsable"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bounded process pool
+# ---------------------------------------------------------------------------------------------------
+
+
+def _worker_main(conn: Connection, fn: Callable[..., Any], warmup: tuple[Any, ...] | None) -> None:
+    """Verifier process: warm up (imports), report ready, then answer tasks until told to stop."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    if warmup is not None:
+        fn(*warmup)
+    conn.send("ready")
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        index, args = task
+        try:
+            result = fn(*args)
+        except Exception as exc:  # the verifier's failure on one input must not end the pool
+            result = ("error", repr(exc))
+        conn.send((index, result))
+
+
+@dataclass
+class _Worker:
+    process: mp.process.BaseProcess
+    conn: Connection
+    ready: bool = False
+    task: int | None = None
+    started: float = 0.0
+
+
+class VerifierPool:
+    """Processes that apply ``fn`` to tasks with a per-task wall-clock bound.
+
+    A task that runs past ``timeout_s`` gets ``"timeout"`` as its result; its worker is killed and a
+    fresh one started, so one pathological input costs one ``timeout_s`` and stalls nothing else.
+    A worker that dies gets ``"crash"``. Workers start lazily (spawn context: safe under torch
+    distributed / CUDA parents) and stay up until ``close()``.
+    """
+
+    def __init__(
+        self, fn: Callable[..., Any], *, workers: int, timeout_s: float, warmup: tuple[Any, ...] | None = None
+    ):
+        if workers < 1 or timeout_s <= 0:
+            raise RewardError(
+                f"verifier pool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}"
+            )
+        self.fn, self.num_workers, self.timeout_s, self.warmup = fn, workers, timeout_s, warmup
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self.restarts = 0
+
+    def map(self, tasks: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Results in task order; ``"timeout"`` or ``"crash"`` for tasks that did not finish."""
+        results: list[Any] = [None] * len(tasks)
+        pending = deque(range(len(tasks)))
+        self._fill_workers(min(self.num_workers, len(tasks)))
+        while pending or any(w.task is not None for w in self._workers):
+            self._dispatch(pending, tasks)
+            self._collect(results)
+            self._expire(results)
+        return results
+
+    def close(self) -> None:
+        for worker in self._workers:
+            self._stop(worker)
+        self._workers.clear()
+
+    def __enter__(self) -> VerifierPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fill_workers(self, wanted: int) -> None:
+        while len(self._workers) < wanted:
+            self._workers.append(self._start())
+
+    def _start(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_worker_main, args=(child, self.fn, self.warmup), daemon=True)
+        process.start()
+        child.close()
+        return _Worker(process=process, conn=parent, started=time.monotonic())
+
+    def _dispatch(self, pending: deque[int], tasks: Sequence[tuple[Any, ...]]) -> None:
+        for worker in self._workers:
+            if pending and worker.ready and worker.task is None:
+                worker.task = pending.popleft()
+                worker.started = time.monotonic()
+                worker.conn.send((worker.task, tasks[worker.task]))
+
+    def _collect(self, results: list[Any]) -> None:
+        waiting = [w for w in self._workers if w.task is not None or not w.ready]
+        if not waiting:
+            return
+        deadline = min(self._deadline(w) for w in waiting)
+        by_conn = {id(w.conn): w for w in waiting}
+        for conn in wait([w.conn for w in waiting], timeout=max(0.0, deadline - time.monotonic())):
+            worker = by_conn[id(conn)]
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                if not worker.ready:
+                    self.close()
+                    raise RewardError(
+                        "a verifier process died while starting; run "
+                        "`python -c 'import math_verify'` to see the import error"
+                    ) from None
+                self._replace(worker, results, _CRASH)
+                continue
+            if message == "ready":
+                worker.ready = True
+            else:
+                index, result = message
+                results[index] = result
+                worker.task = None
+
+    def _expire(self, results: list[Any]) -> None:
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if now < self._deadline(worker):
+                continue
+            if not worker.ready:
+                self.close()
+                raise RewardError(
+                    f"a verifier process did not start within {WORKER_START_TIMEOUT_S:.0f} s; "
+                    "check that math-verify imports (python -c 'import math_verify')"
+                )
+            log.warning("verification of one answer exceeded %.1f s; killing its worker", self.timeout_s)
+            self._replace(worker, results, _TIMEOUT)
+
+    def _deadline(self, worker: _Worker) -> float:
+        if not worker.ready:
+            return worker.started + WORKER_START_TIMEOUT_S
+        return worker.started + self.timeout_s if worker.task is not None else float("inf")
+
+    def _replace(self, worker: _Worker, results: list[Any], outcome: str) -> None:
+        if worker.task is not None:
+            results[worker.task] = outcome
+        self._stop(worker, kill=True)
+        self._workers[self._workers.index(worker)] = self._start()
+        self.restarts += 1
+
+    @staticmethod
+    def _stop(worker: _Worker, kill: bool = False) -> None:
+        if not kill and worker.process.is_alive():
+            try:
+                worker.conn.send(None)
+                worker.process.join(timeout=1.0)
+            except (BrokenPipeError, OSError):
+                pass
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join()
+        worker.conn.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The math reward
+# ---------------------------------------------------------------------------------------------------
+
+
+@register_reward("math")
+class MathReward:
+    """1.0 when the last boxed answer equals the reference (math-verify equivalence), else 0.0."""
+
+    def __init__(self, *, workers: int, timeout_s: float):
+        self.pool = VerifierPool(
+            verify_with_math_verify, workers=workers, timeout_s=timeout_s, warmup=("1", "1")
+        )
+
+    def score(self, responses: list[str], answers: list[str]) -> list[tuple[float, str]]:
+        if len(responses) != len(answers):
+            raise RewardError(f"score() got {len(responses)} responses but {len(answers)} reference answers")
+        reasons: list[str | None] = []
+        slow: list[tuple[int, tuple[str, str]]] = []
+        for response, answer in zip(responses, answers):
+            boxed = last_boxed(response)
+            verdict = boxed.reason if boxed.content is None else fast_verdict(boxed.content, answer)
+            if verdict is None:
+                slow.append((len(reasons), (boxed.content, answer)))
+            reasons.append(verdict)
+        for (index, _), outcome in zip(slow, self.pool.map([args for _, args in slow])):
+            # A non-string outcome is ("error", repr(exc)): math-verify raised on this input.
+            reasons[index] = outcome if isinstance(outcome, str) else "unparsable"
+        return [(CORRECT_REWARD if r == "correct" else INCORRECT_REWARD, r) for r in reasons]
+
+    def close(self) -> None:
+        self.pool.close()

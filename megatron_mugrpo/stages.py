@@ -1,0 +1,236 @@
+"""The staged μ-GRPO loop: the whole method in one function, ``train``.
+
+Each stage k freezes the policy π_k, pushes its weights to the rollout engine, bulk-generates the
+static dataset D_k (B_train prompt groups with stored behaviour log-probs) to disk, releases the
+engine, then makes μ = B_train / B_mini optimizer updates on D_k. Standard GRPO (μ = 4), the
+high-staleness baseline and M2PO are the same loop with other configs.
+
+    mugrpo train --config configs/demo_cpu.yaml --run-dir runs/demo
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from megatron_mugrpo.evaluation import AVG_KEY, evaluate
+from megatron_mugrpo.metrics import progress
+from megatron_mugrpo.records import collate
+from megatron_mugrpo.rollout.engine import ProgressCallback
+from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
+from megatron_mugrpo.rollout.store import RolloutStore, is_complete
+from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
+from megatron_mugrpo.training.checkpoint import TrainerState, save_checkpoint
+from megatron_mugrpo.training.train_step import train_step
+
+log = logging.getLogger(__name__)
+
+GAP_KEY = "train/rollout_logprob_abs_diff_max"
+BEST_KEY = "best_eval"
+TIMER_KEYS = ("perf/t_rollout_s", "perf/t_optimize_s", "perf/t_eval_s")
+
+
+def train(run: Run) -> dict[str, float]:
+    """Run (or continue) every stage of ``run``; returns the end-of-run summary."""
+    cfg, state = run.cfg, run.state
+    if state.global_update == 0 and "acc_before" not in state.extra:
+        state.extra["acc_before"] = run_evaluation(run).get(AVG_KEY, float("nan"))
+    for stage in range(state.stage, cfg.stages.num_stages):
+        with run.timer("perf/t_rollout_s"):
+            store = rollout_phase(run, stage)  # sync weights → generate D_k → store → release engine
+        if run.state.update_in_stage == 0:
+            run.logger.log(store_summary(run, store, stage), step=run.state.global_update)
+        optimize_stage(run, stage, store)  # μ updates on D_k → evaluate → checkpoint
+    return summary(run)
+
+
+def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> None:
+    """The μ = B_train / B_mini updates of stage ``stage`` (continuing a resumed one), then eval + checkpoint."""
+    cfg = run.cfg
+    store = store or RolloutStore.open(run.rollout_dir(stage))
+    if run.state.stage != stage:  # `mugrpo optimize` of another stage than the checkpoint's cursor
+        run.state = TrainerState(stage=stage, global_update=run.state.global_update, extra=run.state.extra)
+    mu = cfg.stages.updates_per_stage
+    with run.timer("perf/t_optimize_s"):
+        for update in progress_range(run, run.state.update_in_stage, mu, f"stage {stage} updates"):
+            metrics = optimizer_update(run, store, stage, update)
+            run.logger.log(metrics, step=run.state.global_update)
+            if _due(cfg.checkpoint.every_updates, run.state.global_update) and update + 1 < mu:
+                checkpoint(run)
+            if _due(cfg.eval.every_updates, run.state.global_update):
+                run_evaluation(run)
+    run.state = TrainerState(stage=stage + 1, global_update=run.state.global_update, extra=run.state.extra)
+    last = stage + 1 == cfg.stages.num_stages
+    if cfg.eval.every_updates == 0 or (last and not _due(cfg.eval.every_updates, run.state.global_update)):
+        run_evaluation(run)  # every stage end by default; always once at the end of training
+    if last or _due(cfg.checkpoint.every_stages, stage + 1):
+        checkpoint(run)
+
+
+def rollout_phase(run: Run, stage: int) -> RolloutStore:
+    """Generate D_k unless a complete one is on disk; every rank then opens it."""
+    store_dir = run.rollout_dir(stage)
+    if not is_complete(store_dir):
+        sync_engine(run)
+        if run.is_writer:
+            cfg = run.cfg
+            prompts = stage_prompts(run.prompts, stage, cfg.stages.train_groups, cfg.data.seed)
+            with _bar(run, len(prompts) * cfg.rollout.group_size, f"stage {stage} rollout") as bar:
+                generate_stage(
+                    engine=run.engine,
+                    prompts=prompts,
+                    tokenizer=run.tokenizer,
+                    reward_fn=run.reward_fn,
+                    cfg=cfg.rollout,
+                    adv_eps=cfg.algo.adv_eps,
+                    store_dir=store_dir,
+                    stage=stage,
+                    policy_version=run.state.global_update,
+                    seed=cfg.stages.seed,
+                    vocab_size=int(run.hf_config["vocab_size"]),
+                    progress=bar,
+                )
+            run.engine.release()  # free the engine's memory for the optimizer phase
+    barrier()
+    return RolloutStore.open(store_dir)
+
+
+def optimizer_update(run: Run, store: RolloutStore, stage: int, update: int) -> dict[str, float]:
+    """One optimizer update on the ``update``-th seeded minibatch of B_mini groups of D_k."""
+    cfg = run.cfg
+    started = time.perf_counter()
+    groups = store.minibatch(update, cfg.stages.mini_groups, cfg.stages.seed)
+    batch = collate(groups, pad_id=run.tokenizer.pad_token_id or 0)
+    metrics = train_step(
+        run.policy,
+        batch,
+        loss_name=cfg.algo.loss,
+        loss_options=cfg.algo.loss_options(),
+        temperature=cfg.rollout.temperature,
+        micro_batch_size=cfg.parallel.micro_batch_size,
+        impl=cfg.kernels.logprob_impl,
+    )
+    if update == 0:
+        check_first_update(run, metrics, stage)
+    run.state.update_in_stage, run.state.global_update = update + 1, run.state.global_update + 1
+    run.state.data_cursor = (update + 1) * cfg.stages.mini_groups
+    tokens = float(batch.response_mask.sum())
+    run.state.extra["train_tokens"] = run.state.extra.get("train_tokens", 0.0) + tokens
+    seconds = time.perf_counter() - started
+    return metrics | {
+        "train/stage": float(stage),
+        "perf/update_s": seconds,
+        "perf/train_tokens_per_s": tokens / max(seconds, 1e-9),
+    }
+
+
+def check_first_update(run: Run, metrics: dict[str, float], stage: int) -> None:
+    """At a stage's first update π_θ is β: trainer and engine log-probs must agree."""
+    gap, tolerance = metrics.get(GAP_KEY, float("nan")), run.cfg.logging.logprob_gap_tolerance
+    run.state.extra.setdefault("first_update_gap", {})[str(stage)] = gap
+    if not gap <= tolerance:
+        log.warning(
+            "STAGE %d: trainer vs rollout log-prob gap %.3g exceeds logging.logprob_gap_tolerance=%.3g at the first "
+            "update, where the policy equals the behaviour policy. Converter, engine and trainer disagree "
+            "(dtype, temperature, vocabulary padding or weight sync): the importance ratios are biased.",
+            stage,
+            gap,
+            tolerance,
+        )
+
+
+def run_evaluation(run: Run) -> dict[str, float]:
+    """Evaluate the current policy on every benchmark; records the best checkpoint by average."""
+    if not run.benchmarks:
+        return {}
+    with run.timer("perf/t_eval_s"):
+        sync_engine(run)
+        metrics: dict[str, float] = {}
+        if run.is_writer:
+            metrics = evaluate(
+                run.engine,
+                run.benchmarks,
+                tokenizer=run.tokenizer,
+                reward_fn=run.reward_fn,
+                eval_cfg=run.cfg.eval,
+                seed=run.cfg.seed + 7919 * run.state.global_update,
+            )
+            run.engine.release()
+        barrier()
+    if run.is_writer:
+        run.state.extra["acc_last"] = metrics[AVG_KEY]
+        best = run.state.extra.get(BEST_KEY)
+        if best is None or metrics[AVG_KEY] > best["avg_pass@1"]:
+            run.state.extra[BEST_KEY] = {"avg_pass@1": metrics[AVG_KEY], "global_update": run.state.global_update}
+        run.logger.log(metrics | _timers(run), step=run.state.global_update)
+    return metrics
+
+
+def checkpoint(run: Run) -> None:
+    """Save model, optimizer and the trainer state (including accumulated timers)."""
+    run.state.extra["timers"] = _timers(run)
+    save_checkpoint(
+        run.checkpoint_root,
+        run.state.global_update,
+        run.policy.model_chunks,
+        hf_config=run.hf_config,
+        optimizer=run.policy.optimizer,
+        scheduler=run.policy.scheduler,
+        trainer_state=run.state,
+        run_config=run.cfg.to_dict(),
+        keep_last=run.cfg.checkpoint.keep_last,
+    )
+
+
+def store_summary(run: Run, store: RolloutStore, stage: int) -> dict[str, float]:
+    """The stage's rollout metrics (from the store's manifest, so a resumed run reports the same)."""
+    return stage_store_metrics(store.store_dir) | {"rollout/stage": float(stage)} | _timers(run)
+
+
+def summary(run: Run) -> dict[str, float]:
+    """End-of-run figures: accuracy before/after, time per phase, updates, tokens."""
+    timers = _timers(run)
+    return {
+        "acc_before": float(run.state.extra.get("acc_before", float("nan"))),
+        "acc_after": float(run.state.extra.get("acc_last", float("nan"))),
+        "best_acc": float(run.state.extra.get(BEST_KEY, {}).get("avg_pass@1", float("nan"))),
+        "t_rollout_s": timers["perf/t_rollout_s"],
+        "t_optimize_s": timers["perf/t_optimize_s"],
+        "t_eval_s": timers["perf/t_eval_s"],
+        "t_total_s": timers["perf/t_total_s"],
+        "updates": float(run.state.global_update),
+        "train_tokens": float(run.state.extra.get("train_tokens", 0.0)),
+    }
+
+
+def _timers(run: Run) -> dict[str, float]:
+    """Phase times and the run's wall clock, accumulated across resumes."""
+    phases = {k: run.extra_timers.get(k, 0.0) + run.timer.total(k) for k in TIMER_KEYS}
+    total = run.extra_timers.get("perf/t_total_s", 0.0) + (time.monotonic() - run.started)
+    return phases | {"perf/t_total_s": total}
+
+
+def _due(every: int, global_update: int) -> bool:
+    return every > 0 and global_update % every == 0
+
+
+def progress_range(run: Run, start: int, stop: int, desc: str) -> Iterator[int]:
+    """``range(start, stop)`` with a progress bar on rank 0 when enabled."""
+    bar = progress(stop, desc, enabled=run.is_writer and run.cfg.logging.progress_bars, initial=start)
+    for index in range(start, stop):
+        yield index
+        bar.update(1)
+    bar.close()
+
+
+class _bar:
+    """A progress bar (rank 0, when enabled) usable as the engine's progress callback."""
+
+    def __init__(self, run: Run, total: int, desc: str) -> None:
+        self._bar = progress(total, desc, enabled=run.is_writer and run.cfg.logging.progress_bars)
+
+    def __enter__(self) -> ProgressCallback:
+        return self._bar.update
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.close()

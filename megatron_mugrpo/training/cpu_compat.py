@@ -1,0 +1,244 @@
+"""Run megatron-core on a machine without CUDA (gloo + CPU tensors), for tests and the CPU demo.
+
+megatron-core assumes a GPU in a handful of places. ``activate()`` patches exactly those, and
+nothing when ``torch.cuda.is_available()`` (a CUDA machine must run Megatron unchanged):
+
+- RNG tracker: Megatron's ``CudaRNGStatesTracker`` forks CUDA generator states (TP-aware weight
+  init, dropout). On CPU the CPU generator plays the device generator's role, so the tracker class
+  is replaced by ``CpuRNGStatesTracker``, which forks ``torch.get_rng_state()`` instead.
+- ``torch.cuda`` stubs: ``current_device`` (→ 0, which the device mode maps to CPU),
+  ``synchronize`` / ``empty_cache`` (no-ops), ``Stream`` / ``Event`` / ``current_stream`` /
+  ``default_stream`` / ``stream`` (inert stand-ins: CPU work is synchronous).
+- Device mapping: megatron allocates with hard-coded ``device="cuda"`` / ``.cuda()`` /
+  ``device=torch.cuda.current_device()``. A ``TorchFunctionMode`` rewrites those device arguments
+  to CPU.
+- ``.type()`` strings: clip_grads and the (distributed) optimizer assert
+  ``param.type() == "torch.cuda.FloatTensor"``; the same mode reports a CPU tensor's argument-less
+  ``.type()`` as its ``torch.cuda.*`` name.
+
+Not available on CPU (leave them off in the TransformerConfig): sequence_parallel,
+gradient_accumulation_fusion, persist_layer_norm, apply_rope_fusion, bias/activation fusions that
+need Apex or Transformer Engine.
+
+    from megatron_mugrpo.training import cpu_compat
+    counts = cpu_compat.activate()   # {"rng_tracker": 1, "torch_cuda_stubs": 8, "device_mode": 1}
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_PATCH_COUNTS: dict[str, int] = {}
+_DEVICE_MODE: _CpuDeviceMode | None = None
+_ORIGINALS: list[tuple[Any, str, Any]] = []
+"""(owner, attribute, original value) for every patched attribute, so deactivate() can undo them."""
+
+
+def is_active() -> bool:
+    """True when the compatibility layer has patched this process."""
+    return bool(_PATCH_COUNTS)
+
+
+def activate() -> dict[str, int]:
+    """Patch megatron-core / torch.cuda for CPU execution; idempotent.
+
+    Returns the number of patches applied per category (empty dict on a CUDA machine, where
+    nothing is touched). Calling it again returns the same counts without patching twice.
+    """
+    if torch.cuda.is_available():
+        return {}
+    if not _PATCH_COUNTS:
+        _PATCH_COUNTS["rng_tracker"] = _patch_rng_tracker()
+        _PATCH_COUNTS["torch_cuda_stubs"] = _patch_torch_cuda()
+        _PATCH_COUNTS["device_mode"] = _enter_device_mode()
+    return dict(_PATCH_COUNTS)
+
+
+def deactivate() -> None:
+    """Undo every patch (tests use this to leave the pytest process as they found it)."""
+    global _DEVICE_MODE
+    if _DEVICE_MODE is not None:
+        _DEVICE_MODE.__exit__(None, None, None)
+        _DEVICE_MODE = None
+    while _ORIGINALS:
+        owner, name, value = _ORIGINALS.pop()
+        setattr(owner, name, value)
+    _PATCH_COUNTS.clear()
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = None
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _ORIGINALS.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+# ------------------------------------------------------------------------------------ RNG tracker
+
+
+def _cpu_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _patch_rng_tracker() -> int:
+    """Replace Megatron's CUDA RNG tracker with one that forks the CPU generator."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    base = mrandom.CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(base):  # type: ignore[valid-type, misc]
+        """Megatron's named RNG states (data-parallel, model-parallel, expert) on the CPU generator."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise RuntimeError(f"RNG seed {seed} already exists in the tracker")
+            if name in self.states_:
+                raise RuntimeError(f"RNG state {name!r} already exists in the tracker")
+            self.seeds_.add(seed)
+            original = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(original)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            # Megatron's fork warns when the CPU state changes inside the context; here the CPU
+            # generator *is* the forked device generator, so that change is the intended effect.
+            if name not in self.states_:
+                raise RuntimeError(f"RNG state {name!r} was not added to the tracker")
+            original = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(original)
+
+    _patch(mrandom, "CudaRNGStatesTracker", CpuRNGStatesTracker)
+    _patch(mrandom, "_get_cuda_rng_state", _cpu_rng_state)
+    _patch(mrandom, "_set_cuda_rng_state", _set_cpu_rng_state)
+    # A tracker created before activation would still be the CUDA one: force the next
+    # initialize_rng_tracker() to build the CPU tracker.
+    mrandom._CUDA_RNG_STATE_TRACKER = None
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    return 1
+
+
+# ------------------------------------------------------------------------------- torch.cuda stubs
+
+
+class _InertStream:
+    """Stand-in for torch.cuda.Stream / Event: CPU kernels run synchronously, so waits are no-ops."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *_args: Any) -> None:
+        pass
+
+    def wait_event(self, *_args: Any) -> None:
+        pass
+
+    def record_event(self, *_args: Any) -> _InertStream:
+        return _InertStream()
+
+    def record(self, *_args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, _other: Any) -> float:
+        return 0.0
+
+
+def _noop(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+def _current_device() -> int:
+    return 0
+
+
+def _stream_context(_stream: Any = None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _patch_torch_cuda() -> int:
+    stubs: dict[str, Any] = {
+        "current_device": _current_device,
+        "synchronize": _noop,
+        "empty_cache": _noop,
+        "Stream": _InertStream,
+        "Event": _InertStream,
+        "current_stream": lambda *_a, **_k: _InertStream(),
+        "default_stream": lambda *_a, **_k: _InertStream(),
+        "stream": _stream_context,
+    }
+    for name, stub in stubs.items():
+        _patch(torch.cuda, name, stub)
+    return len(stubs)
+
+
+# ---------------------------------------------------------------------------------- device mode
+
+
+def _is_accelerator(device: Any) -> bool:
+    """An int (Megatron passes torch.cuda.current_device()), 'cuda', 'cuda:N' or a cuda device."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+}
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Maps CUDA device arguments to CPU and reports ``.type()`` with CUDA names."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            return name if name is not None else func(*args)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_accelerator(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_accelerator(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _enter_device_mode() -> int:
+    global _DEVICE_MODE
+    _DEVICE_MODE = _CpuDeviceMode()
+    # Entered for the life of the process: Megatron allocates on 'cuda' at arbitrary points
+    # (optimizer construction, schedules, checkpoint exchange), not inside one call we could wrap.
+    _DEVICE_MODE.__enter__()
+    return 1

@@ -1,0 +1,369 @@
+"""Model provider: a Megatron-core ``GPTModel`` built from a Hugging Face ``config.json`` dict.
+
+Supported architectures (``model_type``): ``qwen2`` (Qwen2 / Qwen2.5: QKV bias), ``llama`` (Llama 3.x,
+including ``rope_scaling`` of type ``llama3``) and ``qwen3`` (q/k RMSNorm, explicit ``head_dim``).
+All three are pre-norm decoders with RMSNorm, RoPE, grouped-query attention and a SwiGLU MLP
+without biases, which is what the Megatron config below expresses.
+
+The model is built inside an already initialised Megatron parallel state (see
+``training.parallel.initialize_parallel``): TP/PP sizes are read from ``parallel_state`` so the
+model provider, the converter and the trainer cannot disagree about them.
+
+    cfg = tiny_hf_config("qwen3", tie_word_embeddings=True)
+    model = build_gpt_model(cfg, dtype=torch.float32, pre_process=True, post_process=True)
+
+The vocabulary is padded to a multiple of 128 × TP as Megatron does. The padded rows exist only in
+Megatron: every log-prob computation must mask ids >= ``hf_config["vocab_size"]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+VOCAB_DIVISIBLE_BY = 128
+"""Megatron pads the vocabulary to a multiple of this × TP so every TP shard is GEMM-friendly."""
+
+# Our names for FP8 recipes (config.FP8_RECIPES) -> (TransformerConfig.fp8, TransformerConfig.fp8_recipe).
+_FP8_RECIPES = {
+    "delayed": ("hybrid", "delayed"),
+    "current": ("hybrid", "tensorwise"),
+    "mxfp8": ("e4m3", "mxfp8"),
+}
+# Megatron's built-in llama3 RoPE scaling hard-codes these; other values are applied by us.
+_MEGATRON_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class ModelConfigError(ValueError):
+    """The Hugging Face config cannot be expressed as a supported Megatron model; says why and what to do."""
+
+
+def have_transformer_engine() -> bool:
+    """True when Transformer Engine imports (it cannot without a CUDA driver)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Vocabulary size Megatron allocates: ``vocab_size`` rounded up to a multiple of ``divisible_by × tp``."""
+    if vocab_size < 1 or tp < 1:
+        raise ModelConfigError(f"padded_vocab_size needs vocab_size >= 1 and tp >= 1, got {vocab_size}, {tp}")
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def model_type(hf_config: dict[str, Any]) -> str:
+    """The architecture key of ``hf_config`` ('qwen2', 'llama' or 'qwen3'); raises for anything else."""
+    name = hf_config.get("model_type")
+    if name not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(
+            f"config.json model_type={name!r} (architectures={hf_config.get('architectures')}) is not "
+            f"supported; supported model types are {SUPPORTED_MODEL_TYPES}"
+        )
+    return name
+
+
+def head_dim(hf_config: dict[str, Any]) -> int:
+    """Per-head dimension: explicit ``head_dim`` (Qwen3, Llama) or hidden_size / num_attention_heads."""
+    explicit = hf_config.get("head_dim")
+    if explicit:
+        return int(explicit)
+    return hf_config["hidden_size"] // hf_config["num_attention_heads"]
+
+
+def num_kv_heads(hf_config: dict[str, Any]) -> int:
+    """Number of key/value heads (query groups); defaults to the number of attention heads."""
+    return int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"])
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings as one dict with ``rope_theta`` and ``rope_type``, from either config format.
+
+    transformers >= 5 writes ``rope_parameters``; released checkpoints (and transformers 4) write
+    ``rope_theta`` plus an optional ``rope_scaling`` dict (whose type key is ``rope_type`` or ``type``).
+    """
+    params = dict(hf_config.get("rope_parameters") or {})
+    scaling = hf_config.get("rope_scaling") or {}
+    params.update(scaling)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    return params
+
+
+def tie_word_embeddings(hf_config: dict[str, Any]) -> bool:
+    """Whether the LM head shares the input embedding (transformers' default for these models is False)."""
+    return bool(hf_config.get("tie_word_embeddings", False))
+
+
+def check_supported(hf_config: dict[str, Any]) -> str:
+    """The model_type of ``hf_config``; ModelConfigError for features this provider cannot build."""
+    arch = model_type(hf_config)
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"hidden_act={hf_config['hidden_act']!r}: only SwiGLU ('silu') is supported")
+    if hf_config.get("use_sliding_window"):
+        raise ModelConfigError("use_sliding_window=true is not supported; set it to false in config.json")
+    if arch in ("llama", "qwen3") and hf_config.get("attention_bias"):
+        raise ModelConfigError(f"{arch} with attention_bias=true is not supported")
+    if hf_config.get("mlp_bias"):
+        raise ModelConfigError("mlp_bias=true is not supported")
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] not in ("default", "llama3"):
+        raise ModelConfigError(
+            f"rope type {rope['rope_type']!r} is not supported; supported: 'default' and 'llama3'"
+        )
+    return arch
+
+
+def check_divisibility(hf_config: dict[str, Any], tp: int, pp: int) -> None:
+    """ModelConfigError unless TP divides heads, KV heads and the MLP width, and PP divides the layers."""
+    heads, groups = hf_config["num_attention_heads"], num_kv_heads(hf_config)
+    layers = hf_config["num_hidden_layers"]
+    if heads % groups:
+        raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+    if heads % tp or groups % tp:
+        raise ModelConfigError(
+            f"tensor parallel size {tp} must divide num_attention_heads={heads} and "
+            f"num_key_value_heads={groups}; choose a TP among the common divisors"
+        )
+    if hf_config["intermediate_size"] % tp:
+        raise ModelConfigError(f"tensor parallel size {tp} must divide intermediate_size={hf_config['intermediate_size']}")
+    if layers % pp:
+        raise ModelConfigError(f"pipeline parallel size {pp} must divide num_hidden_layers={layers}")
+
+
+def _fp8_fields(fp8: str) -> dict[str, Any]:
+    if fp8 == "none":
+        return {}
+    if fp8 not in _FP8_RECIPES:
+        raise ModelConfigError(f"fp8={fp8!r} is not one of {('none', *_FP8_RECIPES)}")
+    if not have_transformer_engine():
+        raise ModelConfigError(f"fp8={fp8!r} needs Transformer Engine, which is not importable here; use fp8='none'")
+    fmt, recipe = _FP8_RECIPES[fp8]
+    return {"fp8": fmt, "fp8_recipe": recipe}
+
+
+def transformer_config_from_hf(
+    hf_config: dict[str, Any], *, dtype: torch.dtype, fp8: str = "none", **overrides: Any
+) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` equivalent to a Qwen2 / Llama / Qwen3 ``config.json``.
+
+    TP/PP sizes come from the initialised ``parallel_state`` (1 when it is not initialised).
+    ``overrides`` are extra ``TransformerConfig`` fields (e.g. recompute settings) applied last.
+    """
+    arch = check_supported(hf_config)
+    tp, pp = _parallel_sizes()
+    check_divisibility(hf_config, tp, pp)
+    on_cpu = not torch.cuda.is_available()
+    fields: dict[str, Any] = dict(
+        num_layers=hf_config["num_hidden_layers"],
+        hidden_size=hf_config["hidden_size"],
+        ffn_hidden_size=hf_config["intermediate_size"],
+        num_attention_heads=hf_config["num_attention_heads"],
+        num_query_groups=num_kv_heads(hf_config),
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch == "qwen2",
+        qk_layernorm=arch == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        # Fusions below need CUDA kernels (or apex); the unfused paths are exact on every device.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=on_cpu,
+    )
+    fields.update(_fp8_fields(fp8))
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def _parallel_sizes() -> tuple[int, int]:
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 1
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+
+
+def layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """Transformer Engine layer spec when TE imports, Megatron's local spec otherwise.
+
+    Both specs share checkpoint keys: the local spec maps ``input_layernorm.`` to
+    ``self_attention.linear_qkv.layer_norm_`` in its sharded state dict, as TE fuses them.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if have_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+
+
+def llama3_inv_freq(
+    head_dim: int,
+    rope_theta: float,
+    *,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> torch.Tensor:
+    """Llama 3 RoPE inverse frequencies [head_dim / 2] (float32), as in transformers' ``rope_type='llama3'``.
+
+    Long wavelengths (beyond original_max / low_freq_factor) are divided by ``factor``, short ones
+    (below original_max / high_freq_factor) kept, and the band in between interpolated smoothly.
+    """
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _apply_llama3_rope(model: GPTModel, hf_config: dict[str, Any], rope: dict[str, Any]) -> None:
+    """Replace Megatron's llama3 inverse frequencies when the config uses non-default band parameters."""
+    band = {key: rope.get(key, default) for key, default in _MEGATRON_LLAMA3_DEFAULTS.items()}
+    if band == _MEGATRON_LLAMA3_DEFAULTS or not hasattr(model, "rotary_pos_emb"):
+        return
+    old = model.rotary_pos_emb.inv_freq
+    inv_freq = llama3_inv_freq(
+        head_dim(hf_config), float(rope["rope_theta"]), factor=float(rope["factor"]),
+        low_freq_factor=float(band["low_freq_factor"]), high_freq_factor=float(band["high_freq_factor"]),
+        original_max_position_embeddings=int(band["original_max_position_embeddings"]),
+    )
+    # Called right after construction, before the first forward fills the RoPE cache.
+    model.rotary_pos_emb.inv_freq = inv_freq.to(device=old.device, dtype=old.dtype)
+
+
+def build_gpt_model(
+    hf_config: dict[str, Any],
+    *,
+    dtype: torch.dtype,
+    pre_process: bool,
+    post_process: bool,
+    fp8: str = "none",
+    vp_stage: int | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> GPTModel:
+    """The local TP/PP shard of the ``GPTModel`` described by ``hf_config``.
+
+    Must run after Megatron's parallel state is initialised. ``pre_process`` / ``post_process`` say
+    whether this pipeline stage holds the embedding / the final norm and output layer (use
+    ``parallel_state.is_pipeline_first_stage()`` / ``is_pipeline_last_stage()``). Logits have the
+    padded vocabulary [S, B, V_pad / tp] per TP rank (``parallel_output=True``).
+    """
+    config = transformer_config_from_hf(hf_config, dtype=dtype, fp8=fp8, **(config_overrides or {}))
+    rope = rope_parameters(hf_config)
+    llama3 = rope["rope_type"] == "llama3"
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=padded_vocab_size(hf_config["vocab_size"], config.tensor_model_parallel_size),
+        max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=tie_word_embeddings(hf_config),
+        position_embedding_type="rope",
+        rotary_base=float(rope["rope_theta"]),
+        rope_scaling=llama3,
+        rope_scaling_factor=float(rope.get("factor", 8.0)),
+        vp_stage=vp_stage,
+    )
+    if llama3:
+        _apply_llama3_rope(model, hf_config, rope)
+    return model
+
+
+_TINY_BASE: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+_TINY_ARCH: dict[str, dict[str, Any]] = {
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False},
+    "llama": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "use_sliding_window": False,
+        # Deliberately not hidden_size / num_attention_heads (16): exercises kv_channels.
+        "head_dim": 24,
+    },
+}
+
+
+def tiny_hf_config(arch: str, **overrides: Any) -> dict[str, Any]:
+    """A small Hugging Face ``config.json`` dict for ``arch`` in ('qwen2', 'llama', 'qwen3').
+
+    The shapes (hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 256) build and run in well under a
+    second on CPU. Keys use the released-checkpoint format (``rope_theta`` / ``rope_scaling``), which
+    transformers 4 and 5 both read. ``overrides`` replace or add top-level keys.
+    """
+    if arch not in _TINY_ARCH:
+        raise ModelConfigError(f"tiny_hf_config: unknown arch {arch!r}; choose one of {tuple(_TINY_ARCH)}")
+    config = {**_TINY_BASE, **_TINY_ARCH[arch], **overrides}
+    config["rope_scaling"] = dict(config["rope_scaling"]) if config.get("rope_scaling") else None
+    if config["rope_scaling"] is None:
+        config.pop("rope_scaling")
+    return config

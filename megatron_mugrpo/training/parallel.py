@@ -1,0 +1,155 @@
+"""Process groups: torch.distributed plus Megatron's TP × PP × DP model-parallel state.
+
+Data parallelism is what the world size leaves: DP = world / (TP × PP). Functions elsewhere take
+the groups from the returned ``ParallelGroups`` explicitly instead of reaching for globals.
+
+    groups = initialize_parallel(tp=2, pp=1, seed=0)   # under torchrun, or inside a spawned rank
+    ...
+    destroy_parallel()
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_mugrpo.training import cpu_compat
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""Collective timeout; generous because a rank may wait while another saves a checkpoint."""
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the TP × PP × DP grid and the process groups it communicates on."""
+
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    model_parallel_group: dist.ProcessGroup
+    """TP × PP ranks holding one model replica (the grad-norm reduction group)."""
+    device: torch.device
+    """Where this rank's model lives: cuda:<local rank> or cpu."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def _init_process_group() -> None:
+    """Start torch.distributed from the environment (torchrun's variables), single process if absent."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=DEFAULT_TIMEOUT)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy, torch and Megatron's tracked (TP-aware) RNG states.
+
+    Same seed on every rank; Megatron offsets the model-parallel state by the TP rank.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def initialize_parallel(tp: int, pp: int, seed: int) -> ParallelGroups:
+    """Initialise torch.distributed (NCCL with CUDA, gloo without) and Megatron's TP/PP/DP state.
+
+    Activates the CPU compatibility layer when CUDA is absent. Re-initialising with the same sizes
+    is allowed (the existing groups are reused); different sizes need ``destroy_parallel()`` first.
+    """
+    cpu_compat.activate()
+    _init_process_group()
+    world = dist.get_world_size()
+    if tp < 1 or pp < 1 or world % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor_parallel × pipeline_parallel = {tp} × {pp}; "
+            "change parallel.tensor_parallel / parallel.pipeline_parallel or the number of processes"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        current = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        if current != (tp, pp):
+            raise RuntimeError(
+                f"Megatron parallel state is already initialised with (tp, pp) = {current}, not {(tp, pp)}; "
+                "call destroy_parallel() first"
+            )
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    seed_everything(seed)
+    return current_groups()
+
+
+def current_groups() -> ParallelGroups:
+    """The ParallelGroups of an already initialised Megatron parallel state."""
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is not initialised: call initialize_parallel() first")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return ParallelGroups(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp=parallel_state.get_data_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+        model_parallel_group=parallel_state.get_model_parallel_group(),
+        device=device,
+    )
+
+
+def destroy_parallel(*, destroy_process_group: bool = False) -> None:
+    """Tear down Megatron's parallel state (and optionally torch.distributed itself).
+
+    Keeping the process group lets one process re-initialise at another TP/PP (e.g. a test that
+    saves at TP=2 and loads at TP=1 with the same ranks).
+    """
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if destroy_process_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

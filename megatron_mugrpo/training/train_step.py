@@ -1,0 +1,292 @@
+"""One optimizer update on B_mini prompt groups, and a no-grad log-prob pass, through Megatron's schedules.
+
+    metrics = train_step(policy, batch, loss_name="mu_grpo", loss_options=cfg.algo.loss_options(),
+                         temperature=cfg.rollout.temperature,
+                         micro_batch_size=cfg.parallel.micro_batch_size, impl=cfg.kernels.logprob_impl)
+
+The whole update's ``TrainBatch`` is passed identically to every rank. Each data-parallel rank takes
+a contiguous slice of rows, splits it into micro-batches of ``micro_batch_size`` sequences and runs
+them through ``get_forward_backward_func()`` (1F1B across pipeline stages). Rows are padded with
+empty responses (mask 0: zero loss, zero normaliser) so that every rank runs the same number of
+equal-shape micro-batches, which pipeline point-to-point communication requires.
+
+Loss normalisation follows Megatron's ``calculate_per_token_loss`` mechanism and the loss
+registry's (loss_sum, normaliser) contract: each micro-batch backpropagates its loss *sum*; the
+schedule accumulates the normalisers, ``finalize_model_grads`` all-reduces them over DP (and
+broadcasts across PP) and divides the summed gradients by the global normaliser. The update is
+therefore Σ ∇loss_sum / Σ normaliser over micro-batches and DP ranks, independent of both counts.
+The normaliser never depends on θ (see ``algorithms.losses``), so this is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import Tensor
+
+from megatron_mugrpo.algorithms.losses import policy_loss
+from megatron_mugrpo.records import TrainBatch
+from megatron_mugrpo.training.logprobs import (
+    check_impl,
+    hidden_states_instead_of_logits,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+)
+from megatron_mugrpo.training.optimizer import current_lr
+from megatron_mugrpo.training.parallel import ParallelGroups
+from megatron_mugrpo.training.setup import Policy
+
+LossFn = Callable[[TrainBatch, Tensor], tuple[Tensor, Tensor, dict[str, float]]]
+
+
+# ------------------------------------------------------------------------------------ batching
+
+
+def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
+    """Append empty responses (mask 0, advantage 0) until the row count is a multiple of ``multiple``."""
+    extra = -batch.num_sequences % multiple
+    if extra == 0:
+        return batch
+
+    def grow(tensor: Tensor) -> Tensor:
+        filler = torch.zeros((extra, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        return torch.cat([tensor, filler])
+
+    return TrainBatch(
+        tokens=grow(batch.tokens),
+        targets=grow(batch.targets),
+        response_mask=grow(batch.response_mask),
+        behaviour_logprobs=grow(batch.behaviour_logprobs),
+        advantages=grow(batch.advantages),
+        group_index=grow(batch.group_index),
+    )
+
+
+def local_micro_batches(batch: TrainBatch, groups: ParallelGroups, micro_batch_size: int) -> list[TrainBatch]:
+    """This DP rank's micro-batches (on its device): a contiguous, equal share of the padded rows."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 (config: parallel.micro_batch_size)")
+    padded = pad_rows(batch, groups.dp * micro_batch_size)
+    per_rank = padded.num_sequences // groups.dp
+    mine = padded.slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank).to(groups.device)
+    return [mine.slice(i, i + micro_batch_size) for i in range(0, per_rank, micro_batch_size)]
+
+
+def _position_ids(tokens: Tensor) -> Tensor:
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+
+
+def _bare(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+# ----------------------------------------------------------------------------- forward step
+
+
+def _forward_step_func(
+    impl: str, temperature: float, vocab_size: int, groups: ParallelGroups, loss_fn: LossFn
+) -> Callable[[Any, torch.nn.Module], tuple[Tensor, Callable[[Tensor], Any]]]:
+    """The ``forward_step_func`` Megatron's schedules call once per micro-batch.
+
+    On the last stage the returned loss function turns the model output into [B, L] log-probs
+    (fused: from hidden states and the output weight; unfused: from the logits shard) and hands
+    them to ``loss_fn``. Other stages' outputs are activations sent down the pipeline.
+    """
+    check_impl(impl)
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Callable[[Tensor], Any]]:
+        mb: TrainBatch = next(data_iterator)
+        if impl == "fused":
+            with hidden_states_instead_of_logits(_bare(model)) as head:
+                output = model(mb.tokens, _position_ids(mb.tokens), None)
+        else:
+            head = None
+            output = model(mb.tokens, _position_ids(mb.tokens), None)
+
+        def loss_func(model_output: Tensor) -> Any:
+            targets = torch.where(mb.response_mask.bool(), mb.targets, 0)  # pad ids need not be real ids
+            kwargs = {"temperature": temperature, "vocab_size": vocab_size, "tp_group": groups.tp_group}
+            if head is not None:
+                logprobs = logprobs_from_hidden(model_output, head.weight, targets, **kwargs)
+            else:
+                logprobs = logprobs_from_logits(model_output, targets, **kwargs)
+            return loss_fn(mb, logprobs)
+
+        return output, loss_func
+
+    return forward_step
+
+
+def _run_schedule(
+    policy: Policy, micro_batches: list[TrainBatch], forward_step: Callable, *, forward_only: bool
+) -> list[dict[str, Any]]:
+    """Run all micro-batches through the forward(-backward) schedule; the last stage's per-micro-batch
+    loss outputs come back (other stages get an empty list)."""
+    schedule = get_forward_backward_func()
+    return schedule(
+        forward_step_func=forward_step,
+        data_iterator=[iter(micro_batches)],
+        model=policy.model_chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=micro_batches[0].tokens.shape[1],
+        micro_batch_size=micro_batches[0].num_sequences,
+        forward_only=forward_only,
+    )
+
+
+# ---------------------------------------------------------------------------------- train step
+
+
+def _policy_loss_fn(loss_name: str, loss_options: dict[str, Any]) -> LossFn:
+    """Registry loss plus the cheap train-vs-rollout log-prob gap, in Megatron's 3-tuple form."""
+
+    def loss_fn(mb: TrainBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, dict[str, float]]:
+        out = policy_loss(loss_name, logprobs, mb.behaviour_logprobs, mb.advantages, mb.response_mask, **loss_options)
+        with torch.no_grad():
+            mask = mb.response_mask.bool()
+            gap = torch.where(mask, (logprobs - mb.behaviour_logprobs).abs(), 0.0)
+            stats = {
+                "loss_sum": float(out.loss_sum.detach()),
+                "normaliser": float(out.normaliser),
+                "gap_sum": float(gap.sum()),
+                "gap_max": float(gap.max()) if gap.numel() else 0.0,
+                "response_tokens": float(mask.sum()),
+                "metrics": out.metrics,
+            }
+        # The normaliser counts responses or tokens: an integer, as Megatron's token count must be.
+        num_tokens = out.normaliser.detach().round().to(torch.int)
+        return out.loss_sum, num_tokens, stats
+
+    return loss_fn
+
+
+def _weighted_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Loss metrics averaged over micro-batches weighted by their normaliser (NaNs skipped)."""
+    totals: dict[str, list[float]] = {}
+    for record in records:
+        weight = record["normaliser"]
+        for name, value in record["metrics"].items():
+            if weight > 0 and not math.isnan(value):
+                acc = totals.setdefault(name, [0.0, 0.0])
+                acc[0] += weight * value
+                acc[1] += weight
+    return {name: (num / den if den > 0 else float("nan")) for name, (num, den) in totals.items()}
+
+
+def _summarise(records: list[dict[str, Any]]) -> dict[str, float]:
+    normaliser = sum(r["normaliser"] for r in records)
+    tokens = sum(r["response_tokens"] for r in records)
+    summary = {
+        "train/loss": sum(r["loss_sum"] for r in records) / normaliser if normaliser > 0 else 0.0,
+        "train/normaliser": normaliser,
+        "train/response_tokens": tokens,
+        "train/rollout_logprob_abs_diff_mean": sum(r["gap_sum"] for r in records) / max(tokens, 1.0),
+        "train/rollout_logprob_abs_diff_max": max((r["gap_max"] for r in records), default=0.0),
+    }
+    summary.update({f"train/{name}": value for name, value in _weighted_metrics(records).items()})
+    return summary
+
+
+def _gather_records(records: list[dict[str, Any]], groups: ParallelGroups) -> list[dict[str, Any]]:
+    """Every DP rank's last-stage micro-batch records, then shared from the last PP stage to all stages."""
+    if groups.dp > 1:
+        per_rank: list[Any] = [None] * groups.dp
+        dist.all_gather_object(per_rank, records, group=groups.dp_group)
+        records = [r for rank_records in per_rank for r in rank_records]
+    if groups.pp > 1:
+        box = [records]
+        src = dist.get_global_rank(groups.pp_group, groups.pp - 1)
+        dist.broadcast_object_list(box, src=src, group=groups.pp_group)
+        records = box[0]
+    return records
+
+
+def train_step(
+    policy: Policy,
+    batch: TrainBatch,
+    *,
+    loss_name: str,
+    loss_options: dict[str, Any],
+    temperature: float,
+    micro_batch_size: int,
+    impl: str = "fused",
+) -> dict[str, float]:
+    """One optimizer update on ``batch`` (the whole update's rows, identical on every rank).
+
+    Returns (on every rank) ``train/loss`` (Σ loss_sum / Σ normaliser), ``train/grad_norm`` (before
+    clipping), ``train/lr``, ``train/update_successful``, the registry loss metrics prefixed
+    ``train/`` (normaliser-weighted means over micro-batches and DP ranks), and
+    ``train/rollout_logprob_abs_diff_{mean,max}`` = |log π_θ − b| over response tokens.
+    """
+    if policy.optimizer is None or policy.scheduler is None:
+        raise ValueError("train_step needs a policy built with an optimizer (build_policy(..., optim=cfg.optim))")
+    groups = policy.groups
+    micro_batches = local_micro_batches(batch, groups, micro_batch_size)
+    for chunk in policy.model_chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    forward_step = _forward_step_func(
+        impl, temperature, policy.vocab_size, groups, _policy_loss_fn(loss_name, loss_options)
+    )
+    records = _run_schedule(policy, micro_batches, forward_step, forward_only=False)
+    update_successful, grad_norm, _ = policy.optimizer.step()
+    policy.scheduler.step(increment=1)
+    metrics = _summarise(_gather_records(records, groups))
+    metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["train/lr"] = current_lr(policy.optimizer)
+    metrics["train/update_successful"] = float(bool(update_successful))
+    return metrics
+
+
+# ------------------------------------------------------------------------------ forward only
+
+
+def _logprob_only_fn(mb: TrainBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    zero = torch.zeros((), device=logprobs.device)
+    return zero, torch.zeros((), dtype=torch.int), {"logprobs": logprobs.detach()}
+
+
+@torch.no_grad()
+def forward_logprobs(
+    policy: Policy,
+    batch: TrainBatch,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    impl: str = "fused",
+) -> Tensor:
+    """Per-token log-probs [B, L] float32 of ``batch.targets`` (0 where the response mask is 0).
+
+    No gradients, no optimizer. Each DP replica scores its share of rows; the result is gathered
+    over DP and broadcast from the last pipeline stage, so every rank returns the full [B, L].
+    """
+    groups = policy.groups
+    micro_batches = local_micro_batches(batch, groups, micro_batch_size)
+    for chunk in policy.model_chunks:
+        chunk.eval()
+    forward_step = _forward_step_func(impl, temperature, policy.vocab_size, groups, _logprob_only_fn)
+    records = _run_schedule(policy, micro_batches, forward_step, forward_only=True)
+    rows = sum(mb.num_sequences for mb in micro_batches)
+    length = batch.tokens.shape[1]
+    if groups.is_last_stage:
+        local = torch.cat([r["logprobs"] for r in records]).float()
+        local = torch.where(torch.cat([mb.response_mask for mb in micro_batches]).bool(), local, 0.0)
+    else:
+        local = torch.empty(rows, length, device=groups.device)
+    if groups.pp > 1:
+        dist.broadcast(local, src=dist.get_global_rank(groups.pp_group, groups.pp - 1), group=groups.pp_group)
+    if groups.dp > 1:
+        shards = [torch.empty_like(local) for _ in range(groups.dp)]
+        dist.all_gather(shards, local, group=groups.dp_group)
+        local = torch.cat(shards)
+    for chunk in policy.model_chunks:
+        chunk.train()
+    return local[: batch.num_sequences].cpu()

@@ -1,0 +1,150 @@
+"""The CPU demo's starting policy: a tiny Qwen2-architecture model built locally, then warm-started.
+
+Nothing can be downloaded at run time, so the demo builds its own tokenizer (character level) and
+a small randomly initialised Qwen2 model, then teaches it the answer format with a short supervised
+phase on the built-in arithmetic task ("23+58=" → "\\boxed{81}<eos>"). The result is an ordinary
+Hugging Face directory that the converter, the rollout engine and the trainer read like any real
+checkpoint. It is cached: a directory with a ``warmstart.json`` matching the requested settings is
+reused as it is (resume, repeated demos).
+
+    hf_dir = prepare_base_model(cfg, run_dir / "base_model")
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from megatron_mugrpo.config import RunConfig, TinyModelConfig, WarmStartConfig
+from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_completion, builtin_problems, builtin_prompt
+from megatron_mugrpo.training.model import tiny_hf_config
+
+WARMSTART_FILE = "warmstart.json"
+INIT_STD = 0.02
+"""Initialiser std of the tiny model (transformers' default for Qwen2)."""
+
+
+def prepare_base_model(cfg: RunConfig, out_dir: Path) -> Path:
+    """Return the Hugging Face directory the run starts from (``cfg.model.hf_dir`` or a built one)."""
+    if cfg.model.hf_dir:
+        return Path(cfg.model.hf_dir)
+    spec = {"tiny": cfg.model.tiny.__dict__, "warmstart": cfg.warmstart.__dict__, "seed": cfg.seed,
+            "task": cfg.data.builtin_task}
+    marker = out_dir / WARMSTART_FILE
+    if marker.is_file() and json.loads(marker.read_text()).get("spec") == spec:
+        return out_dir
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = build_char_tokenizer(tmp)
+    model = build_tiny_model(cfg.model.tiny, tokenizer, seed=cfg.seed)
+    losses = supervised_warmstart(model, tokenizer, cfg.warmstart, task=cfg.data.builtin_task, seed=cfg.seed)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    (tmp / WARMSTART_FILE).write_text(json.dumps({"spec": spec, "final_loss": losses[-1] if losses else None}))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)  # the marker travels with the rename: a half-built directory is never reused
+    return out_dir
+
+
+def build_tiny_model(tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> torch.nn.Module:
+    """A randomly initialised Qwen2ForCausalLM of the configured shape, in float32."""
+    hf = tiny_hf_config(
+        "qwen2",
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        intermediate_size=tiny.intermediate_size,
+        max_position_embeddings=tiny.max_position_embeddings,
+        tie_word_embeddings=tiny.tie_word_embeddings,
+        rope_theta=tiny.rope_theta,
+        initializer_range=INIT_STD,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    config = AutoConfig.for_model(**hf)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+
+
+def worked_solution(problem: str, answer: str) -> str:
+    """The step-by-step answer the warm start teaches, digit by digit from the right.
+
+    '23+58' → '3+8+0=11,2+5+1=8,\\boxed{81}' (digit + digit + carry = sum);
+    '52-38' → '12-8-0=4,5-3-1=1,\\boxed{14}' (a borrowed ten is written into the digit).
+    Each step is a one-digit table lookup, which a tiny model learns quickly and which generalises
+    to unseen problems; only the final ``\\boxed{}`` is verified.
+    """
+    op = "+" if "+" in problem else "-"
+    a, b = (operand[::-1] for operand in problem.split(op))
+    steps, carry = [], 0
+    for i in range(max(len(a), len(b))):
+        x, y = int(a[i]) if i < len(a) else 0, int(b[i]) if i < len(b) else 0
+        if op == "+":
+            steps.append(f"{x}+{y}+{carry}={x + y + carry}")
+            carry = (x + y + carry) // 10
+        else:
+            borrow = int(x - y - carry < 0)
+            steps.append(f"{x + 10 * borrow}-{y}-{carry}={x + 10 * borrow - y - carry}")
+            carry = borrow
+    return ",".join(steps) + "," + builtin_completion(answer)
+
+
+def sft_batch(rows: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + completion + EOS with labels only on the completion (−100 elsewhere)."""
+    seqs, labels = [], []
+    for row in rows:
+        prompt = tokenizer(builtin_prompt(row["problem"]))["input_ids"]
+        completion = tokenizer(worked_solution(row["problem"], row["answer"]), add_special_tokens=False)["input_ids"]
+        completion = [*completion, tokenizer.eos_token_id]
+        seqs.append(prompt + completion)
+        labels.append([-100] * len(prompt) + completion)
+    length = max(map(len, seqs))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([s + [pad] * (length - len(s)) for s in seqs])
+    label_ids = torch.tensor([lab + [-100] * (length - len(lab)) for lab in labels])
+    return {"input_ids": input_ids, "labels": label_ids, "attention_mask": (label_ids != -100) | (input_ids != pad)}
+
+
+def supervised_warmstart(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    ws: WarmStartConfig,
+    *,
+    task: str,
+    seed: int,
+) -> list[float]:
+    """A short supervised phase on built-in train problems; returns the loss per step."""
+    if ws.steps == 0:
+        return []
+    rows = builtin_problems(task, n=ws.steps * ws.batch_size, seed=seed + 1, split="train")
+    random.Random(seed).shuffle(rows)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / ws.steps)
+    model.train()
+    losses = []
+    for step in range(ws.steps):
+        batch = sft_batch(rows[step * ws.batch_size : (step + 1) * ws.batch_size], tokenizer)
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss))
+    model.eval()
+    return losses
+
+
+def describe(hf_dir: Path) -> dict[str, Any]:
+    """The warm-start record of a built base model (empty for a user-supplied checkpoint)."""
+    marker = Path(hf_dir) / WARMSTART_FILE
+    return json.loads(marker.read_text()) if marker.is_file() else {}

@@ -1,0 +1,345 @@
+"""Policy-loss family: hand-computed values, analytic gradients, micro-batch invariance, ρ = 1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_mugrpo.algorithms.losses import (
+    LOG_RATIO_CLAMP,
+    available_losses,
+    loss_normaliser,
+    m2_clip_bound,
+    m2po_mask,
+    m2po_mask_greedy,
+    policy_loss,
+    trust_region,
+)
+from megatron_mugrpo.algorithms.veto import veto_mask
+from megatron_mugrpo.config import LOSSES, AlgoConfig
+
+F64 = torch.float64
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
+
+
+def _two_responses() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Response 0: A=+1, ρ=[1.5, 0.5, 1]; response 1: A=−2, ρ=[1.5, 0.5] + one padding slot."""
+    log_ratio = torch.tensor(
+        [[math.log(1.5), math.log(0.5), 0.0], [math.log(1.5), math.log(0.5), 0.0]], dtype=F64
+    )
+    behaviour = torch.full((2, 3), -1.0, dtype=F64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=F64)
+    return behaviour + log_ratio, behaviour, torch.tensor([1.0, -2.0], dtype=F64), mask
+
+
+# --------------------------------------------------------------------------- hand-computed values
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "grpo_sum", "mu_sum", "normaliser"),
+    [
+        # grpo: response 0 → (1.2 + 0.5 + 1)/3 = 0.9, response 1 → (−3 − 1.6)/2 = −2.3.
+        # mu_grpo [0, 5]: response 0 → (1.5 + 0.5 + 1)/3 = 1, response 1 → (−3 − 1)/2 = −2.
+        ("seq_mean_token_mean", -(0.9 - 2.3), -(1.0 - 2.0), 2.0),
+        ("token_mean", -(2.7 - 4.6), -(3.0 - 4.0), 5.0),
+    ],
+)
+def test_clipped_losses_hand_values(
+    aggregation: str, grpo_sum: float, mu_sum: float, normaliser: float
+) -> None:
+    lp, bl, adv, mask = _two_responses()
+    grpo = policy_loss("grpo", lp, bl, adv, mask, clip_eps=0.2, aggregation=aggregation)
+    mu = policy_loss("mu_grpo", lp, bl, adv, mask, aggregation=aggregation, veto_scope="seq")
+    assert grpo.loss_sum.item() == pytest.approx(grpo_sum, abs=1e-12)
+    assert mu.loss_sum.item() == pytest.approx(mu_sum, abs=1e-12)
+    assert grpo.normaliser.item() == mu.normaliser.item() == normaliser
+    # Clip binds on response 0 token 0 (A>0, ρ=1.5>1.2) and response 1 token 1 (A<0, ρ=0.5<0.8).
+    assert grpo.metrics["clip_frac_high"] == pytest.approx(1 / 5)
+    assert grpo.metrics["clip_frac_low"] == pytest.approx(1 / 5)
+    assert mu.metrics["clip_frac_high"] == mu.metrics["clip_frac_low"] == 0.0
+    assert grpo.metrics["ratio_mean_neg_adv"] == pytest.approx(1.0)
+    assert grpo.metrics["ratio_mean_pos_adv"] == pytest.approx(1.0)
+    # Ratios [0.5, 0.5, 1, 1.5, 1.5]: linear-interpolation quantiles.
+    assert grpo.metrics["ratio_p01"] == pytest.approx(0.5)
+    assert grpo.metrics["ratio_p50"] == pytest.approx(1.0)
+    assert grpo.metrics["ratio_p99"] == pytest.approx(1.5)
+    assert grpo.metrics["num_tokens"] == 5.0 and grpo.metrics["num_responses"] == 2.0
+
+
+def _m2_example() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Trust-region (log ρ)²: 0.01, 0.04, 0.25 (response 0, A=+1) and 0.16 (response 1, A=−1)."""
+    log_ratio = torch.tensor([[0.1, 0.2, 0.5, -0.3], [-0.4, 0.3, 0.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=F64)
+    return log_ratio - 2.0, torch.full((2, 4), -2.0, dtype=F64), torch.tensor([1.0, -1.0], dtype=F64), mask
+
+
+def test_m2po_hand_values() -> None:
+    lp, bl, adv, mask = _m2_example()
+    log_ratio = lp - bl
+    # Greedy: mean(0.01, .04, .25, .16) = 0.115 > 0.04 → drop 0.25 → 0.07 > 0.04 → drop 0.16 → 0.025 ≤ 0.04.
+    expected_mask = torch.tensor([[0, 0, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(m2po_mask(log_ratio, adv, mask, 0.04), expected_mask)
+    assert torch.equal(m2po_mask_greedy(log_ratio, adv, mask, 0.04), expected_mask)
+    out = policy_loss("m2po", lp, bl, adv, mask, m2_threshold=0.04)
+    response0 = (math.exp(0.1) + math.exp(0.2) + math.exp(-0.3)) / 4
+    response1 = -math.exp(0.3) / 2
+    assert out.loss_sum.item() == pytest.approx(-(response0 + response1), abs=1e-12)
+    assert out.normaliser.item() == 2.0
+    assert out.metrics["m2"] == pytest.approx(0.115)
+    assert out.metrics["m2_after"] == pytest.approx(0.025)
+    assert out.metrics["m2_masked_tokens"] == 2.0
+    assert out.metrics["m2_masked_frac"] == pytest.approx(2 / 6)
+    assert out.metrics["trust_region_frac"] == pytest.approx(4 / 6)
+
+
+def test_m2po_clip_hand_values() -> None:
+    lp, bl, adv, mask = _m2_example()
+    # Sorted v = [.01, .04, .16, .25], budget 0.04·4 = 0.16: capping at .04 gives .01+.04·3 = .13 ≤ .16,
+    # capping at .16 gives .37 > .16 → τ² = 0.04, τ = 0.2, ratio clip [e^−0.2, e^0.2].
+    assert m2_clip_bound(lp - bl, adv, mask, 0.04).item() == pytest.approx(0.04)
+    out = policy_loss("m2po_clip", lp, bl, adv, mask, m2_threshold=0.04)
+    response0 = (math.exp(0.1) + math.exp(0.2) + math.exp(0.2) + math.exp(-0.3)) / 4
+    response1 = (-math.exp(-0.2) - math.exp(0.3)) / 2
+    assert out.loss_sum.item() == pytest.approx(-(response0 + response1), abs=1e-12)
+    assert out.metrics["m2_clip_log_bound"] == pytest.approx(0.2)
+    assert out.metrics["m2_after"] == pytest.approx((0.01 + 0.04 + 0.04 + 0.04) / 4)
+    assert out.metrics["clip_frac_high"] == pytest.approx(1 / 6)
+    assert out.metrics["clip_frac_low"] == pytest.approx(1 / 6)
+
+
+def test_m2po_clip_no_clipping_under_budget() -> None:
+    lp, bl, adv, mask = _m2_example()
+    assert math.isinf(m2_clip_bound(lp - bl, adv, mask, 1.0).item())
+    clipped = policy_loss("m2po_clip", lp, bl, adv, mask, m2_threshold=1.0)
+    unclipped = policy_loss("m2po", lp, bl, adv, mask, m2_threshold=1.0)
+    assert clipped.loss_sum.item() == pytest.approx(unclipped.loss_sum.item(), abs=1e-12)
+
+
+# --------------------------------------------------------------------------- random inputs
+
+
+def _random_batch(
+    seed: int, batch: int = 8, length: int = 12, spread: float = 0.6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random float64 batch with padding, A of both signs and a few collapsed (ρ ≈ 1e-6) tokens."""
+    g = torch.Generator().manual_seed(seed)
+    behaviour = -torch.rand(batch, length, generator=g, dtype=F64) * 3
+    log_ratio = torch.randn(batch, length, generator=g, dtype=F64) * spread
+    collapsed = torch.rand(batch, length, generator=g) < 0.08
+    log_ratio = torch.where(collapsed, torch.full_like(log_ratio, -14.0), log_ratio)
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(F64)
+    advantages = torch.randn(batch, generator=g, dtype=F64)
+    advantages[0] = -advantages[0].abs() - 0.1  # response 0 always holds a NAV trigger
+    log_ratio[0, 0] = -14.0
+    return behaviour + log_ratio, behaviour, advantages, mask
+
+
+OPTIONS = {
+    "grpo": {"clip_eps": 0.2},
+    "mu_grpo": {"clip_low": 0.0, "clip_high": 5.0, "veto_scope": "seq", "veto_threshold": 1e-4},
+    "m2po": {"m2_threshold": 0.04},
+    "m2po_clip": {"m2_threshold": 0.04},
+}
+
+
+def _analytic_grad(name: str, lp, bl, adv, mask, aggregation: str) -> torch.Tensor:
+    """d(Σ loss_sum / Σ normaliser)/d logprobs from the formula: −w_y · kept · unclipped · ρ_t A_t."""
+    log_ratio = torch.where(mask.bool(), lp - bl, 0.0)
+    rho, a, m = log_ratio.exp(), adv[:, None].expand_as(lp), mask.bool()
+    kept, low, high = m, 0.0, math.inf
+    if name == "grpo":
+        low, high = 0.8, 1.2
+    elif name == "mu_grpo":
+        low, high = 0.0, 5.0
+        kept = veto_mask(log_ratio, adv, mask, scope="seq", threshold=1e-4)[0]
+    elif name == "m2po":
+        kept = m & ~m2po_mask_greedy(log_ratio, adv, mask, 0.04)
+    else:
+        # Same float64 ops as the loss, so the breakpoint token (|log ρ| = τ) compares identically.
+        tau = torch.tensor(_brute_force_tau_sq(log_ratio, adv, mask, 0.04), dtype=F64).sqrt()
+        tau = tau.clamp(max=LOG_RATIO_CLAMP)
+        low, high = torch.exp(-tau), torch.exp(tau)
+    unclipped = ~(((a < 0) & (rho < low)) | ((a > 0) & (rho > high)))
+    lengths = mask.sum(-1, keepdim=True)
+    if aggregation == "seq_mean_token_mean":
+        weight = 1.0 / (lengths.clamp_min(1) * (lengths > 0).sum())
+    else:
+        weight = torch.full_like(lengths, 1.0 / mask.sum())
+    return -(weight * kept * unclipped * rho * a)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_autograd_matches_analytic_gradient(name: str, aggregation: str) -> None:
+    for seed in range(3):
+        lp, bl, adv, mask = _random_batch(seed)
+        lp.requires_grad_(True)
+        out = policy_loss(name, lp, bl, adv, mask, aggregation=aggregation, **OPTIONS[name])
+        (grad,) = torch.autograd.grad(out.loss_sum / out.normaliser, lp)
+        expected = _analytic_grad(name, lp.detach(), bl, adv, mask, aggregation)
+        torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-13)
+        assert out.normaliser.requires_grad is False
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("name", ["grpo", "mu_grpo"])
+def test_eight_micro_batches_of_one_equal_one_batch_of_eight(name: str, aggregation: str) -> None:
+    lp, bl, adv, mask = _random_batch(seed=7)
+    full = lp.clone().requires_grad_(True)
+    out = policy_loss(name, full, bl, adv, mask, aggregation=aggregation, **OPTIONS[name])
+    (out.loss_sum / out.normaliser).backward()
+
+    split = lp.clone().requires_grad_(True)
+    parts = [
+        policy_loss(
+            name,
+            split[i : i + 1],
+            bl[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            aggregation=aggregation,
+            **OPTIONS[name],
+        )
+        for i in range(8)
+    ]
+    total_normaliser = sum(p.normaliser for p in parts)
+    (sum(p.loss_sum for p in parts) / total_normaliser).backward()
+
+    assert out.metrics.get("nav_trigger_count", 1.0) > 0, "the example must exercise NAV"
+    torch.testing.assert_close(total_normaliser, out.normaliser)
+    torch.testing.assert_close(total_normaliser, loss_normaliser(mask, aggregation, F64))
+    torch.testing.assert_close(split.grad, full.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_all_losses_agree_with_plain_policy_gradient_at_ratio_one() -> None:
+    lp, _, adv, mask = _random_batch(seed=3)
+    lengths = mask.sum(-1)
+    plain_lp = lp.clone().requires_grad_(True)
+    # REINFORCE with the paper's aggregation: −(1/|B|) Σ_y (1/T_y) Σ_t m_t A_y log π_t.
+    plain = -((plain_lp * mask * adv[:, None]).sum(-1) / lengths).mean()
+    (plain_grad,) = torch.autograd.grad(plain, plain_lp)
+    values = {}
+    for name in OPTIONS:
+        current = lp.clone().requires_grad_(True)
+        out = policy_loss(name, current, lp, adv, mask, **OPTIONS[name])
+        (grad,) = torch.autograd.grad(out.loss_sum / out.normaliser, current)
+        torch.testing.assert_close(grad, plain_grad, rtol=1e-12, atol=1e-15)
+        values[name] = out.loss_sum.item()
+        assert out.metrics["logprob_gap_abs_max"] == 0.0
+    # At ρ = 1 every surrogate equals A: the loss is −mean_y A_y.
+    for value in values.values():
+        assert value == pytest.approx(-adv.sum().item(), abs=1e-12)
+
+
+# --------------------------------------------------------------------------- M2PO internals
+
+
+def _brute_force_tau_sq(log_ratio, adv, mask, threshold: float) -> float:
+    values = (log_ratio[trust_region(log_ratio, adv, mask)] ** 2).tolist()
+    if not values or sum(values) / len(values) <= threshold:
+        return math.inf
+    fits = [t for t in values if sum(min(v, t) for v in values) / len(values) <= threshold]
+    return max(fits, default=0.0)
+
+
+@pytest.mark.parametrize("threshold", [0.01, 0.04, 0.2])
+def test_m2po_greedy_and_vectorised_agree_and_meet_budget(threshold: float) -> None:
+    for seed in range(20):
+        lp, bl, adv, mask = _random_batch(seed, batch=6, length=10, spread=0.4)
+        log_ratio = torch.where(mask.bool(), lp - bl, 0.0)
+        greedy = m2po_mask_greedy(log_ratio, adv, mask, threshold)
+        fast = m2po_mask(log_ratio, adv, mask, threshold)
+        assert torch.equal(greedy, fast), f"seed {seed}"
+        region = trust_region(log_ratio, adv, mask)
+        remaining = log_ratio[region & ~fast] ** 2
+        if remaining.numel():
+            assert remaining.mean().item() <= threshold
+        # Minimal: un-masking the smallest masked token would break the budget.
+        if fast.any():
+            smallest = (log_ratio[fast] ** 2).min()
+            assert torch.cat([remaining, smallest[None]]).mean().item() > threshold
+        assert m2_clip_bound(log_ratio, adv, mask, threshold).item() == _brute_force_tau_sq(
+            log_ratio, adv, mask, threshold
+        )
+
+
+def test_m2po_vectorised_matches_greedy_with_ties() -> None:
+    log_ratio = torch.tensor([[0.5, 0.5, -0.5, 0.1], [0.5, -0.5, 0.2, 0.0]], dtype=F64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, 1.0], [1.0, -1.0, 1.0, 0.0]], dtype=F64)
+    mask = torch.ones_like(log_ratio)
+    assert torch.equal(m2po_mask(log_ratio, adv, mask, 0.05), m2po_mask_greedy(log_ratio, adv, mask, 0.05))
+
+
+# --------------------------------------------------------------------------- contract and safety
+
+
+def test_registry_matches_config_and_takes_loss_options() -> None:
+    assert set(available_losses()) == set(LOSSES)
+    lp, bl, adv, mask = _random_batch(seed=1)
+    for name in LOSSES:
+        out = policy_loss(name, lp, bl, adv, mask, **AlgoConfig(loss=name).loss_options())
+        loss_sum, normaliser, metrics = out
+        assert loss_sum.dim() == 0 and normaliser.dim() == 0
+        assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
+
+
+def test_bad_inputs_name_the_problem() -> None:
+    lp, bl, adv, mask = _random_batch(seed=2)
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
+        policy_loss("ppo", lp, bl, adv, mask)
+    with pytest.raises(TypeError, match="does not take option"):
+        policy_loss("grpo", lp, bl, adv, mask, clip_high=5.0)
+    with pytest.raises(ValueError, match="behaviour_logprobs has shape"):
+        policy_loss("grpo", lp, bl[:, :-1], adv, mask)
+    with pytest.raises(ValueError, match="advantages has shape"):
+        policy_loss("grpo", lp, bl, adv[:-1], mask)
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        policy_loss("grpo", lp, bl, adv, mask, aggregation="sum")
+    with pytest.raises(ValueError, match="unknown NAV scope"):
+        policy_loss("mu_grpo", lp, bl, adv, mask, veto_scope="prefix")
+
+
+def test_padding_garbage_and_extreme_ratios_stay_finite() -> None:
+    lp, bl, adv, mask = _random_batch(seed=4)
+    lp = torch.where(mask.bool(), lp, torch.tensor(-math.inf, dtype=F64))
+    lp[0, 0] = bl[0, 0] + 80.0  # exp(80) overflows float32: must be clamped, not inf
+    for name in LOSSES:
+        current = lp.to(torch.float32).requires_grad_(True)
+        out = policy_loss(
+            name, current, bl.float(), adv.float(), mask.float(), **AlgoConfig(loss=name).loss_options()
+        )
+        out.loss_sum.backward()
+        assert torch.isfinite(out.loss_sum) and torch.isfinite(current.grad).all(), name
+        assert out.metrics["log_ratio_clamped_frac"] > 0
+        assert out.metrics["ratio_p99"] <= math.exp(LOG_RATIO_CLAMP) * (1 + 1e-6)
+
+
+def test_per_token_advantages_equal_broadcast_ones() -> None:
+    lp, bl, adv, mask = _random_batch(seed=5)
+    for name in LOSSES:
+        per_response = policy_loss(name, lp, bl, adv, mask, **OPTIONS[name])
+        per_token = policy_loss(name, lp, bl, adv[:, None].expand_as(lp).clone(), mask, **OPTIONS[name])
+        assert per_token.loss_sum.item() == pytest.approx(per_response.loss_sum.item(), abs=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks the losses on GPU against CPU")
+def test_cuda_matches_cpu() -> None:
+    lp, bl, adv, mask = _random_batch(seed=6, batch=16, length=64)
+    for name in LOSSES:
+        options = AlgoConfig(loss=name).loss_options()
+        results = []
+        for device in ("cpu", "cuda"):
+            current = lp.to(device=device, dtype=torch.float32).requires_grad_(True)
+            out = policy_loss(
+                name, current, bl.float().to(device), adv.float().to(device), mask.to(device), **options
+            )
+            out.loss_sum.backward()
+            results.append((out.loss_sum.detach().cpu(), current.grad.cpu(), out.metrics))
+        (cpu_loss, cpu_grad, cpu_metrics), (gpu_loss, gpu_grad, gpu_metrics) = results
+        torch.testing.assert_close(gpu_loss, cpu_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gpu_grad, cpu_grad, rtol=1e-5, atol=1e-7)
+        assert gpu_metrics.keys() == cpu_metrics.keys()

@@ -1,0 +1,148 @@
+"""Math reward: answer extraction, the fast path, math-verify equivalence, and the bounded verifier pool."""
+
+import time
+
+import pytest
+
+from megatron_mugrpo.rollout.rewards import (
+    REASONS,
+    RewardError,
+    VerifierPool,
+    build_reward,
+    fast_verdict,
+    last_boxed,
+    reason_counts,
+    register_reward,
+    reward_metrics,
+)
+
+TIMEOUT_S = 3.0
+PATHOLOGICAL = "so the answer is \\boxed{9^{9^{9^{9}}}}"  # sympy tries to evaluate this integer forever
+
+
+@pytest.fixture(scope="module")
+def math_reward():
+    reward = build_reward("math", workers=2, timeout_s=TIMEOUT_S)
+    yield reward
+    reward.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "reason"),
+    [
+        ("The answer is \\boxed{42}.", "42", ""),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", ""),
+        ("nested \\boxed{\\{1, 2\\} \\cup {3}}", "\\{1, 2\\} \\cup {3}", ""),
+        ("\\fbox{7}", "7", ""),
+        ("\\boxed {5}", "5", ""),
+        ("no box here: 42", None, "no_box"),
+        ("truncated \\boxed{12", None, "unparsable"),
+        ("empty \\boxed{}", None, "unparsable"),
+        ("\\boxed 5", None, "unparsable"),
+        ("\\boxed{1} and a truncated \\boxed{2", None, "unparsable"),
+    ],
+)
+def test_last_boxed(text, content, reason):
+    boxed = last_boxed(text)
+    assert boxed.content == content
+    assert boxed.reason == reason
+
+
+def test_fast_path_decides_simple_cases_without_math_verify():
+    assert fast_verdict("42", "42") == "correct"
+    assert fast_verdict(" \\dfrac{1}{2} ", "\\frac{1}{2}") == "correct"
+    assert fast_verdict("$-3$", "-3") == "correct"
+    assert fast_verdict("+007", "7") == "correct"
+    assert fast_verdict("41", "42") == "wrong"
+    assert fast_verdict("0.5", "1/2") is None  # needs math-verify
+    assert fast_verdict("x+1", "1+x") is None
+
+
+# (response, reference, reward, reason): correct, equivalent forms, wrong, no box, malformed.
+TABLE = [
+    ("Thus \\boxed{42}.", "42", 1.0, "correct"),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0, "correct"),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, "correct"),
+    ("\\boxed{1/2}", "\\frac12", 1.0, "correct"),
+    ("\\boxed{x + 1}", "1 + x", 1.0, "correct"),
+    ("\\boxed{\\sqrt{4}}", "2", 1.0, "correct"),
+    ("\\boxed{10.0}", "10", 1.0, "correct"),
+    ("\\boxed{41}", "42", 0.0, "wrong"),
+    ("\\boxed{\\frac{1}{3}}", "0.5", 0.0, "wrong"),
+    ("\\boxed{x + 2}", "x + 1", 0.0, "wrong"),
+    ("The answer is 42.", "42", 0.0, "no_box"),
+    ("\\boxed{42", "42", 0.0, "unparsable"),
+    ("\\boxed{\\sqrt{}", "2", 0.0, "unparsable"),
+]
+
+
+def test_reward_table(math_reward):
+    results = math_reward.score([r for r, *_ in TABLE], [a for _, a, *_ in TABLE])
+    for (response, answer, reward, reason), got in zip(TABLE, results):
+        assert got == (reward, reason), f"{response!r} vs {answer!r}"
+
+
+def test_pathological_answer_times_out_without_stalling_the_pool(math_reward):
+    responses = [PATHOLOGICAL, "\\boxed{0.25}", "\\boxed{\\frac{2}{4}}", PATHOLOGICAL, "\\boxed{3}"]
+    answers = ["7", "\\frac{1}{4}", "0.5", "7", "3"]
+    started = time.monotonic()
+    results = math_reward.score(responses, answers)
+    elapsed = time.monotonic() - started
+    assert results == [
+        (0.0, "timeout"),
+        (1.0, "correct"),
+        (1.0, "correct"),
+        (0.0, "timeout"),
+        (1.0, "correct"),
+    ]
+    # Two workers: both hung tasks run side by side (one bound each); the good ones finish regardless.
+    assert elapsed < 3 * TIMEOUT_S + 5.0
+    # The pool replaced the killed workers and still answers.
+    assert math_reward.score(["\\boxed{0.5}"], ["1/2"]) == [(1.0, "correct")]
+
+
+def test_reason_counts_and_metrics():
+    results = [(1.0, "correct"), (0.0, "wrong"), (0.0, "wrong"), (0.0, "timeout")]
+    counts = reason_counts(results)
+    assert set(REASONS) <= set(counts)
+    assert counts["wrong"] == 2 and counts["no_box"] == 0
+    metrics = reward_metrics(results)
+    assert metrics["rollout/reason_wrong"] == 2.0
+    assert metrics["rollout/reward_mean"] == 0.25
+
+
+def _sleep_then_echo(seconds: float, value: int) -> int:
+    time.sleep(seconds)
+    return value
+
+
+def test_verifier_pool_kills_only_the_slow_task():
+    with VerifierPool(_sleep_then_echo, workers=2, timeout_s=1.0) as pool:
+        results = pool.map([(0.0, 1), (30.0, 2), (0.0, 3), (0.0, 4)])
+        assert results == [1, "timeout", 3, 4]
+        assert pool.restarts == 1
+
+
+def test_registry():
+    @register_reward("test_constant")
+    class Constant:
+        def __init__(self, *, workers, timeout_s):
+            self.timeout_s = timeout_s
+
+        def score(self, responses, answers):
+            return [(1.0, "correct") for _ in responses]
+
+        def close(self):
+            pass
+
+    reward = build_reward("test_constant", workers=1, timeout_s=1.0)
+    assert reward.score(["a"], ["b"]) == [(1.0, "correct")]
+    with pytest.raises(RewardError, match="already registered"):
+        register_reward("test_constant")(Constant)
+    with pytest.raises(RewardError, match="unknown reward 'nope'"):
+        build_reward("nope", workers=1, timeout_s=1.0)
+
+
+def test_score_rejects_mismatched_lengths(math_reward):
+    with pytest.raises(RewardError, match="2 responses but 1"):
+        math_reward.score(["a", "b"], ["c"])

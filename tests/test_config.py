@@ -1,0 +1,219 @@
+"""Every shipped YAML loads, every validation error fires with its message, overrides and round trips work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from megatron_mugrpo.config import (
+    ConfigError,
+    ParallelConfig,
+    RunConfig,
+    _load_yaml_with_inherit,
+    check_hf_model_parallelism,
+    config_from_dict,
+    load_config,
+    save_config,
+)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+YAMLS = sorted(CONFIGS.rglob("*.yaml"))
+NON_PAPER_YAMLS = [p for p in YAMLS if p.parent.name != "paper"]
+"""configs/paper/ files are all loaded (and checked in detail) by test_paper_grid_settings."""
+def _dims(heads: int, kv_heads: int, layers: int) -> dict[str, int]:
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": layers}
+
+
+PAPER_MODELS = {
+    # model file stem: the real Hugging Face config.json fields that decide TP / PP.
+    "qwen2.5_math_7b": _dims(28, 4, 28),
+    "deepseek_r1_distill_qwen_7b": _dims(28, 4, 28),
+    "llama3.2_3b_instruct": _dims(24, 8, 28),
+    "qwen3_1.7b_base": _dims(16, 8, 28),
+    "qwen3_8b_base": _dims(32, 8, 36),
+}
+PAPER_METHODS = ("mu_grpo", "grpo", "high_staleness_grpo", "m2po")
+PAPER_TOTAL_UPDATES = 4096
+
+
+def _raw(path: Path) -> dict:
+    """The file's merged YAML (inherit resolved), before the schema and validation."""
+    return OmegaConf.to_container(_load_yaml_with_inherit(path, ()))
+
+
+def _hf_dir(tmp_path: Path, fields: dict | None = None) -> Path:
+    """A directory with a small Hugging Face config.json (the tiny demo shape unless ``fields``)."""
+    hf = tmp_path / "hf"
+    hf.mkdir(exist_ok=True)
+    values = fields or {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2", **values}))
+    return hf
+
+
+def _path_overrides(path: Path, tmp_path: Path, hf_fields: dict | None = None) -> list[str]:
+    """Point the placeholder model.hf_dir / data.train_path of a file at real tmp paths."""
+    raw = _raw(path)
+    overrides = []
+    if raw.get("model", {}).get("hf_dir"):
+        overrides.append(f"model.hf_dir={_hf_dir(tmp_path, hf_fields)}")
+    if raw.get("data", {}).get("train_path"):
+        train = tmp_path / "train.jsonl"
+        train.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+        overrides.append(f"data.train_path={train}")
+    return overrides
+
+
+def _hf_fields_for(path: Path) -> dict | None:
+    stem = path.stem.split("__")[0]
+    return PAPER_MODELS.get(stem)
+
+
+@pytest.mark.parametrize("path", NON_PAPER_YAMLS, ids=[str(p.relative_to(CONFIGS)) for p in NON_PAPER_YAMLS])
+def test_every_config_loads(path: Path, tmp_path: Path) -> None:
+    fields = _hf_fields_for(path)
+    cfg = load_config(path, _path_overrides(path, tmp_path, fields))
+    assert isinstance(cfg, RunConfig)
+    assert cfg.stages.updates_per_stage * cfg.stages.mini_groups == cfg.stages.train_groups
+    if cfg.model.hf_dir:
+        # The model's real head / layer counts must split under the file's TP / PP.
+        check_hf_model_parallelism(cfg.model.hf_dir, cfg.parallel)
+
+
+def test_grid_covers_every_paper_file() -> None:
+    grid = {CONFIGS / "paper" / f"{m}__{method}.yaml" for m in PAPER_MODELS for method in PAPER_METHODS}
+    assert set(YAMLS) - set(NON_PAPER_YAMLS) == grid
+
+
+def test_placeholder_paths_fail_until_overridden() -> None:
+    with pytest.raises(ConfigError, match=r"model\.hf_dir='/path/to/Qwen3-8B-Base' is not a directory"):
+        load_config(CONFIGS / "paper" / "qwen3_8b_base__mu_grpo.yaml")
+
+
+@pytest.mark.parametrize("model", sorted(PAPER_MODELS))
+@pytest.mark.parametrize("method", PAPER_METHODS)
+def test_paper_grid_settings(model: str, method: str, tmp_path: Path) -> None:
+    path = CONFIGS / "paper" / f"{model}__{method}.yaml"
+    cfg = load_config(path, _path_overrides(path, tmp_path, PAPER_MODELS[model]))
+    check_hf_model_parallelism(cfg.model.hf_dir, cfg.parallel)  # the real model's heads / layers split
+    assert cfg.stages.total_updates == PAPER_TOTAL_UPDATES
+    assert (cfg.stages.mini_groups, cfg.rollout.group_size, cfg.rollout.temperature) == (32, 8, 1.0)
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (1e-6, 0.01)
+    assert (cfg.rollout.engine, cfg.model.dtype) == ("sglang", "bfloat16")
+    context = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    assert context == (4096 if model == "qwen2.5_math_7b" else 8192)
+    expected = {
+        "mu_grpo": (
+            "mu_grpo",
+            1024,
+            {"clip_low": 0.0, "clip_high": 5.0, "veto_scope": "seq", "veto_threshold": 1e-4},
+        ),
+        "grpo": ("grpo", 4, {"clip_eps": 0.2}),
+        "high_staleness_grpo": ("grpo", 1024, {"clip_eps": 0.2}),
+        "m2po": ("m2po", 1024, {"m2_threshold": 0.04}),
+    }[method]
+    assert cfg.algo.loss == expected[0]
+    assert cfg.stages.updates_per_stage == expected[1]
+    assert cfg.algo.loss_options() == {"aggregation": "seq_mean_token_mean", **expected[2]}
+    if cfg.algo.loss == "grpo":
+        assert cfg.algo.veto_scope == "none"
+
+
+def test_demo_grpo_matches_demo_updates() -> None:
+    mu = load_config(CONFIGS / "demo_cpu.yaml")
+    grpo = load_config(CONFIGS / "demo_grpo_cpu.yaml")
+    assert grpo.stages.updates_per_stage == 4
+    assert grpo.stages.train_groups == 4 * grpo.stages.mini_groups
+    assert grpo.stages.mini_groups == mu.stages.mini_groups
+    assert grpo.stages.total_updates == mu.stages.total_updates
+    assert grpo.algo.loss_options() == {"aggregation": mu.algo.aggregation, "clip_eps": 0.2}
+    assert grpo.algo.veto_scope == "none"
+    # Everything except the schedule and the loss is the demo's.
+    same = ("model", "rollout", "data", "optim", "parallel", "warmstart")
+    assert {k: grpo.to_dict()[k] for k in same} == {k: mu.to_dict()[k] for k in same}
+
+
+def test_mu_is_derived_and_overrides_apply() -> None:
+    cfg = load_config(None, ["stages.train_groups=96", "stages.mini_groups=8", "algo.clip_high=3.5"])
+    assert cfg.stages.updates_per_stage == 12
+    assert cfg.stages.total_updates == 4 * 12
+    assert cfg.algo.clip_high == 3.5
+    assert cfg.algo.loss_options()["clip_high"] == 3.5
+
+
+def test_override_on_top_of_file_and_inherit_order(tmp_path: Path) -> None:
+    (tmp_path / "base.yaml").write_text("algo: {clip_high: 2.0, veto_scope: suffix}\nstages: {seed: 3}\n")
+    (tmp_path / "child.yaml").write_text("inherit: base.yaml\nalgo: {clip_high: 4.0}\n")
+    cfg = load_config(tmp_path / "child.yaml", ["stages.seed=7"])
+    assert (cfg.algo.clip_high, cfg.algo.veto_scope, cfg.stages.seed) == (4.0, "suffix", 7)
+
+
+def test_round_trip_through_dict_and_yaml(tmp_path: Path) -> None:
+    path = CONFIGS / "paper" / "qwen3_8b_base__mu_grpo.yaml"
+    cfg = load_config(path, _path_overrides(path, tmp_path, PAPER_MODELS["qwen3_8b_base"]))
+    assert config_from_dict(cfg.to_dict()) == cfg
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["stages.train_groups=100", "stages.mini_groups=32"], r"B_train=100\) must be a positive multiple"),
+        (["algo.clip_low=2.0", "algo.clip_high=1.0"], r"algo\.clip_low=2\.0 > algo\.clip_high=1\.0"),
+        (["algo.veto_threshold=1.5"], r"veto_threshold \(τ_c\)=1\.5 must be in \(0, 1\)"),
+        (["algo.veto_threshold=0"], r"veto_threshold \(τ_c\)=0\.0 must be in \(0, 1\)"),
+        (["algo.loss=ppo"], r"algo\.loss='ppo' is unknown"),
+        (["algo.veto_scope=prefix"], r"algo\.veto_scope='prefix' is unknown"),
+        (["parallel.tensor_parallel=3"], r"tensor_parallel=3 does not divide the 4 attention heads"),
+        (["parallel.tensor_parallel=4"], r"tensor_parallel=4 does not divide the 2 key/value heads"),
+        (["parallel.pipeline_parallel=3"], r"pipeline_parallel=3 does not divide the 2 layers"),
+        (["rollout.top_p=0.9"], r"rollout\.top_p must be 1\.0 and rollout\.top_k 0"),
+        (["rollout.top_k=50"], r"rollout\.top_p must be 1\.0 and rollout\.top_k 0"),
+        (["algo.not_a_key=1"], r"algo\.not_a_key"),
+        (["stages.num_stages=four"], r"stages\.num_stages"),
+        (["model.hf_dir=/nonexistent/model"], r"model\.hf_dir='/nonexistent/model' is not a directory"),
+        (["data.train_path=/no/t.jsonl"], r"data\.train_path='/no/t\.jsonl' does not exist"),
+        (["stages.num_stages"], r"must look like section\.key=value"),
+    ],
+)
+def test_validation_errors(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_tp_not_dividing_hf_heads(tmp_path: Path) -> None:
+    hf = _hf_dir(tmp_path, {"num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28})
+    check_hf_model_parallelism(hf, ParallelConfig(tensor_parallel=4))
+    with pytest.raises(ConfigError, match="tensor_parallel=8 does not divide the 28 attention heads"):
+        check_hf_model_parallelism(hf, ParallelConfig(tensor_parallel=8))
+    with pytest.raises(ConfigError, match=r"config\.json is missing"):
+        check_hf_model_parallelism(tmp_path, ParallelConfig())
+
+
+def test_unknown_key_and_wrong_type_in_file(tmp_path: Path) -> None:
+    bad_key = tmp_path / "bad_key.yaml"
+    bad_key.write_text("rollout:\n  temprature: 0.7\n")
+    with pytest.raises(ConfigError, match=r"bad_key\.yaml.*rollout\.temprature"):
+        load_config(bad_key)
+    bad_type = tmp_path / "bad_type.yaml"
+    bad_type.write_text("optim:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"bad_type\.yaml.*optim\.lr"):
+        load_config(bad_type)
+
+
+def test_missing_file_and_inherit_cycle(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.yaml")
+    (tmp_path / "missing_parent.yaml").write_text("inherit: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"nowhere\.yaml' does not exist"):
+        load_config(tmp_path / "missing_parent.yaml")
+    (tmp_path / "a.yaml").write_text("inherit: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("inherit: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="inherits itself"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "self.yaml").write_text("inherit: self.yaml\n")
+    with pytest.raises(ConfigError, match="inherits itself"):
+        load_config(tmp_path / "self.yaml")

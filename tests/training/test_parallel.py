@@ -1,0 +1,61 @@
+"""Process groups: Megatron's TP × PP × DP grid on gloo ranks, and the run_distributed helper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
+
+
+def _check_grid(rank: int, world_size: int, tp: int, pp: int) -> None:
+    groups = initialize_parallel(tp, pp, seed=3)
+    assert (groups.world_size, groups.rank) == (world_size, rank)
+    assert (groups.tp, groups.pp, groups.dp) == (tp, pp, world_size // (tp * pp))
+    assert dist.get_world_size(groups.tp_group) == tp
+    assert dist.get_world_size(groups.pp_group) == pp
+    assert dist.get_world_size(groups.dp_group) == groups.dp
+    assert groups.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    # An all-reduce over the TP group sums exactly the TP ranks.
+    value = torch.tensor([float(groups.tp_rank)])
+    dist.all_reduce(value, group=groups.tp_group)
+    assert value.item() == sum(range(tp))
+    # Re-initialising with the same sizes reuses the state; other sizes need destroy_parallel().
+    assert initialize_parallel(tp, pp, seed=3).tp_rank == groups.tp_rank
+    if tp * pp > 1:
+        with pytest.raises(RuntimeError, match="destroy_parallel"):
+            initialize_parallel(1, 1, seed=3)
+    destroy_parallel()
+    again = initialize_parallel(1, 1, seed=3)
+    assert again.dp == world_size
+
+
+def _check_bad_sizes(rank: int, world_size: int) -> None:
+    with pytest.raises(ValueError, match="not a multiple"):
+        initialize_parallel(2, 1, seed=0)
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> None:
+    initialize_parallel(1, 1, seed=0)
+    if rank == 1:
+        raise AssertionError("deliberate failure on rank one")
+
+
+def test_single_process_grid_without_spawning():
+    run_distributed(_check_grid, 1, 1, 1)
+    run_distributed(_check_bad_sizes, 1)
+    assert not dist.is_initialized(), "run_distributed(world_size=1) must tear down the process group"
+
+
+@pytest.mark.multiprocess
+def test_two_rank_grids():
+    run_distributed(_check_grid, 2, 2, 1)
+    run_distributed(_check_grid, 2, 1, 2)
+
+
+@pytest.mark.multiprocess
+def test_rank_failure_is_reraised_with_its_traceback():
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed.*deliberate failure on rank one"):
+        run_distributed(_fail_on_rank_one, 2)
