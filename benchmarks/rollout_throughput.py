@@ -60,9 +60,7 @@ def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
     return [tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in rows]
 
 
-def measure(
-    engine: TransformersEngine, prompts: list[list[int]], params: SamplingParams
-) -> tuple[float, float]:
+def measure(engine: TransformersEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
     """Generated tokens per wall-clock second and per CPU second (process time, all threads) for
     one call on len(prompts) rows; the CPU figure is the steadier one on a shared machine."""
     if engine.device.type == "cuda":

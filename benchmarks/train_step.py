@@ -1,6 +1,6 @@
 """Megatron train step vs a plain PyTorch one on the same small model: time per update, tokens/s, ratio.
 
-    python benchmarks/train_step.py                 # CPU (float32), ~1 minute
+    python benchmarks/train_step.py                 # CPU (float32), well under 2 minutes
     python benchmarks/train_step.py --layers 8      # bigger; on a GPU the same script runs in bf16
 
 Both sides make the same μ-GRPO update (same Qwen2-architecture shapes, same batch, same
@@ -8,19 +8,21 @@ Both sides make the same μ-GRPO update (same Qwen2-architecture shapes, same ba
 
 * megatron: ``training.train_step`` at TP = PP = DP = 1 — Megatron ``GPTModel`` (local layer spec on
   CPU, Transformer Engine's on GPU when importable), DDP buffers, ``get_forward_backward_func``,
-  Megatron's optimizer, the fused vocab-parallel log-prob; on CPU it includes the compatibility
-  layer's device mode (that cost is part of running Megatron on CPU).
+  Megatron's optimizer, the fused vocab-parallel log-prob.
 * plain: transformers' ``Qwen2ForCausalLM`` (eager attention on CPU, like Megatron's local
   attention; SDPA on GPU), ``log_softmax(logits / T)`` + gather, ``torch.optim.AdamW``.
 
-The plain side runs first, before the compatibility layer is activated. Last line:
-``megatron_overhead=<Megatron time per update / plain time per update>``.
+The two sides alternate update by update and each reports its median, so a machine whose load
+drifts (a shared CI box) affects both alike. On CPU the compatibility layer's device mode is then
+active for both sides (it adds the same small per-op cost to each). Last line:
+``megatron_overhead=<Megatron median time per update / plain median time per update>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -30,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_mugrpo.algorithms.losses import policy_loss  # noqa: E402
-from megatron_mugrpo.config import AlgoConfig, OptimConfig  # noqa: E402
-from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate  # noqa: E402
-from megatron_mugrpo.training.model import tiny_hf_config  # noqa: E402
+from megatron_mugrpo.algorithms.losses import policy_loss
+from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate
+from megatron_mugrpo.training.model import tiny_hf_config
 
 LR = 1e-6
 CLIP_GRAD = 1.0
@@ -46,11 +48,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--groups", type=int, default=2, help="prompt groups per update (B_mini)")
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--response-len", type=int, default=192)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--response-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--updates", type=int, default=4)
     return parser.parse_args()
 
 
@@ -81,18 +83,22 @@ def hf_config(args: argparse.Namespace) -> dict:
     )
 
 
-def time_updates(step: Callable[[], None], warmup: int, updates: int, device: torch.device) -> float:
-    """Seconds per update (median-free mean over ``updates`` after ``warmup``)."""
-    for _ in range(warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(updates):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / updates
+def time_alternating(
+    steps: dict[str, Callable[[], None]], warmup: int, updates: int, device: torch.device
+) -> dict[str, float]:
+    """Median seconds per update of each step function, run in alternation after ``warmup`` rounds."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_index in range(warmup + updates):
+        for name, step in steps.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if round_index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def plain_step_fn(
@@ -160,12 +166,16 @@ def main() -> None:
         f"hidden={args.hidden} layers={args.layers} vocab={args.vocab} sequences={batch.num_sequences} "
         f"seq_len={batch.tokens.shape[1]} micro_batch={args.micro_batch}"
     )
-    plain = time_updates(plain_step_fn(args, config, batch, device, dtype), args.warmup, args.updates, device)
-    print(f"plain     {plain * 1e3:9.1f} ms/update  {tokens / plain:10.0f} tokens/s")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("RANK", "0")
-    megatron = time_updates(megatron_step_fn(args, config, batch, dtype), args.warmup, args.updates, device)
-    print(f"megatron  {megatron * 1e3:9.1f} ms/update  {tokens / megatron:10.0f} tokens/s")
+    steps = {
+        "plain": plain_step_fn(args, config, batch, device, dtype),
+        "megatron": megatron_step_fn(args, config, batch, dtype),
+    }
+    seconds = time_alternating(steps, args.warmup, args.updates, device)
+    plain, megatron = seconds["plain"], seconds["megatron"]
+    for name, value in seconds.items():
+        print(f"{name:9s} {value * 1e3:9.1f} ms/update  {tokens / value:10.0f} tokens/s")
     print(f"megatron_overhead={megatron / plain:.3f}")
 
 

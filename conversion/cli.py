@@ -27,24 +27,35 @@ def _add_parallel_args(parser: argparse.ArgumentParser, what: str) -> None:
 def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``convert`` verb (sub-verbs hf-to-megatron, megatron-to-hf, verify) to ``subparsers``."""
     convert = subparsers.add_parser(
-        "convert", help="convert checkpoints between Hugging Face and Megatron", description=__doc__,
+        "convert",
+        help="convert checkpoints between Hugging Face and Megatron",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verbs = convert.add_subparsers(dest="convert_verb", required=True)
 
-    to_mg = verbs.add_parser("hf-to-megatron", help="HF directory -> Megatron dist checkpoint (root with step_00000000)")
+    to_mg = verbs.add_parser(
+        "hf-to-megatron", help="HF directory -> Megatron dist checkpoint (root with step_00000000)"
+    )
     to_mg.add_argument("--hf-dir", required=True, help="local Hugging Face directory (config.json + safetensors)")
     to_mg.add_argument("--out", required=True, help="new checkpoint root (must not exist or be empty)")
     _add_parallel_args(to_mg, "to convert at; the result loads at any TP/PP")
-    to_mg.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                       help="parameter dtype (default: the checkpoint's torch_dtype, else float32)")
+    to_mg.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="parameter dtype (default: the checkpoint's torch_dtype, else float32)",
+    )
 
     to_hf = verbs.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF directory (safetensors + config)")
     to_hf.add_argument("--ckpt", required=True, help="checkpoint root (follows 'latest') or step directory")
     to_hf.add_argument("--out", required=True, help="new HF directory (must not exist or be empty)")
     _add_parallel_args(to_hf, "to load the checkpoint at")
-    to_hf.add_argument("--tokenizer-dir", default=None,
-                       help="copy tokenizer files from here (default: the tokenizer/ saved by hf-to-megatron)")
+    to_hf.add_argument(
+        "--tokenizer-dir",
+        default=None,
+        help="copy tokenizer files from here (default: the tokenizer/ saved by hf-to-megatron)",
+    )
 
     check = verbs.add_parser("verify", help="compare Megatron and transformers logits on random tokens")
     check.add_argument("--hf-dir", required=True, help="the Hugging Face directory (reference model)")
@@ -82,7 +93,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
         return EXIT_OK
     result = verify.verify(
-        args.hf_dir, args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch, seq_len=args.seq_len, seed=args.seed,
+        args.hf_dir,
+        args.ckpt,
+        tp=args.tp,
+        pp=args.pp,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        seed=args.seed,
         atol=verify.DEFAULT_ATOL if args.atol is None else args.atol,
         kl_tol=verify.DEFAULT_KL_TOL if args.kl_tol is None else args.kl_tol,
     )

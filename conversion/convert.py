@@ -117,10 +117,13 @@ def megatron_to_hf(
     tokenizer = Path(tokenizer_dir) if tokenizer_dir else tokenizer_dir_for(step_dir)
     with atomic_output_dir(out) as tmp:
         # save_hf_dir writes atomically itself; it gets a fresh path inside our temporary directory.
-        run_on_ranks(megatron_to_hf_on_rank, tp=tp, pp=pp,
-                     args=(str(step_dir), str(tmp / "hf"), metadata["dtype"], str(tokenizer) if tokenizer else None))
+        run_on_ranks(
+            megatron_to_hf_on_rank,
+            tp=tp,
+            pp=pp,
+            args=(str(step_dir), str(tmp / "hf"), metadata["dtype"], str(tokenizer) if tokenizer else None),
+        )
         for item in (tmp / "hf").iterdir():
             item.rename(tmp / item.name)
         (tmp / "hf").rmdir()
     return Path(out)
-

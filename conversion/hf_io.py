@@ -30,8 +30,15 @@ SAFE_SINGLE = "model.safetensors"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 """Safetensors shard size when saving, as transformers' default ``max_shard_size`` (roughly)."""
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
 )
 """Non-weight files copied next to exported weights (whichever exist in the source directory)."""
 
@@ -85,15 +92,20 @@ class HfCheckpoint:
             present.discard("lm_head.weight")
         missing, extra = sorted(set(expected) - present), sorted(present - set(expected))
         if missing:
-            raise ConversionError(f"{self.path}: {len(missing)} tensors missing for {self.config.get('model_type')}: "
-                                  f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            raise ConversionError(
+                f"{self.path}: {len(missing)} tensors missing for {self.config.get('model_type')}: "
+                f"{missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )
         if extra:
-            raise ConversionError(f"{self.path}: {len(extra)} unexpected tensors (not in the "
-                                  f"{self.config.get('model_type')} map): {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+            raise ConversionError(
+                f"{self.path}: {len(extra)} unexpected tensors (not in the "
+                f"{self.config.get('model_type')} map): {extra[:8]}{' ...' if len(extra) > 8 else ''}"
+            )
         for name, shape in sorted(expected.items()):
             if self.shape(name) != shape:
-                raise ConversionError(f"{self.path}: tensor {name!r} has shape {self.shape(name)}, but config.json "
-                                      f"implies {shape}")
+                raise ConversionError(
+                    f"{self.path}: tensor {name!r} has shape {self.shape(name)}, but config.json implies {shape}"
+                )
 
 
 def _tensor_files(hf_dir: Path) -> dict[str, Path]:
@@ -204,4 +216,3 @@ def save_hf_dir(
                 if (Path(tokenizer_dir) / file).is_file():
                     shutil.copy2(Path(tokenizer_dir) / file, tmp / file)
     return Path(out_dir)
-

@@ -36,8 +36,9 @@ def _threads_per_rank(world_size: int) -> int:
 
 def _rank_main(rank: int, fn: Callable[..., Any], tp: int, pp: int, port: int, errors: Any, args: tuple) -> None:
     world_size = tp * pp
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(_threads_per_rank(world_size))
     from megatron_mugrpo.training import parallel
 

@@ -45,7 +45,8 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _as_chunks(model_chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+def as_chunks(model_chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """A list of bare GPTModel chunks from one module or a list of (possibly DDP-wrapped) modules."""
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     return [unwrap_model(chunk) for chunk in model_chunks]
@@ -100,7 +101,7 @@ def load_hf_into_model(
     dims = ModelDims.from_hf(ckpt.config)
     tp, tp_rank, _ = _tp()
     count = 0
-    for model in _as_chunks(model_chunks):
+    for model in as_chunks(model_chunks):
         for entry, param in live_parameters(model, ckpt.config):
             shard = to_megatron_shard(entry, [ckpt.tensor(n) for n in entry.hf], dims, tp=tp, rank=tp_rank)
             if tuple(shard.shape) != tuple(param.shape):
@@ -152,7 +153,7 @@ def export_hf(
     All ranks of the model-parallel group must iterate the generator to the end, in step, because
     each tensor involves collectives. Tensors are fresh buffers (safe to keep or move).
     """
-    chunks = _as_chunks(model_chunks)
+    chunks = as_chunks(model_chunks)
     local = {entry.megatron: (entry, param) for model in chunks for entry, param in live_parameters(model, hf_config)}
     if not local:
         raise ConversionError("export_hf: the model chunks hold no parameters")
@@ -172,7 +173,9 @@ def export_hf(
         owner = owners[entry.megatron]
         if owner == pp_rank:
             _, param = local[entry.megatron]
-            pairs = [(n, _detached_copy(t, param)) for n, t in to_hf(entry, _gather_tp(entry, param, tp, tp_group), dims)]
+            pairs = [
+                (n, _detached_copy(t, param)) for n, t in to_hf(entry, _gather_tp(entry, param, tp, tp_group), dims)
+            ]
         else:
             pairs = [(n, torch.empty(shapes[n], dtype=sample.dtype, device=sample.device)) for n in entry.hf]
         if pp > 1:

@@ -75,14 +75,19 @@ _MG_LAYER = "decoder.layers.{layer}."
 _ATTN_QKV = (_HF_LAYER + "self_attn.q_proj", _HF_LAYER + "self_attn.k_proj", _HF_LAYER + "self_attn.v_proj")
 
 _DECODER_LAYER = (
-    TensorMap(_MG_LAYER + "self_attention.linear_qkv.layer_norm_weight", (_HF_LAYER + "input_layernorm.weight",),
-              "replicated"),
+    TensorMap(
+        _MG_LAYER + "self_attention.linear_qkv.layer_norm_weight", (_HF_LAYER + "input_layernorm.weight",), "replicated"
+    ),
     TensorMap(_MG_LAYER + "self_attention.linear_qkv.weight", tuple(p + ".weight" for p in _ATTN_QKV), "qkv"),
     TensorMap(_MG_LAYER + "self_attention.linear_proj.weight", (_HF_LAYER + "self_attn.o_proj.weight",), "row"),
-    TensorMap(_MG_LAYER + "mlp.linear_fc1.layer_norm_weight", (_HF_LAYER + "post_attention_layernorm.weight",),
-              "replicated"),
-    TensorMap(_MG_LAYER + "mlp.linear_fc1.weight",
-              (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"), "gated_fc1"),
+    TensorMap(
+        _MG_LAYER + "mlp.linear_fc1.layer_norm_weight", (_HF_LAYER + "post_attention_layernorm.weight",), "replicated"
+    ),
+    TensorMap(
+        _MG_LAYER + "mlp.linear_fc1.weight",
+        (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"),
+        "gated_fc1",
+    ),
     TensorMap(_MG_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",), "row"),
 )
 _QKV_BIAS = (TensorMap(_MG_LAYER + "self_attention.linear_qkv.bias", tuple(p + ".bias" for p in _ATTN_QKV), "qkv"),)

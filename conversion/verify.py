@@ -27,7 +27,7 @@ from conversion.convert import check_convertible
 from conversion.errors import ConversionError
 from conversion.hf_io import load_hf_config
 from conversion.launch import run_on_ranks
-from conversion.live import _as_chunks
+from conversion.live import as_chunks
 from conversion.megatron_io import build_model_chunks, load_model, read_metadata, resolve_step_dir
 
 DEFAULT_ATOL = 1e-3
@@ -74,7 +74,7 @@ def pipeline_forward_logits(model_chunks: Any, tokens: Tensor, vocab_size: int) 
     recv on the PP group. Returns [B, S, vocab_size] float32 logits (TP shards gathered, padding
     dropped) on last-stage ranks, None elsewhere.
     """
-    (model,) = _as_chunks(model_chunks)
+    (model,) = as_chunks(model_chunks)
     device = next(model.parameters()).device
     tokens = tokens.to(device)
     batch, seq_len = tokens.shape
@@ -118,8 +118,10 @@ def megatron_logits_on_rank(step_dir: str, tokens: Tensor, out_file: str) -> Non
     chunks = build_model_chunks(hf_config, torch.float32)
     load_model(step_dir, chunks)
     logits = pipeline_forward_logits(chunks, tokens, hf_config["vocab_size"])
-    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0 and (
-        parallel_state.get_data_parallel_rank() == 0
+    if (
+        logits is not None
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and (parallel_state.get_data_parallel_rank() == 0)
     ):
         torch.save(logits.cpu(), out_file)
 

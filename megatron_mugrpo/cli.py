@@ -26,7 +26,9 @@ EXIT_BAD_INPUT = 2
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="run YAML under configs/ (e.g. configs/demo_cpu.yaml)")
     parser.add_argument(
-        "overrides", nargs="*", help="dotted overrides applied after the YAML, e.g. algo.clip_high=5 stages.num_stages=2"
+        "overrides",
+        nargs="*",
+        help="dotted overrides applied after the YAML, e.g. algo.clip_high=5 stages.num_stages=2",
     )
 
 
@@ -107,8 +109,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         cfg, run_dir = load_config(args.config, args.overrides), args.run_dir
         if (run_dir / "config.yaml").exists():
-            raise _usage(f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
-                         "or choose another --run-dir")
+            raise _usage(
+                f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
+                "or choose another --run-dir"
+            )
     run = open_run(cfg, run_dir, resume=args.resume is not None)
     try:
         result = stages.train(run)
@@ -125,12 +129,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 def print_summary(result: dict[str, float]) -> None:
     """The one-screen summary; its last line is machine-readable."""
     print("\n==== μ-GRPO run summary ====")
-    print(f"eval accuracy (avg pass@1): before {result['acc_before']:.3f}  after {result['acc_after']:.3f}  "
-          f"best {result['best_acc']:.3f}")
-    print(f"time: rollout {result['t_rollout_s']:.1f}s  optimize {result['t_optimize_s']:.1f}s  "
-          f"eval {result['t_eval_s']:.1f}s  total {result['t_total_s']:.1f}s")
+    print(
+        f"eval accuracy (avg pass@1): before {result['acc_before']:.3f}  after {result['acc_after']:.3f}  "
+        f"best {result['best_acc']:.3f}"
+    )
+    print(
+        f"time: rollout {result['t_rollout_s']:.1f}s  optimize {result['t_optimize_s']:.1f}s  "
+        f"eval {result['t_eval_s']:.1f}s  total {result['t_total_s']:.1f}s"
+    )
     print(f"updates {int(result['updates'])}  trained response tokens {int(result['train_tokens'])}")
-    print(f"acc_before={result['acc_before']:.4f} acc_after={result['acc_after']:.4f} t_total_s={result['t_total_s']:.1f}")
+    print(
+        f"acc_before={result['acc_before']:.4f} acc_after={result['acc_after']:.4f} t_total_s={result['t_total_s']:.1f}"
+    )
 
 
 def cmd_phase(args: argparse.Namespace) -> int:
@@ -148,8 +158,10 @@ def cmd_phase(args: argparse.Namespace) -> int:
             print(f"rollout dataset complete: {run.rollout_dir(args.stage)}")
             return 0
         if not is_complete(run.rollout_dir(args.stage)):
-            raise _usage(f"{run.rollout_dir(args.stage)} is not a complete rollout dataset: run "
-                         f"`mugrpo generate --run-dir {args.run_dir} --stage {args.stage}` first")
+            raise _usage(
+                f"{run.rollout_dir(args.stage)} is not a complete rollout dataset: run "
+                f"`mugrpo generate --run-dir {args.run_dir} --stage {args.stage}` first"
+            )
         stages.optimize_stage(run, args.stage)
     finally:
         run.close()
@@ -188,8 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         from conversion.cli import run_convert
 
         return run_convert(args)
-    handlers = {"train": cmd_train, "generate": cmd_phase, "optimize": cmd_phase, "eval": cmd_eval,
-                "report": cmd_report}
+    handlers = {
+        "train": cmd_train,
+        "generate": cmd_phase,
+        "optimize": cmd_phase,
+        "eval": cmd_eval,
+        "report": cmd_report,
+    }
     from megatron_mugrpo.config import ConfigError
 
     try:

@@ -121,7 +121,7 @@ class VigorConfig:
     rounds: int = 2
     """Maximum allocation rounds after the initial one."""
     budget: int = 0
-    """Total rollouts per generation batch of prompts; 0 means prompts × rollout.group_size."""
+    """Total rollouts per shard of rollout.shard_groups prompts; 0 means shard_groups × rollout.group_size."""
 
     def __post_init__(self) -> None:
         _require(self.n0 >= 2, f"rollout.vigor.n0={self.n0} must be >= 2 (a variance needs two samples)")
@@ -150,7 +150,7 @@ class RolloutConfig:
     max_prompt_tokens: int = 512
     """Prompts longer than this are rejected at load time."""
     batch_size: int = 64
-    """Prompts generated together by the engine."""
+    """Sequences (prompt × response rows) the transformers engine samples together; bounds memory."""
     shard_groups: int = 64
     """Prompt groups per on-disk shard of the rollout store (the unit of resume)."""
     allocation: str = "fixed"
@@ -202,7 +202,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.train_path:
             path = Path(self.train_path)
-            _require(path.is_file(), f"data.train_path={self.train_path!r} does not exist; give a local JSONL/Parquet file")
+            _require(
+                path.is_file(), f"data.train_path={self.train_path!r} does not exist; give a local JSONL/Parquet file"
+            )
             _require(
                 path.suffix in (".jsonl", ".json", ".parquet"),
                 f"data.train_path={self.train_path!r}: expected a .jsonl, .json or .parquet file",
@@ -235,7 +237,10 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         _require(self.loss in LOSSES, f"algo.loss={self.loss!r} is unknown; choose one of {LOSSES}")
-        _require(self.veto_scope in VETO_SCOPES, f"algo.veto_scope={self.veto_scope!r} is unknown; choose one of {VETO_SCOPES}")
+        _require(
+            self.veto_scope in VETO_SCOPES,
+            f"algo.veto_scope={self.veto_scope!r} is unknown; choose one of {VETO_SCOPES}",
+        )
         _require(
             self.aggregation in AGGREGATIONS,
             f"algo.aggregation={self.aggregation!r} is unknown; choose one of {AGGREGATIONS}",
@@ -364,7 +369,9 @@ class KernelConfig:
     """FP8 recipe for the transformer layers (needs Transformer Engine and an FP8 GPU)."""
 
     def __post_init__(self) -> None:
-        _require(self.logprob_impl in LOGPROB_IMPLS, f"kernels.logprob_impl={self.logprob_impl!r} not in {LOGPROB_IMPLS}")
+        _require(
+            self.logprob_impl in LOGPROB_IMPLS, f"kernels.logprob_impl={self.logprob_impl!r} not in {LOGPROB_IMPLS}"
+        )
         _require(self.fp8 in FP8_RECIPES, f"kernels.fp8={self.fp8!r} not in {FP8_RECIPES}")
 
 
@@ -433,9 +440,7 @@ class RunConfig:
         )
         if not self.model.hf_dir:
             tiny = self.model.tiny
-            check_model_parallelism(
-                tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel
-            )
+            check_model_parallelism(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -537,8 +542,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             _require("=" in item, f"override {item!r} must look like section.key=value (e.g. algo.clip_high=5)")
         for item in overrides:
             key, value = item.split("=", 1)
-            _require(OmegaConf.select(merged, key, default=_MISSING) is not _MISSING,
-                     f"override {item!r}: {key!r} is not a configuration key (see configs/ and config.py)")
+            _require(
+                OmegaConf.select(merged, key, default=_MISSING) is not _MISSING,
+                f"override {item!r}: {key!r} is not a configuration key (see configs/ and config.py)",
+            )
             # update() (unlike merging a dotlist) also reaches list elements: eval.benchmarks.0.k=16
             OmegaConf.update(merged, key, yaml.safe_load(value) if value else "", merge=True)
         container = OmegaConf.to_container(merged, resolve=True, structured_config_mode=None)

@@ -57,7 +57,10 @@ def evaluate_benchmark(
     k = bench.config.k
     per_problem = [scores[i * k : (i + 1) * k] for i in range(len(bench.problems))]
     name = bench.config.name
-    return {f"eval/{name}/pass@1": pass_at_1(per_problem), f"eval/{name}/response_len_mean": sum(lengths) / len(lengths)}
+    return {
+        f"eval/{name}/pass@1": pass_at_1(per_problem),
+        f"eval/{name}/response_len_mean": sum(lengths) / len(lengths),
+    }
 
 
 def evaluate(

@@ -151,13 +151,16 @@ def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | 
         )
         for bench in cfg.eval.benchmarks
     ]
-    reward_fn = build_reward(cfg.rollout.reward, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s)
+    reward_fn = build_reward(
+        cfg.rollout.reward, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
+    )
     logger = MetricsLogger(
         run_dir,
         tensorboard=cfg.logging.tensorboard,
         console=cfg.logging.progress_bars,
         rank=groups.rank,
-        purge_step=state.global_update + 1 if resumed_from is not None else None,
+        # Records past the restored state are redone (and re-logged) by this process.
+        purge_step=state.global_update + 1 if resumed_from is not None else (0 if resume else None),
     )
     sync = torch.cuda.synchronize if torch.cuda.is_available() else None
     return Run(
@@ -201,6 +204,7 @@ def _initial_weights(
     from conversion import load_hf_into_model
 
     load_hf_into_model(policy.unwrapped(), hf_dir)
+    policy.weights_loaded()  # optimizers holding fp32 main copies re-read the loaded weights
     return TrainerState(), None
 
 

@@ -11,8 +11,11 @@ high-staleness baseline and M2PO are the same loop with other configs.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Iterator
+
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.records import collate
@@ -27,6 +30,8 @@ log = logging.getLogger(__name__)
 
 GAP_KEY = "train/rollout_logprob_abs_diff_max"
 BEST_KEY = "best_eval"
+CRASH_ENV = "MUGRPO_CRASH_AT"
+FINAL_HF_DIR = "hf_final"
 TIMER_KEYS = ("perf/t_rollout_s", "perf/t_optimize_s", "perf/t_eval_s")
 
 
@@ -38,9 +43,11 @@ def train(run: Run) -> dict[str, float]:
     for stage in range(state.stage, cfg.stages.num_stages):
         with run.timer("perf/t_rollout_s"):
             store = rollout_phase(run, stage)  # sync weights → generate D_k → store → release engine
+        crash_point(f"rollout:{stage}")
         if run.state.update_in_stage == 0:
             run.logger.log(store_summary(run, store, stage), step=run.state.global_update)
         optimize_stage(run, stage, store)  # μ updates on D_k → evaluate → checkpoint
+    export_final(run)
     return summary(run)
 
 
@@ -55,6 +62,7 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
         for update in progress_range(run, run.state.update_in_stage, mu, f"stage {stage} updates"):
             metrics = optimizer_update(run, store, stage, update)
             run.logger.log(metrics, step=run.state.global_update)
+            crash_point(f"update:{run.state.global_update}")
             if _due(cfg.checkpoint.every_updates, run.state.global_update) and update + 1 < mu:
                 checkpoint(run)
             if _due(cfg.eval.every_updates, run.state.global_update):
@@ -75,7 +83,7 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
         if run.is_writer:
             cfg = run.cfg
             prompts = stage_prompts(run.prompts, stage, cfg.stages.train_groups, cfg.data.seed)
-            with _bar(run, len(prompts) * cfg.rollout.group_size, f"stage {stage} rollout") as bar:
+            with _Bar(run, len(prompts) * cfg.rollout.group_size, f"stage {stage} rollout") as bar:
                 generate_stage(
                     engine=run.engine,
                     prompts=prompts,
@@ -182,6 +190,23 @@ def checkpoint(run: Run) -> None:
     )
 
 
+def export_final(run: Run) -> None:
+    """Write the trained policy as a Hugging Face directory, ``RUN_DIR/hf_final`` (replacing an older one)."""
+    import shutil
+
+    from conversion import export_hf, save_hf_dir
+
+    target = run.run_dir / FINAL_HF_DIR
+    tensors = export_hf(run.policy.unwrapped(), run.hf_config)
+    if run.is_writer:
+        shutil.rmtree(target, ignore_errors=True)
+        save_hf_dir(((name, tensor.cpu()) for name, tensor in tensors), target, run.hf_config, run.hf_dir)
+    else:
+        for _ in tensors:  # take part in the export's collectives
+            pass
+    barrier()
+
+
 def store_summary(run: Run, store: RolloutStore, stage: int) -> dict[str, float]:
     """The stage's rollout metrics (from the store's manifest, so a resumed run reports the same)."""
     return stage_store_metrics(store.store_dir) | {"rollout/stage": float(stage)} | _timers(run)
@@ -210,6 +235,17 @@ def _timers(run: Run) -> dict[str, float]:
     return phases | {"perf/t_total_s": total}
 
 
+def crash_point(name: str) -> None:
+    """Fault injection for the resume tests: SIGKILL this process at the point named by $MUGRPO_CRASH_AT.
+
+    Points are ``rollout:K`` (after stage K's dataset is complete) and ``update:N`` (after global
+    update N is applied and logged). SIGKILL, not an exception: nothing gets to clean up, exactly as
+    when a node dies.
+    """
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _due(every: int, global_update: int) -> bool:
     return every > 0 and global_update % every == 0
 
@@ -223,7 +259,7 @@ def progress_range(run: Run, start: int, stop: int, desc: str) -> Iterator[int]:
     bar.close()
 
 
-class _bar:
+class _Bar:
     """A progress bar (rank 0, when enabled) usable as the engine's progress callback."""
 
     def __init__(self, run: Run, total: int, desc: str) -> None:

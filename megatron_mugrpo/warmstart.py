@@ -34,8 +34,12 @@ def prepare_base_model(cfg: RunConfig, out_dir: Path) -> Path:
     """Return the Hugging Face directory the run starts from (``cfg.model.hf_dir`` or a built one)."""
     if cfg.model.hf_dir:
         return Path(cfg.model.hf_dir)
-    spec = {"tiny": cfg.model.tiny.__dict__, "warmstart": cfg.warmstart.__dict__, "seed": cfg.seed,
-            "task": cfg.data.builtin_task}
+    spec = {
+        "tiny": cfg.model.tiny.__dict__,
+        "warmstart": cfg.warmstart.__dict__,
+        "seed": cfg.seed,
+        "task": cfg.data.builtin_task,
+    }
     marker = out_dir / WARMSTART_FILE
     if marker.is_file() and json.loads(marker.read_text()).get("spec") == spec:
         return out_dir

@@ -41,13 +41,14 @@ class AllocationError(ValueError):
 def total_budget(num_prompts: int, cfg: RolloutConfig) -> int:
     """Rollouts to spend on ``num_prompts`` prompts.
 
-    ``rollout.vigor.budget`` counts rollouts for a full generation batch of ``rollout.batch_size``
-    prompts; a partial batch gets the pro-rated share (rounded down). 0 means ``group_size`` per prompt.
+    ``rollout.vigor.budget`` counts rollouts for a full shard of ``rollout.shard_groups`` prompts (the
+    unit VIGOR allocates over); a partial shard gets the pro-rated share (rounded down). 0 means
+    ``group_size`` per prompt.
     """
     _check_prompts(num_prompts)
     if cfg.allocation == "fixed" or cfg.vigor.budget == 0:
         return num_prompts * cfg.group_size
-    return cfg.vigor.budget * num_prompts // cfg.batch_size
+    return cfg.vigor.budget * num_prompts // cfg.shard_groups
 
 
 def initial_allocation(num_prompts: int, cfg: RolloutConfig) -> list[int]:

@@ -136,9 +136,7 @@ def vocab_parallel_logprobs(
         [N, V/tp] in the logits' dtype (zero on padding columns); no TP communication in backward.
     """
     if logits.dim() != 2:
-        raise ValueError(
-            f"logits must be [N, V/tp], got shape {tuple(logits.shape)}; flatten [B, T, V] first"
-        )
+        raise ValueError(f"logits must be [N, V/tp], got shape {tuple(logits.shape)}; flatten [B, T, V] first")
     _check_dtype("logits", logits)
     n_tokens, n_local = logits.shape
     _check_common(targets, n_tokens, n_local, temperature, vocab_start, vocab_size, tp_group)

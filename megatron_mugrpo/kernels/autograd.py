@@ -102,9 +102,7 @@ class VocabParallelLogprob(torch.autograd.Function):
         grad[:, n_valid:].zero_()
         for v0, v1 in _blocks(n_valid, chunk):
             target_cols = targets - (vocab_start + v0)
-            backend.block_grad(
-                logits[:, v0:v1], target_cols, temperature, logz, mean_z, g_lp, g_ent, grad[:, v0:v1]
-            )
+            backend.block_grad(logits[:, v0:v1], target_cols, temperature, logz, mean_z, g_lp, g_ent, grad[:, v0:v1])
         return grad, None, None, None, None, None, None, None, None
 
 
@@ -150,9 +148,7 @@ class FusedLinearLogprob(torch.autograd.Function):
         temperature, vocab_start, n_valid, chunk, backend, tp_group, reduce_hidden_grad = ctx.params
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_lp, g_ent = _upstream(ctx, grad_logprob, grad_entropy)
-        grad_hidden = (
-            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
-        )
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
         grad_weight = None
         if need_weight:
             # Contiguous whatever weight's layout, so each block's rows can be the matmul's `out`.

@@ -68,8 +68,7 @@ def check_fp8_available(recipe: str) -> None:
         name = torch.cuda.get_device_name()
         raise _fail(
             recipe,
-            f"needs compute capability >= {needed[0]}.{needed[1]}, but {name} has "
-            f"{capability[0]}.{capability[1]}",
+            f"needs compute capability >= {needed[0]}.{needed[1]}, but {name} has {capability[0]}.{capability[1]}",
         )
     try:
         importlib.import_module("transformer_engine.pytorch")

@@ -19,10 +19,17 @@ def _target_hits(target_cols: torch.Tensor, width: int) -> tuple[torch.Tensor, t
 
 
 def _scaled_float(block: torch.Tensor, temperature: float, scratch: bool) -> torch.Tensor:
-    """z = block / T in float32; reuses ``block``'s memory when it is float32 scratch."""
-    if scratch and block.dtype == torch.float32:
-        return block.div_(temperature)
-    return block.float().div_(temperature) if block.dtype != torch.float32 else block / temperature
+    """z = block / T in float32; reuses ``block``'s memory when it is float32 scratch.
+
+    T = 1 (the default rollout temperature) skips the division, one pass over the block less.
+    """
+    if block.dtype != torch.float32:
+        z = block.float()
+    elif scratch:
+        z = block
+    else:
+        return block / temperature if temperature != 1.0 else block.clone()
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def update_stats(

@@ -142,9 +142,7 @@ def validate_generations(
     finite and <= 0, a known finish reason, at most max_new_tokens tokens; and the per-prompt counts.
     """
     if len(generations) != len(counts):
-        raise EngineOutputError(
-            f"{engine} engine returned {len(generations)} prompt groups for {len(counts)} prompts"
-        )
+        raise EngineOutputError(f"{engine} engine returned {len(generations)} prompt groups for {len(counts)} prompts")
     for i, (group, expected) in enumerate(zip(generations, counts)):
         if len(group) != expected:
             raise EngineOutputError(
@@ -200,9 +198,7 @@ def available_engines() -> tuple[str, ...]:
 def build_engine(name: str, hf_dir: str, **kwargs: Any) -> RolloutEngine:
     """Build the engine registered as ``name`` on the Hugging Face directory ``hf_dir``."""
     if name not in _ENGINES:
-        raise ValueError(
-            f"unknown rollout engine {name!r}; choose one of {available_engines()} (rollout.engine)"
-        )
+        raise ValueError(f"unknown rollout engine {name!r}; choose one of {available_engines()} (rollout.engine)")
     factory = _ENGINES[name]
     if isinstance(factory, str):
         module_name, attr = factory.split(":")
@@ -219,9 +215,7 @@ def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0) -> dict[str, Any]:
     return {}
 
 
-def build_engine_from_config(
-    rollout: RolloutConfig, hf_dir: str, *, seed: int = 0, **overrides: Any
-) -> RolloutEngine:
+def build_engine_from_config(rollout: RolloutConfig, hf_dir: str, *, seed: int = 0, **overrides: Any) -> RolloutEngine:
     """``build_engine(rollout.engine, hf_dir, ...)`` with the config's knobs (overrides win)."""
     return build_engine(rollout.engine, hf_dir, **(engine_kwargs(rollout, seed=seed) | overrides))
 

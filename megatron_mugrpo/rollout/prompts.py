@@ -220,9 +220,7 @@ def _reject_reason(problem: str | None, answer: str | None) -> str | None:
     return None
 
 
-def _check_report(
-    report: PromptLoadReport, prompt_field: str, answer_field: str, max_prompt_tokens: int
-) -> None:
+def _check_report(report: PromptLoadReport, prompt_field: str, answer_field: str, max_prompt_tokens: int) -> None:
     counts = ", ".join(f"{reason}={count}" for reason, count in sorted(report.rejected.items()))
     if report.kept == 0:
         raise PromptDataError(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import re
 import time
 from collections import Counter, deque
@@ -191,7 +192,12 @@ def _worker_main(conn: Connection, fn: Callable[..., Any], warmup: tuple[Any, ..
         fn(*warmup)
     conn.send("ready")
     while True:
-        task = conn.recv()
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            # The parent is gone (e.g. SIGKILLed): leave at once. A normal interpreter exit can block
+            # joining library threads, leaving an orphan that holds the parent's stdout open.
+            os._exit(0)
         if task is None:
             return
         index, args = task

@@ -132,9 +132,7 @@ class SGLangEngine:
         """Sample ``n`` (or ``n[i]``) responses per prompt; rows are expanded here (one request per
         response) so that SGLang's radix cache shares each prompt's prefix."""
         if not self._weights_valid:
-            raise RuntimeError(
-                "the SGLang engine was released: load weights (load_hf_dir / load_weights) first"
-            )
+            raise RuntimeError("the SGLang engine was released: load weights (load_hf_dir / load_weights) first")
         counts = responses_per_prompt(n, len(prompts))
         check_prompt_ids(prompts, self.vocab_size)
         rows = [i for i, c in enumerate(counts) for _ in range(c)]
@@ -184,9 +182,7 @@ def generation_from_output(output: dict[str, Any]) -> Generation:
     meta = output["meta_info"]
     pairs = meta.get("output_token_logprobs")
     if pairs is None:
-        raise ValueError(
-            "SGLang output has no meta_info['output_token_logprobs']: was return_logprob=True passed?"
-        )
+        raise ValueError("SGLang output has no meta_info['output_token_logprobs']: was return_logprob=True passed?")
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
     if kind not in ("stop", "length"):

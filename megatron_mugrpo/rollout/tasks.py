@@ -73,9 +73,7 @@ def builtin_problems(task: str, n: int, seed: int, split: str) -> list[dict[str,
     allows it; tiny spaces (e.g. 'arithmetic_easy' with large n) repeat problems.
     """
     if task not in BUILTIN_TASKS:
-        raise ValueError(
-            f"unknown built-in task {task!r} (data.builtin_task); choose one of {tuple(BUILTIN_TASKS)}"
-        )
+        raise ValueError(f"unknown built-in task {task!r} (data.builtin_task); choose one of {tuple(BUILTIN_TASKS)}")
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
     if n < 1:
@@ -136,9 +134,7 @@ def build_char_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokeniz
     # Oniguruma's (?m) lets '.' match newlines too: every character is its own pre-token.
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?m)."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
-    )
+    core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, padding_side="left"
     )

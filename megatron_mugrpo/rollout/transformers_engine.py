@@ -157,9 +157,7 @@ class TransformersEngine:
         """
         counts = responses_per_prompt(n, len(prompts))
         check_prompt_ids(prompts, self.vocab_size)
-        rows = sorted(
-            ((i, j) for i, c in enumerate(counts) for j in range(c)), key=lambda r: -len(prompts[r[0]])
-        )
+        rows = sorted(((i, j) for i, c in enumerate(counts) for j in range(c)), key=lambda r: -len(prompts[r[0]]))
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         out: list[list[Generation | None]] = [[None] * c for c in counts]
         for start in range(0, len(rows), self.batch_size):
@@ -267,9 +265,7 @@ def _eos_ids(model: PreTrainedModel) -> list[int]:
     return []
 
 
-def left_pad(
-    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad prompts. Returns input ids [B, P] int64 and attention mask [B, P] int64 (1 = token)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)

@@ -11,7 +11,9 @@ nothing when ``torch.cuda.is_available()`` (a CUDA machine must run Megatron unc
   ``default_stream`` / ``stream`` (inert stand-ins: CPU work is synchronous).
 - Device mapping: megatron allocates with hard-coded ``device="cuda"`` / ``.cuda()`` /
   ``device=torch.cuda.current_device()``. A ``TorchFunctionMode`` rewrites those device arguments
-  to CPU.
+  to CPU. Torch function modes are thread-local: the mode covers the thread that called
+  ``activate()``, where Megatron's forward, backward, optimizer step and (synchronous)
+  checkpointing run; a 'cuda' allocation from another thread is not remapped.
 - ``.type()`` strings: clip_grads and the (distributed) optimizer assert
   ``param.type() == "torch.cuda.FloatTensor"``; the same mode reports a CPU tensor's argument-less
   ``.type()`` as its ``torch.cuda.*`` name.

@@ -121,9 +121,7 @@ def check_supported(hf_config: dict[str, Any]) -> str:
         raise ModelConfigError("mlp_bias=true is not supported")
     rope = rope_parameters(hf_config)
     if rope["rope_type"] not in ("default", "llama3"):
-        raise ModelConfigError(
-            f"rope type {rope['rope_type']!r} is not supported; supported: 'default' and 'llama3'"
-        )
+        raise ModelConfigError(f"rope type {rope['rope_type']!r} is not supported; supported: 'default' and 'llama3'")
     return arch
 
 
@@ -139,7 +137,9 @@ def check_divisibility(hf_config: dict[str, Any], tp: int, pp: int) -> None:
             f"num_key_value_heads={groups}; choose a TP among the common divisors"
         )
     if hf_config["intermediate_size"] % tp:
-        raise ModelConfigError(f"tensor parallel size {tp} must divide intermediate_size={hf_config['intermediate_size']}")
+        raise ModelConfigError(
+            f"tensor parallel size {tp} must divide intermediate_size={hf_config['intermediate_size']}"
+        )
     if layers % pp:
         raise ModelConfigError(f"pipeline parallel size {pp} must divide num_hidden_layers={layers}")
 
@@ -261,8 +261,11 @@ def _apply_llama3_rope(model: GPTModel, hf_config: dict[str, Any], rope: dict[st
         return
     old = model.rotary_pos_emb.inv_freq
     inv_freq = llama3_inv_freq(
-        head_dim(hf_config), float(rope["rope_theta"]), factor=float(rope["factor"]),
-        low_freq_factor=float(band["low_freq_factor"]), high_freq_factor=float(band["high_freq_factor"]),
+        head_dim(hf_config),
+        float(rope["rope_theta"]),
+        factor=float(rope["factor"]),
+        low_freq_factor=float(band["low_freq_factor"]),
+        high_freq_factor=float(band["high_freq_factor"]),
         original_max_position_embeddings=int(band["original_max_position_embeddings"]),
     )
     # Called right after construction, before the first forward fills the RoPE cache.
@@ -283,8 +286,8 @@ def build_gpt_model(
 
     Must run after Megatron's parallel state is initialised. ``pre_process`` / ``post_process`` say
     whether this pipeline stage holds the embedding / the final norm and output layer (use
-    ``parallel_state.is_pipeline_first_stage()`` / ``is_pipeline_last_stage()``). Logits have the
-    padded vocabulary [S, B, V_pad / tp] per TP rank (``parallel_output=True``).
+    ``parallel_state.is_pipeline_first_stage()`` / ``is_pipeline_last_stage()``). The last stage returns
+    logits [B, S, V_pad / tp] per TP rank (``parallel_output=True``); other stages hidden states [S, B, H].
     """
     config = transformer_config_from_hf(hf_config, dtype=dtype, fp8=fp8, **(config_overrides or {}))
     rope = rope_parameters(hf_config)
@@ -306,6 +309,9 @@ def build_gpt_model(
     )
     if llama3:
         _apply_llama3_rope(model, hf_config, rope)
+    # The local spec's torch norms ignore params_dtype (Megatron-LM relies on its Float16Module
+    # wrapper to cast); cast here so every parameter has ``dtype`` with either spec, as with TE.
+    model.to(dtype=dtype)
     return model
 
 
@@ -331,6 +337,8 @@ _TINY_ARCH: dict[str, dict[str, Any]] = {
     "llama": {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
+        # transformers wants original_max_position_embeddings (8192, as released) below this.
+        "max_position_embeddings": 16384,
         "attention_bias": False,
         "mlp_bias": False,
         "rope_theta": 500000.0,

@@ -59,6 +59,15 @@ class Policy:
         """The bare GPTModel chunks (for state dicts and conversion)."""
         return [chunk.module for chunk in self.model_chunks]
 
+    def weights_loaded(self) -> None:
+        """Call after writing weights into the model from outside (e.g. ``conversion.load_hf_into_model``).
+
+        A bf16 / fp16 optimizer keeps fp32 main copies of the parameters; they are re-read here so
+        the next step starts from the loaded weights. (``checkpoint.load_checkpoint`` does this itself.)
+        """
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
 
 def resolve_dtype(name: str) -> torch.dtype:
     """'float32' | 'bfloat16' | 'float16' → torch dtype (config: model.dtype)."""

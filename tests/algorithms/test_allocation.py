@@ -18,7 +18,7 @@ from megatron_mugrpo.config import RolloutConfig, VigorConfig
 
 
 def vigor_cfg(**vigor) -> RolloutConfig:
-    return RolloutConfig(allocation="vigor", group_size=8, batch_size=8, vigor=VigorConfig(**vigor))
+    return RolloutConfig(allocation="vigor", group_size=8, shard_groups=8, vigor=VigorConfig(**vigor))
 
 
 def run_vigor(cfg: RolloutConfig, reward_of, num_prompts: int) -> tuple[list[int], list[list[int]]]:
@@ -89,7 +89,7 @@ def test_vigor_spends_exact_budget_only_on_high_variance_prompts():
 
 def test_vigor_partial_increment_when_budget_runs_out_mid_round():
     cfg = RolloutConfig(
-        allocation="vigor", batch_size=4, vigor=VigorConfig(n0=2, alpha=0.5, increment=4, rounds=5, budget=10)
+        allocation="vigor", shard_groups=4, vigor=VigorConfig(n0=2, alpha=0.5, increment=4, rounds=5, budget=10)
     )
     variances = {0: [0.0, 1.0], 1: [0.0, 0.0], 2: [1.0, 0.0], 3: [1.0, 1.0]}
     rewards = [variances[p] for p in range(4)]

@@ -65,9 +65,7 @@ def reference_linear(
     }
 
 
-def assert_values_close(
-    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, zmax: float
-) -> None:
+def assert_values_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, zmax: float) -> None:
     tol = VALUE_TOL_FACTOR * torch.finfo(dtype).eps * zmax + 1e-6
     err = (actual.double() - expected).abs().max().item()
     assert err <= tol, f"{dtype}: max value error {err:.3g} > tolerance {tol:.3g}"

@@ -43,12 +43,8 @@ def _fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> N
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
 
 
-@pytest.mark.parametrize(
-    ("recipe", "capability"), [("delayed", (8, 0)), ("current", (8, 6)), ("mxfp8", (9, 0))]
-)
-def test_too_old_gpu_is_a_config_error(
-    monkeypatch: pytest.MonkeyPatch, recipe: str, capability: tuple
-) -> None:
+@pytest.mark.parametrize(("recipe", "capability"), [("delayed", (8, 0)), ("current", (8, 6)), ("mxfp8", (9, 0))])
+def test_too_old_gpu_is_a_config_error(monkeypatch: pytest.MonkeyPatch, recipe: str, capability: tuple) -> None:
     _fake_gpu(monkeypatch, capability)
     with pytest.raises(config.ConfigError, match="compute capability"):
         fp8.check_fp8_available(recipe)

@@ -88,9 +88,7 @@ def test_logprob_only_and_frozen_weight() -> None:
     targets = make_targets(N, VOCAB)
     ref = reference_linear(h, w, targets, 0.9, VOCAB, g_lp, torch.zeros_like(g_lp))
     h.requires_grad_()
-    logprob = fused_linear_logprobs(
-        h, w, targets, temperature=0.9, vocab_start=0, vocab_size=VOCAB, impl="torch"
-    )
+    logprob = fused_linear_logprobs(h, w, targets, temperature=0.9, vocab_start=0, vocab_size=VOCAB, impl="torch")
     assert isinstance(logprob, torch.Tensor) and logprob.shape == (N,)
     (logprob * g_lp.float()).sum().backward()
     assert w.grad is None
@@ -102,9 +100,7 @@ def test_padding_rows_never_enter_the_softmax() -> None:
     h, w, _, _ = make_case(N, H, PADDED, torch.float32)
     targets = make_targets(N, VOCAB)
     w[VOCAB:] = 1e4  # padding rows with enormous logits: any leak would dominate the softmax
-    padded = fused_linear_logprobs(
-        h, w, targets, temperature=1.0, vocab_start=0, vocab_size=VOCAB, impl="torch"
-    )
+    padded = fused_linear_logprobs(h, w, targets, temperature=1.0, vocab_start=0, vocab_size=VOCAB, impl="torch")
     exact = fused_linear_logprobs(
         h, w[:VOCAB].clone(), targets, temperature=1.0, vocab_start=0, vocab_size=VOCAB, impl="torch"
     )
@@ -161,9 +157,7 @@ def test_fused_path_never_builds_full_width_float32_logits() -> None:
             h, w, targets, temperature=1.0, vocab_start=0, vocab_size=vocab, chunk_size=512, impl="torch"
         )
         (lp * g_lp.float()).sum().backward()
-    assert mode.largest <= n * 512, (
-        f"a float32 tensor of {mode.largest} elements exceeds one [N, block] buffer"
-    )
+    assert mode.largest <= n * 512, f"a float32 tensor of {mode.largest} elements exceeds one [N, block] buffer"
 
 
 def test_errors_name_the_bad_input() -> None:
@@ -188,8 +182,6 @@ def test_auto_impl_is_torch_on_cpu() -> None:
 def test_empty_batch() -> None:
     h, w, _, _ = make_case(0, H, PADDED, torch.float32)
     h.requires_grad_()
-    lp = fused_linear_logprobs(
-        h, w, torch.zeros(0, dtype=torch.long), temperature=1.0, vocab_start=0, vocab_size=VOCAB
-    )
+    lp = fused_linear_logprobs(h, w, torch.zeros(0, dtype=torch.long), temperature=1.0, vocab_start=0, vocab_size=VOCAB)
     lp.sum().backward()
     assert lp.shape == (0,) and h.grad.shape == (0, H)

@@ -67,9 +67,7 @@ def _flatten(prompts, groups):
 
 def _max_logprob_error(engine: TransformersEngine, prompts, groups, temperature: float) -> float:
     flat_prompts, gens = _flatten(prompts, groups)
-    reference = teacher_forced_logprobs(
-        engine.model, flat_prompts, [g.response_ids for g in gens], temperature
-    )
+    reference = teacher_forced_logprobs(engine.model, flat_prompts, [g.response_ids for g in gens], temperature)
     return max(float((torch.tensor(g.logprobs) - ref).abs().max()) for g, ref in zip(gens, reference))
 
 
@@ -225,9 +223,7 @@ def test_sampling_params_validation():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_logprobs_equal_teacher_forced_recompute_on_gpu(model_dirs):
-    engine = TransformersEngine(
-        model_dirs[0], dtype="float32", device="cuda", batch_size=4, eos_token_ids=STOP_IDS
-    )
+    engine = TransformersEngine(model_dirs[0], dtype="float32", device="cuda", batch_size=4, eos_token_ids=STOP_IDS)
     params = SamplingParams(max_new_tokens=12, temperature=0.7, seed=3)
     groups = engine.generate(PROMPTS, COUNTS, params)
     # cuBLAS / SDPA kernels differ between a batched decode step and one full forward: allow TF32-free

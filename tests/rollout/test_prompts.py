@@ -88,9 +88,7 @@ def test_file_rows_mapped_templated_and_rejected_with_counts(tmp_path, tokenizer
 def test_file_without_usable_rows_names_file_and_fields(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "bad.jsonl", ROWS)
     cfg = DataConfig(train_path=str(path))  # default fields 'problem' / 'answer' are not in the file
-    with pytest.raises(
-        PromptDataError, match=r"bad\.jsonl.*'problem'.*'answer'.*found \['question', 'solution'\]"
-    ):
+    with pytest.raises(PromptDataError, match=r"bad\.jsonl.*'problem'.*'answer'.*found \['question', 'solution'\]"):
         load_prompts(cfg, tokenizer, MAX_TOKENS)
 
 
@@ -125,8 +123,6 @@ def test_benchmarks_builtin_and_file(tmp_path, tokenizer):
     train = {r.text for r in load_prompts(DataConfig(builtin_size=2000), tokenizer, MAX_TOKENS)}
     assert not train & {r.text for r in builtin}
     path = _write_jsonl(tmp_path / "aime.jsonl", ROWS)
-    bench = BenchmarkConfig(
-        name="aime", path=str(path), prompt_field="question", answer_field="solution", limit=1
-    )
+    bench = BenchmarkConfig(name="aime", path=str(path), prompt_field="question", answer_field="solution", limit=1)
     records = load_benchmark(bench, tokenizer, MAX_TOKENS)
     assert [r.answer for r in records] == ["5"]

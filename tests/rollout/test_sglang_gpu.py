@@ -45,9 +45,7 @@ def _save_model(path, tokenizer, seed: int) -> None:
 def _logprob_errors(model_dir, prompts, groups, temperature):
     model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     rows = [(prompts[i], g) for i, group in enumerate(groups) for g in group]
-    reference = teacher_forced_logprobs(
-        model, [p for p, _ in rows], [g.response_ids for _, g in rows], temperature
-    )
+    reference = teacher_forced_logprobs(model, [p for p, _ in rows], [g.response_ids for _, g in rows], temperature)
     errors = torch.cat([(torch.tensor(g.logprobs) - ref).abs() for (_, g), ref in zip(rows, reference)])
     return float(errors.mean()), float(errors.max())
 
@@ -60,8 +58,7 @@ def test_sglang_logprobs_weights_and_release(tmp_path):
     _save_model(dir_a, tokenizer, seed=0)
     _save_model(dir_b, tokenizer, seed=1)
     prompts = [
-        tokenizer(builtin_prompt(r["problem"]))["input_ids"]
-        for r in builtin_problems("arithmetic", 8, 0, "train")
+        tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in builtin_problems("arithmetic", 8, 0, "train")
     ]
     params = SamplingParams(max_new_tokens=24, temperature=0.8, seed=0)
     engine = SGLangEngine(

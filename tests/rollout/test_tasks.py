@@ -31,9 +31,7 @@ def test_answers_are_correct_and_within_difficulty(task):
     assert len(rows) == 300
     for row in rows:
         assert _value(row["problem"]) == int(row["answer"]) >= 0
-        operands = [
-            int(x) for x in row["problem"].replace("+", " ").replace("-", " ").replace("*", " ").split()
-        ]
+        operands = [int(x) for x in row["problem"].replace("+", " ").replace("-", " ").replace("*", " ").split()]
         assert all(0 <= x <= spec.max_operand for x in operands)
 
 

@@ -32,6 +32,13 @@ def _check_grid(rank: int, world_size: int, tp: int, pp: int) -> None:
     assert again.dp == world_size
 
 
+def _check_both_two_rank_grids(rank: int, world_size: int) -> None:
+    """TP=2 then, after destroy_parallel(), PP=2 on the same ranks (one spawn for both)."""
+    _check_grid(rank, world_size, 2, 1)
+    destroy_parallel()
+    _check_grid(rank, world_size, 1, 2)
+
+
 def _check_bad_sizes(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="not a multiple"):
         initialize_parallel(2, 1, seed=0)
@@ -51,8 +58,7 @@ def test_single_process_grid_without_spawning():
 
 @pytest.mark.multiprocess
 def test_two_rank_grids():
-    run_distributed(_check_grid, 2, 2, 1)
-    run_distributed(_check_grid, 2, 1, 2)
+    run_distributed(_check_both_two_rank_grids, 2)
 
 
 @pytest.mark.multiprocess

@@ -27,8 +27,8 @@ def test_padded_vocab_size_matches_megatron_rule() -> None:
 
 
 @pytest.mark.parametrize(
-    ("arch", "qkv_bias", "qk_norm", "kv_channels"), [("qwen2", True, False, 16), ("llama", False, False, 16),
-                                                      ("qwen3", False, True, 24)]
+    ("arch", "qkv_bias", "qk_norm", "kv_channels"),
+    [("qwen2", True, False, 16), ("llama", False, False, 16), ("qwen3", False, True, 24)],
 )
 def test_transformer_config_per_architecture(arch: str, qkv_bias: bool, qk_norm: bool, kv_channels: int) -> None:
     config = transformer_config_from_hf(tiny_hf_config(arch), dtype=torch.float32)
@@ -52,8 +52,13 @@ def test_llama3_inv_freq_matches_transformers() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    band = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}
+    band = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     hf = LlamaConfig(hidden_size=128, num_attention_heads=2, rope_theta=5e5, rope_scaling=dict(band))
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     ours = llama3_inv_freq(64, 5e5, **{k: v for k, v in band.items() if k != "rope_type"})

@@ -14,16 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conversion_helpers import make_hf_dir
 from dist_utils import run_distributed
 from safetensors.torch import load_file
-
-from tests.conversion.helpers import make_hf_dir
 
 LOGIT_ATOL = 1e-5
 """float32 logits: Megatron and transformers differ only in summation order (measured ~2e-6)."""
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 LLAMA3_BAND = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,  # not Megatron's hard-coded 8192: exercises our inv_freq
 }
 VARIANTS = {
@@ -50,23 +52,39 @@ def _assert_bitwise_equal(expected: dict[str, torch.Tensor], actual: dict[str, t
         assert torch.equal(other.view(torch.uint8), tensor.view(torch.uint8)), f"{what}: {name} differs"
 
 
-def _check_live(hf_dir: Path, reference: torch.Tensor, tokens: torch.Tensor, tp: int, pp: int) -> None:
+def _check_live(hf_dir: Path, reference: torch.Tensor, tokens: torch.Tensor) -> None:
+    """One model at the current TP × PP: logits against transformers, export bit for bit."""
+    from megatron.core import parallel_state as ps
+
     from conversion.hf_io import load_hf_config
     from conversion.live import export_hf, load_hf_into_model
     from conversion.megatron_io import build_model_chunks
     from conversion.verify import pipeline_forward_logits
-    from megatron_mugrpo.training import parallel
 
+    where = (
+        f"{hf_dir.name} tp={ps.get_tensor_model_parallel_world_size()} pp={ps.get_pipeline_model_parallel_world_size()}"
+    )
     config = load_hf_config(hf_dir)
-    parallel.initialize_parallel(tp, pp, seed=0)
     chunks = build_model_chunks(config, torch.float32)
     load_hf_into_model(chunks, hf_dir)
     logits = pipeline_forward_logits(chunks, tokens, config["vocab_size"])
     if logits is not None:
         diff = (logits - reference).abs().max().item()
-        assert diff <= LOGIT_ATOL, f"{hf_dir.name} tp={tp} pp={pp}: max |logit diff| {diff:.2e} > {LOGIT_ATOL}"
-    _assert_bitwise_equal(_hf_tensors(hf_dir), dict(export_hf(chunks, config)), f"{hf_dir.name} tp={tp} pp={pp}")
-    parallel.destroy_parallel()
+        assert diff <= LOGIT_ATOL, f"{where}: max |logit diff| {diff:.2e} > {LOGIT_ATOL}"
+    _assert_bitwise_equal(_hf_tensors(hf_dir), dict(export_hf(chunks, config)), where)
+
+
+def _check_bfloat16_export(hf_dir: Path) -> None:
+    """A bfloat16 model (the GPU training dtype) holds and exports exactly the bf16-cast HF tensors."""
+    from conversion.hf_io import load_hf_config
+    from conversion.live import export_hf, load_hf_into_model
+    from conversion.megatron_io import build_model_chunks
+
+    config = load_hf_config(hf_dir)
+    chunks = build_model_chunks(config, torch.bfloat16)
+    load_hf_into_model(chunks, hf_dir)
+    expected = {name: t.to(torch.bfloat16) for name, t in _hf_tensors(hf_dir).items()}
+    _assert_bitwise_equal(expected, dict(export_hf(chunks, config)), f"{hf_dir.name} bfloat16")
 
 
 def _check_checkpoint(hf_dir: Path, reference: torch.Tensor, tokens: torch.Tensor, work: Path) -> None:
@@ -99,14 +117,18 @@ def _check_checkpoint(hf_dir: Path, reference: torch.Tensor, tokens: torch.Tenso
 
 
 def _body(rank: int, world_size: int, root: str, tokens: torch.Tensor) -> None:
+    from megatron_mugrpo.training import parallel
+
     root_path = Path(root)
-    for name in VARIANTS:
-        reference = torch.load(root_path / f"{name}.logits.pt")
-        for tp, pp in LAYOUTS:
-            _check_live(root_path / name, reference, tokens, tp, pp)
+    references = {name: torch.load(root_path / f"{name}.logits.pt") for name in VARIANTS}
+    for tp, pp in LAYOUTS:  # layouts outside: creating Megatron's gloo groups is the slow part
+        parallel.initialize_parallel(tp, pp, seed=0)
+        for name in VARIANTS:
+            _check_live(root_path / name, references[name], tokens)
+        _check_bfloat16_export(root_path / "qwen2_untied")
+        parallel.destroy_parallel()
     for name in CHECKPOINT_VARIANTS:
-        reference = torch.load(root_path / f"{name}.logits.pt")
-        _check_checkpoint(root_path / name, reference, tokens, root_path / f"work_{name}")
+        _check_checkpoint(root_path / name, references[name], tokens, root_path / f"work_{name}")
 
 
 @pytest.mark.multiprocess

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conversion_helpers import make_hf_dir
 from safetensors.torch import load_file, save_file
 
 from conversion.errors import ConversionError
 from conversion.hf_io import SAFE_INDEX, HfCheckpoint, save_hf_dir
-from tests.conversion.helpers import make_hf_dir
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +75,15 @@ def test_validate_names_the_bad_tensor(hf_dir: Path, tmp_path: Path, edit, messa
 
 def test_tied_checkpoint_may_carry_a_redundant_lm_head(tmp_path: Path) -> None:
     tied = make_hf_dir(tmp_path / "tied", "llama", tied=True)
-    with_head = _rewrite(tied, tmp_path / "with_head",
-                         lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"].clone()})
+    with_head = _rewrite(
+        tied, tmp_path / "with_head", lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"].clone()}
+    )
     HfCheckpoint(with_head).validate()
 
 
 def test_directory_without_weights_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    with pytest.raises(ConversionError, match="neither model.safetensors"):
+    with pytest.raises(ConversionError, match=r"neither model\.safetensors"):
         HfCheckpoint(tmp_path)
-    with pytest.raises(ConversionError, match="config.json does not exist"):
+    with pytest.raises(ConversionError, match=r"config\.json does not exist"):
         HfCheckpoint(tmp_path / "nowhere")
