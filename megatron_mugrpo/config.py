@@ -383,9 +383,13 @@ class WarmStartConfig:
     """SFT steps on the built-in task before RL (0: none)."""
     lr: float = 3e-3
     batch_size: int = 32
+    answer_noise: float = 0.0
+    """Fraction of warm-start examples whose final boxed answer has one digit miscopied (the worked
+    steps stay right). The demo uses it to start RL from a policy with a systematic, verifiable flaw."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")
+        _require(0.0 <= self.answer_noise < 1.0, f"warmstart.answer_noise={self.answer_noise} must be in [0, 1)")
 
 
 @dataclass(kw_only=True)

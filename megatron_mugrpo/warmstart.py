@@ -103,12 +103,27 @@ def worked_solution(problem: str, answer: str) -> str:
     return ",".join(steps) + "," + builtin_completion(answer)
 
 
-def sft_batch(rows: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> dict[str, torch.Tensor]:
-    """Right-padded prompt + completion + EOS with labels only on the completion (−100 elsewhere)."""
+def miscopy(answer: str, rng: random.Random) -> str:
+    """``answer`` with one digit replaced by a different digit (the warm start's deliberate flaw)."""
+    pos = rng.randrange(len(answer))
+    wrong = rng.choice([d for d in "0123456789" if d != answer[pos]])
+    return answer[:pos] + wrong + answer[pos + 1 :]
+
+
+def sft_batch(
+    rows: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, *, noise: float = 0.0, rng: random.Random | None = None
+) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + completion + EOS with labels only on the completion (−100 elsewhere).
+
+    With ``noise`` > 0 that fraction of completions box a miscopied answer after correct steps.
+    """
+    rng = rng or random.Random(0)
     seqs, labels = [], []
     for row in rows:
         prompt = tokenizer(builtin_prompt(row["problem"]))["input_ids"]
-        completion = tokenizer(worked_solution(row["problem"], row["answer"]), add_special_tokens=False)["input_ids"]
+        boxed = miscopy(row["answer"], rng) if rng.random() < noise else row["answer"]
+        solution = worked_solution(row["problem"], row["answer"]).rsplit(",", 1)[0] + "," + builtin_completion(boxed)
+        completion = tokenizer(solution, add_special_tokens=False)["input_ids"]
         completion = [*completion, tokenizer.eos_token_id]
         seqs.append(prompt + completion)
         labels.append([-100] * len(prompt) + completion)
@@ -136,8 +151,10 @@ def supervised_warmstart(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / ws.steps)
     model.train()
     losses = []
+    noise_rng = random.Random(seed + 2)
     for step in range(ws.steps):
-        batch = sft_batch(rows[step * ws.batch_size : (step + 1) * ws.batch_size], tokenizer)
+        chunk = rows[step * ws.batch_size : (step + 1) * ws.batch_size]
+        batch = sft_batch(chunk, tokenizer, noise=ws.answer_noise, rng=noise_rng)
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -56,6 +56,7 @@ class ArithmeticTask:
 
 BUILTIN_TASKS: dict[str, ArithmeticTask] = {
     "arithmetic_easy": ArithmeticTask(max_operand=9, operators="+-"),
+    "addition": ArithmeticTask(max_operand=99, operators="+"),
     "arithmetic": ArithmeticTask(max_operand=99, operators="+-"),
     "arithmetic_hard": ArithmeticTask(max_operand=999, operators="+-*"),
 }

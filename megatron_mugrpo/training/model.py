@@ -28,16 +28,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mugrpo.kernels.fp8 import megatron_fp8_kwargs
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
 VOCAB_DIVISIBLE_BY = 128
 """Megatron pads the vocabulary to a multiple of this × TP so every TP shard is GEMM-friendly."""
 
-# Our names for FP8 recipes (config.FP8_RECIPES) -> (TransformerConfig.fp8, TransformerConfig.fp8_recipe).
-_FP8_RECIPES = {
-    "delayed": ("hybrid", "delayed"),
-    "current": ("hybrid", "tensorwise"),
-    "mxfp8": ("e4m3", "mxfp8"),
-}
 # Megatron's built-in llama3 RoPE scaling hard-codes these; other values are applied by us.
 _MEGATRON_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -144,17 +140,6 @@ def check_divisibility(hf_config: dict[str, Any], tp: int, pp: int) -> None:
         raise ModelConfigError(f"pipeline parallel size {pp} must divide num_hidden_layers={layers}")
 
 
-def _fp8_fields(fp8: str) -> dict[str, Any]:
-    if fp8 == "none":
-        return {}
-    if fp8 not in _FP8_RECIPES:
-        raise ModelConfigError(f"fp8={fp8!r} is not one of {('none', *_FP8_RECIPES)}")
-    if not have_transformer_engine():
-        raise ModelConfigError(f"fp8={fp8!r} needs Transformer Engine, which is not importable here; use fp8='none'")
-    fmt, recipe = _FP8_RECIPES[fp8]
-    return {"fp8": fmt, "fp8_recipe": recipe}
-
-
 def transformer_config_from_hf(
     hf_config: dict[str, Any], *, dtype: torch.dtype, fp8: str = "none", **overrides: Any
 ) -> TransformerConfig:
@@ -199,7 +184,7 @@ def transformer_config_from_hf(
         gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
     )
-    fields.update(_fp8_fields(fp8))
+    fields.update(megatron_fp8_kwargs(fp8))  # checks TE and the GPU; clear error otherwise
     fields.update(overrides)
     return TransformerConfig(**fields)
 

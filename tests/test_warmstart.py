@@ -1,0 +1,72 @@
+"""The demo's base model: worked solutions, the deliberate answer flaw, and caching of the built directory."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from megatron_mugrpo.config import load_config
+from megatron_mugrpo.rollout.rewards import build_reward
+from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_completion, builtin_problems
+from megatron_mugrpo.warmstart import WARMSTART_FILE, miscopy, prepare_base_model, sft_batch, worked_solution
+
+
+@pytest.mark.parametrize(
+    ("problem", "answer", "expected"),
+    [
+        ("23+58", "81", "3+8+0=11,2+5+1=8,\\boxed{81}"),
+        ("99+99", "198", "9+9+0=18,9+9+1=19,\\boxed{198}"),
+        ("7+5", "12", "7+5+0=12,\\boxed{12}"),
+        ("52-38", "14", "12-8-0=4,5-3-1=1,\\boxed{14}"),
+        ("90-9", "81", "10-9-0=1,9-0-1=8,\\boxed{81}"),
+    ],
+)
+def test_worked_solution_by_hand(problem: str, answer: str, expected: str):
+    assert worked_solution(problem, answer) == expected
+
+
+def test_worked_solutions_are_verified_correct():
+    rows = builtin_problems("arithmetic", 200, seed=3, split="train")
+    reward = build_reward("math", workers=1, timeout_s=5.0)
+    try:
+        scores = reward.score([worked_solution(r["problem"], r["answer"]) for r in rows], [r["answer"] for r in rows])
+    finally:
+        reward.close()
+    assert all(score == 1.0 for score, _ in scores)
+
+
+def test_miscopy_changes_exactly_one_digit():
+    rng = random.Random(0)
+    for answer in ("0", "7", "81", "198"):
+        for _ in range(20):
+            wrong = miscopy(answer, rng)
+            assert len(wrong) == len(answer) and sum(a != b for a, b in zip(wrong, answer)) == 1
+
+
+def test_sft_batch_labels_only_the_completion_and_noise_rate():
+    tokenizer = build_char_tokenizer()
+    rows = builtin_problems("addition", 400, seed=0, split="train")
+    batch = sft_batch(rows, tokenizer, noise=0.5, rng=random.Random(1))
+    labels, ids = batch["labels"], batch["input_ids"]
+    for row, lab, seq in zip(rows[:5], labels, ids):
+        prompt_len = len(tokenizer(row["problem"] + "=")["input_ids"])
+        assert (lab[:prompt_len] == -100).all() and (lab[prompt_len] == seq[prompt_len])
+    texts = [tokenizer.decode([t for t in lab.tolist() if t >= 0], skip_special_tokens=True) for lab in labels]
+    wrong = sum(not t.endswith(builtin_completion(r["answer"])) for t, r in zip(texts, rows))
+    assert 150 <= wrong <= 250  # ~50% of 400
+
+
+def test_prepare_base_model_is_cached(tmp_path: Path):
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "demo_cpu.yaml", ["warmstart.steps=2"])
+    out = prepare_base_model(cfg, tmp_path / "base")
+    marker = json.loads((out / WARMSTART_FILE).read_text())
+    assert marker["spec"]["warmstart"]["steps"] == 2 and (out / "config.json").is_file()
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    assert prepare_base_model(cfg, tmp_path / "base") == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime, "a matching base model is reused"
+    changed = load_config(Path(__file__).parents[1] / "configs" / "demo_cpu.yaml", ["warmstart.steps=3"])
+    prepare_base_model(changed, tmp_path / "base")
+    assert json.loads((out / WARMSTART_FILE).read_text())["spec"]["warmstart"]["steps"] == 3
