@@ -22,8 +22,14 @@ $(STAMP): requirements.txt setup.py
 
 env: $(STAMP)
 
+# A second `make demo` continues (or just re-summarises) the existing run instead of overwriting it.
 demo: $(STAMP)
-	$(VENV)/bin/mugrpo train --config configs/demo_cpu.yaml --run-dir $(RUN_DIR)
+	@if [ -f $(RUN_DIR)/config.yaml ]; then \
+		echo "$(RUN_DIR) exists: resuming it (delete it for a fresh demo)"; \
+		$(VENV)/bin/mugrpo train --resume $(RUN_DIR); \
+	else \
+		$(VENV)/bin/mugrpo train --config configs/demo_cpu.yaml --run-dir $(RUN_DIR); \
+	fi
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -77,9 +77,15 @@ def make_batch(args: argparse.Namespace, seed: int = 0) -> TrainBatch:
 def hf_config(args: argparse.Namespace) -> dict:
     heads = max(4, args.hidden // 64)
     return tiny_hf_config(
-        "qwen2", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
-        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
-        max_position_embeddings=args.prompt_len + args.response_len, tie_word_embeddings=True,
+        "qwen2",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=args.prompt_len + args.response_len,
+        tie_word_embeddings=True,
     )
 
 
@@ -111,7 +117,10 @@ def plain_step_fn(
     model.to(device=device, dtype=dtype).train()
     optim = OptimConfig(lr=LR, clip_grad=CLIP_GRAD)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+        model.parameters(),
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
         weight_decay=optim.weight_decay,
     )
     options = AlgoConfig().loss_options()
@@ -145,8 +154,13 @@ def megatron_step_fn(
 
     def step() -> None:
         train_step(
-            policy, batch, loss_name="mu_grpo", loss_options=options, temperature=1.0,
-            micro_batch_size=args.micro_batch, impl="fused",
+            policy,
+            batch,
+            loss_name="mu_grpo",
+            loss_options=options,
+            temperature=1.0,
+            micro_batch_size=args.micro_batch,
+            impl="fused",
         )
 
     return step

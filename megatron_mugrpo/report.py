@@ -74,9 +74,7 @@ class Series:
 def _labels(run_dirs: Sequence[Path]) -> list[str]:
     """Directory names; parent/name where two runs share a name."""
     names = [p.resolve().name for p in run_dirs]
-    return [
-        f"{p.resolve().parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(run_dirs, names)
-    ]
+    return [f"{p.resolve().parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(run_dirs, names)]
 
 
 def load_runs(run_dirs: Sequence[str | Path]) -> list[Run]:
@@ -149,9 +147,7 @@ def _plot_panels(
     marker: str = "",
 ) -> Path:
     """One subplot per (title, one series per run, ylabel) panel; runs overlaid with a shared legend."""
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(SUBPLOT_SIZE[0] * len(panels), SUBPLOT_SIZE[1]), squeeze=False
-    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(SUBPLOT_SIZE[0] * len(panels), SUBPLOT_SIZE[1]), squeeze=False)
     for ax, (title, per_run, ylabel) in zip(axes[0], panels):
         for run, points in zip(runs, per_run):
             if not points.x:
@@ -161,8 +157,12 @@ def _plot_panels(
                 continue
             # Thousands of per-update values: faint raw curve, labelled moving average on top.
             (raw,) = ax.plot(points.x, points.y, alpha=0.25, linewidth=0.8)
-            ax.plot(points.x, moving_average(points.y, SMOOTH_WINDOW), color=raw.get_color(),
-                    label=f"{run.label} (mean of {SMOOTH_WINDOW})")
+            ax.plot(
+                points.x,
+                moving_average(points.y, SMOOTH_WINDOW),
+                color=raw.get_color(),
+                label=f"{run.label} (mean of {SMOOTH_WINDOW})",
+            )
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -183,8 +183,7 @@ def _plot_eval(runs: list[Run], out_dir: Path, notes: list[str]) -> list[Path]:
     if not keys:
         notes.append(f"skipped eval_accuracy.png: no run logged '{EVAL_AVG}' or 'eval/<benchmark>/pass@1'")
         return []
-    panels = [(key, [eval_series(run.records, key, notes, run.label) for run in runs], "pass@1")
-              for key in keys]
+    panels = [(key, [eval_series(run.records, key, notes, run.label) for run in runs], "pass@1") for key in keys]
     path = out_dir / "eval_accuracy.png"
     return [_plot_panels(runs, panels, path, xlabel="wall-clock seconds", marker="o")]
 
@@ -192,11 +191,13 @@ def _plot_eval(runs: list[Run], out_dir: Path, notes: list[str]) -> list[Path]:
 def _plot_per_update(runs: list[Run], out_dir: Path, notes: list[str]) -> list[Path]:
     written = []
     fractions = [key for key in UPDATE_FRACTIONS if _present(runs, key)]
-    notes += [f"skipped '{key}' in nav_clip_fractions.png: no run logged it"
-              for key in UPDATE_FRACTIONS if key not in fractions]
+    notes += [
+        f"skipped '{key}' in nav_clip_fractions.png: no run logged it"
+        for key in UPDATE_FRACTIONS
+        if key not in fractions
+    ]
     if fractions:
-        panels = [(key, [series(run.records, key) for run in runs], "fraction of tokens")
-                  for key in fractions]
+        panels = [(key, [series(run.records, key) for run in runs], "fraction of tokens") for key in fractions]
         path = out_dir / "nav_clip_fractions.png"
         written.append(_plot_panels(runs, panels, path, xlabel="optimizer update"))
     ratios = [key for key in (RATIO_NEG, RATIO_POS) if _present(runs, key)]
@@ -249,9 +250,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron_mugrpo.report", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m megatron_mugrpo.report", description=__doc__.split("\n")[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding metrics.jsonl")
     parser.add_argument("--out", required=True, type=Path, help="directory for the PNGs and report.md")
     args = parser.parse_args(argv)

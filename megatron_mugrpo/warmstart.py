@@ -111,7 +111,11 @@ def miscopy(answer: str, rng: random.Random) -> str:
 
 
 def sft_batch(
-    rows: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, *, noise: float = 0.0, rng: random.Random | None = None
+    rows: list[dict[str, str]],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    noise: float = 0.0,
+    rng: random.Random | None = None,
 ) -> dict[str, torch.Tensor]:
     """Right-padded prompt + completion + EOS with labels only on the completion (−100 elsewhere).
 

@@ -23,6 +23,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))
 NON_PAPER_YAMLS = [p for p in YAMLS if p.parent.name != "paper"]
 """configs/paper/ files are all loaded (and checked in detail) by test_paper_grid_settings."""
+
+
 def _dims(heads: int, kv_heads: int, layers: int) -> dict[str, int]:
     return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": layers}
 

@@ -41,9 +41,7 @@ def fake_bin(tmp_path: Path) -> Path:
 def _run(script: Path, fake_bin: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     # Only the fakes and the basic system tools: a real torchrun or nvidia-smi is never reached.
     full_env = {"PATH": f"{fake_bin}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), **env}
-    return subprocess.run(
-        ["bash", str(script), *USER_ARGS], env=full_env, capture_output=True, text=True, timeout=30
-    )
+    return subprocess.run(["bash", str(script), *USER_ARGS], env=full_env, capture_output=True, text=True, timeout=30)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

@@ -36,9 +36,7 @@ def group_advantages(rewards: Tensor, group_index: Tensor, eps: float) -> tuple[
         zero_variance: [N] bool, True for responses of a zero-variance group.
     """
     if rewards.shape != group_index.shape or rewards.dim() != 1:
-        raise ValueError(
-            f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} must both be [N]"
-        )
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} must both be [N]")
     if eps <= 0:
         raise ValueError(f"advantage eps={eps} must be > 0 (config: algo.adv_eps)")
     r = rewards.to(torch.float64)
@@ -92,9 +90,7 @@ def assign_advantages(groups: list[RolloutGroup], eps: float) -> dict[str, float
     return stats
 
 
-def _group_stats(
-    *, groups: int, samples: int, zero_var: int, solve_all: int, solve_none: int
-) -> dict[str, float]:
+def _group_stats(*, groups: int, samples: int, zero_var: int, solve_all: int, solve_none: int) -> dict[str, float]:
     denominator = max(groups, 1)
     return {
         "num_groups": float(groups),

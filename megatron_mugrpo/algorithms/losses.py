@@ -115,9 +115,7 @@ def policy_loss(
         **options: exactly the loss's keyword options (``AlgoConfig.loss_options()``).
     """
     if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown policy loss {name!r}; choose one of {available_losses()} (config: algo.loss)"
-        )
+        raise ValueError(f"unknown policy loss {name!r}; choose one of {available_losses()} (config: algo.loss)")
     fn = _REGISTRY[name]
     accepted = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
     unknown = sorted(set(options) - accepted)
@@ -134,9 +132,7 @@ def policy_loss(
 # ---------------------------------------------------------------------------------------------
 
 
-def token_terms(
-    logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor, response_mask: Tensor
-) -> TokenTerms:
+def token_terms(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor, response_mask: Tensor) -> TokenTerms:
     """Validate shapes and compute log ρ, ρ and [B, T] advantages.
 
     Computation happens in float32 at least (float64 stays float64). Positions off the response get
@@ -165,9 +161,7 @@ def token_terms(
     )
 
 
-def clipped_objective(
-    terms: TokenTerms, low: float | Tensor, high: float | Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+def clipped_objective(terms: TokenTerms, low: float | Tensor, high: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """PPO surrogate min(ρA, clip(ρ, low, high)A).
 
     Returns:
@@ -194,14 +188,10 @@ def loss_normaliser(response_mask: Tensor, aggregation: str, dtype: torch.dtype 
         return (lengths > 0).sum().to(dtype)
     if aggregation == "token_mean":
         return lengths.sum().to(dtype)
-    raise ValueError(
-        f"unknown aggregation {aggregation!r}; choose one of {AGGREGATIONS} (config: algo.aggregation)"
-    )
+    raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {AGGREGATIONS} (config: algo.aggregation)")
 
 
-def aggregate(
-    objective: Tensor, keep: Tensor, response_mask: Tensor, aggregation: str
-) -> tuple[Tensor, Tensor]:
+def aggregate(objective: Tensor, keep: Tensor, response_mask: Tensor, aggregation: str) -> tuple[Tensor, Tensor]:
     """(loss_sum, normaliser) of a per-token objective; see the module docstring.
 
     Args:
@@ -325,9 +315,7 @@ def mu_grpo_loss(
     ``nav_vetoed_frac`` (vetoed / response tokens).
     """
     if not 0.0 <= clip_low <= clip_high:
-        raise ValueError(
-            f"mu_grpo needs 0 <= clip_low <= clip_high, got [{clip_low}, {clip_high}] (algo.clip_*)"
-        )
+        raise ValueError(f"mu_grpo needs 0 <= clip_low <= clip_high, got [{clip_low}, {clip_high}] (algo.clip_*)")
     if veto_threshold <= math.exp(-LOG_RATIO_CLAMP):
         raise ValueError(
             f"veto_threshold={veto_threshold} is below exp(-{LOG_RATIO_CLAMP}), the smallest ratio the loss "
@@ -335,9 +323,7 @@ def mu_grpo_loss(
         )
     terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
     objective, clipped_low, clipped_high = clipped_objective(terms, clip_low, clip_high)
-    keep, nav = veto_mask(
-        terms.log_ratio, terms.advantages, terms.mask, scope=veto_scope, threshold=veto_threshold
-    )
+    keep, nav = veto_mask(terms.log_ratio, terms.advantages, terms.mask, scope=veto_scope, threshold=veto_threshold)
     loss_sum, normaliser = aggregate(objective, keep, terms.mask, aggregation)
     nav["nav_vetoed_frac"] = nav["nav_vetoed_tokens"] / terms.mask.sum().clamp_min(1)
     metrics = ratio_metrics(terms) | clip_metrics(terms, clipped_low, clipped_high) | nav
@@ -345,9 +331,7 @@ def mu_grpo_loss(
 
 
 @torch.no_grad()
-def m2po_mask_greedy(
-    log_ratio: Tensor, advantages: Tensor, response_mask: Tensor, threshold: float
-) -> Tensor:
+def m2po_mask_greedy(log_ratio: Tensor, advantages: Tensor, response_mask: Tensor, threshold: float) -> Tensor:
     """Reference M2PO masking, one token at a time (slow; for tests).
 
     While the mean of (log ρ)² over the remaining trust-region tokens exceeds ``threshold``, mask the
@@ -447,9 +431,7 @@ def m2po_loss(
     """
     terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
     masked = m2po_mask(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)
-    loss_sum, normaliser = aggregate(
-        terms.ratio * terms.advantages, terms.mask & ~masked, terms.mask, aggregation
-    )
+    loss_sum, normaliser = aggregate(terms.ratio * terms.advantages, terms.mask & ~masked, terms.mask, aggregation)
     with torch.no_grad():
         region = trust_region(terms.log_ratio, terms.advantages, terms.mask)
         sq = terms.log_ratio.detach().square()

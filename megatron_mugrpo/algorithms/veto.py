@@ -84,9 +84,7 @@ def veto_mask(
             ``nav_vetoed_tokens`` (response tokens removed from the loss).
     """
     if scope not in VETO_SCOPES:
-        raise ValueError(
-            f"unknown NAV scope {scope!r}; choose one of {VETO_SCOPES} (config: algo.veto_scope)"
-        )
+        raise ValueError(f"unknown NAV scope {scope!r}; choose one of {VETO_SCOPES} (config: algo.veto_scope)")
     mask = response_mask.bool()
     negative = mask & (broadcast_advantages(advantages, log_ratio) < 0)
     triggers = nav_triggers(log_ratio, advantages, mask, threshold)

@@ -183,9 +183,7 @@ def _sample_round(
     """Generate ``counts[p]`` more responses for each prompt p, score them, append them."""
     chosen = [p for p, n in enumerate(counts) if n > 0]
     wanted = [counts[p] for p in chosen]
-    generations = engine.generate(
-        [list(pending[p].record.prompt_ids) for p in chosen], wanted, params, progress
-    )
+    generations = engine.generate([list(pending[p].record.prompt_ids) for p in chosen], wanted, params, progress)
     validate_generations(
         generations,
         wanted,

@@ -230,9 +230,7 @@ class VerifierPool:
         self, fn: Callable[..., Any], *, workers: int, timeout_s: float, warmup: tuple[Any, ...] | None = None
     ):
         if workers < 1 or timeout_s <= 0:
-            raise RewardError(
-                f"verifier pool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}"
-            )
+            raise RewardError(f"verifier pool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
         self.fn, self.num_workers, self.timeout_s, self.warmup = fn, workers, timeout_s, warmup
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -354,9 +352,7 @@ class MathReward:
     """1.0 when the last boxed answer equals the reference (math-verify equivalence), else 0.0."""
 
     def __init__(self, *, workers: int, timeout_s: float):
-        self.pool = VerifierPool(
-            verify_with_math_verify, workers=workers, timeout_s=timeout_s, warmup=("1", "1")
-        )
+        self.pool = VerifierPool(verify_with_math_verify, workers=workers, timeout_s=timeout_s, warmup=("1", "1"))
 
     def score(self, responses: list[str], answers: list[str]) -> list[tuple[float, str]]:
         if len(responses) != len(answers):

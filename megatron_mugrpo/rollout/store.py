@@ -123,8 +123,7 @@ class StoreManifest:
     def from_json(cls, data: dict[str, Any], where: Path) -> StoreManifest:
         if data.get("format") != FORMAT:
             raise StoreError(
-                f"{where}: format {data.get('format')!r} is not {FORMAT!r}; "
-                "delete the directory to regenerate"
+                f"{where}: format {data.get('format')!r} is not {FORMAT!r}; delete the directory to regenerate"
             )
         fields = {k: v for k, v in data.items() if k not in ("num_prompts", "num_responses", "shards")}
         return cls(**fields, shards=[ShardInfo(**s) for s in data["shards"]])
@@ -154,8 +153,7 @@ def _validate_sample(sample: RolloutSample, vocab_size: int, where: str) -> None
         raise StoreError(f"{where} is empty; the engine must return at least one token (EOS included)")
     if len(sample.response_ids) != len(sample.behaviour_logprobs):
         raise StoreError(
-            f"{where}: {len(sample.response_ids)} tokens but "
-            f"{len(sample.behaviour_logprobs)} behaviour log-probs"
+            f"{where}: {len(sample.response_ids)} tokens but {len(sample.behaviour_logprobs)} behaviour log-probs"
         )
     _check_ids(sample.response_ids, vocab_size, where)
     bad = [(t, lp) for t, lp in enumerate(sample.behaviour_logprobs) if not (math.isfinite(lp) and lp <= 0.0)]
@@ -287,9 +285,7 @@ def read_manifest(store_dir: str | Path) -> StoreManifest | None:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise StoreError(
-            f"{path} is not valid JSON ({exc}); delete {store_dir} to regenerate the stage"
-        ) from exc
+        raise StoreError(f"{path} is not valid JSON ({exc}); delete {store_dir} to regenerate the stage") from exc
     return StoreManifest.from_json(data, path)
 
 
@@ -380,8 +376,7 @@ class RolloutStoreWriter:
         """Validate and write shard ``index`` (must be ``next_shard_index``), then update the manifest."""
         if index != self.next_shard_index:
             raise StoreError(
-                f"shard {index} written out of order; "
-                f"the next shard of {self.store_dir} is {self.next_shard_index}"
+                f"shard {index} written out of order; the next shard of {self.store_dir} is {self.next_shard_index}"
             )
         expected = len(self.manifest.shard_range(index))
         if len(groups) != expected:
@@ -454,9 +449,7 @@ class RolloutStore:
         store_dir = Path(store_dir)
         manifest = read_manifest(store_dir)
         if manifest is None:
-            raise StoreError(
-                f"{store_dir} has no {MANIFEST}: not a rollout store (or generation never started)"
-            )
+            raise StoreError(f"{store_dir} has no {MANIFEST}: not a rollout store (or generation never started)")
         if not manifest.complete or len(manifest.shards) != manifest.num_shards:
             raise StoreError(
                 f"{store_dir} is incomplete ({len(manifest.shards)}/{manifest.num_shards} shards): "
@@ -466,15 +459,11 @@ class RolloutStore:
         for info in manifest.shards:
             problem = _shard_problem(store_dir, info) if verify else ""
             if problem:
-                raise StoreError(
-                    f"{problem}; delete {store_dir / info.file} and rerun the stage to regenerate it"
-                )
+                raise StoreError(f"{problem}; delete {store_dir / info.file} and rerun the stage to regenerate it")
             tables.append(pq.read_table(store_dir / info.file, schema=SCHEMA))
         table = pa.concat_tables(tables)
         if table.num_rows != manifest.num_groups:
-            raise StoreError(
-                f"{store_dir} holds {table.num_rows} groups but its manifest says {manifest.num_groups}"
-            )
+            raise StoreError(f"{store_dir} holds {table.num_rows} groups but its manifest says {manifest.num_groups}")
         return cls(store_dir, manifest, table)
 
     is_complete = staticmethod(is_complete)
@@ -495,9 +484,7 @@ class RolloutStore:
     def updates_per_epoch(self, mini_groups: int) -> int:
         """Minibatches of ``mini_groups`` groups in one pass over the store (a remainder is skipped)."""
         if not 1 <= mini_groups <= self.num_groups:
-            raise StoreError(
-                f"mini_groups={mini_groups} must be in [1, {self.num_groups}] (the store's group count)"
-            )
+            raise StoreError(f"mini_groups={mini_groups} must be in [1, {self.num_groups}] (the store's group count)")
         return self.num_groups // mini_groups
 
     def minibatch_indices(self, update_index: int, mini_groups: int, seed: int) -> list[int]:

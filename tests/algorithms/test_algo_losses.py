@@ -26,9 +26,7 @@ AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
 
 def _two_responses() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Response 0: A=+1, ρ=[1.5, 0.5, 1]; response 1: A=−2, ρ=[1.5, 0.5] + one padding slot."""
-    log_ratio = torch.tensor(
-        [[math.log(1.5), math.log(0.5), 0.0], [math.log(1.5), math.log(0.5), 0.0]], dtype=F64
-    )
+    log_ratio = torch.tensor([[math.log(1.5), math.log(0.5), 0.0], [math.log(1.5), math.log(0.5), 0.0]], dtype=F64)
     behaviour = torch.full((2, 3), -1.0, dtype=F64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=F64)
     return behaviour + log_ratio, behaviour, torch.tensor([1.0, -2.0], dtype=F64), mask
@@ -46,9 +44,7 @@ def _two_responses() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
         ("token_mean", -(2.7 - 4.6), -(3.0 - 4.0), 5.0),
     ],
 )
-def test_clipped_losses_hand_values(
-    aggregation: str, grpo_sum: float, mu_sum: float, normaliser: float
-) -> None:
+def test_clipped_losses_hand_values(aggregation: str, grpo_sum: float, mu_sum: float, normaliser: float) -> None:
     lp, bl, adv, mask = _two_responses()
     grpo = policy_loss("grpo", lp, bl, adv, mask, clip_eps=0.2, aggregation=aggregation)
     mu = policy_loss("mu_grpo", lp, bl, adv, mask, aggregation=aggregation, veto_scope="seq")
@@ -308,9 +304,7 @@ def test_padding_garbage_and_extreme_ratios_stay_finite() -> None:
     lp[0, 0] = bl[0, 0] + 80.0  # exp(80) overflows float32: must be clamped, not inf
     for name in LOSSES:
         current = lp.to(torch.float32).requires_grad_(True)
-        out = policy_loss(
-            name, current, bl.float(), adv.float(), mask.float(), **AlgoConfig(loss=name).loss_options()
-        )
+        out = policy_loss(name, current, bl.float(), adv.float(), mask.float(), **AlgoConfig(loss=name).loss_options())
         out.loss_sum.backward()
         assert torch.isfinite(out.loss_sum) and torch.isfinite(current.grad).all(), name
         assert out.metrics["log_ratio_clamped_frac"] > 0
@@ -334,9 +328,7 @@ def test_cuda_matches_cpu() -> None:
         results = []
         for device in ("cpu", "cuda"):
             current = lp.to(device=device, dtype=torch.float32).requires_grad_(True)
-            out = policy_loss(
-                name, current, bl.float().to(device), adv.float().to(device), mask.to(device), **options
-            )
+            out = policy_loss(name, current, bl.float().to(device), adv.float().to(device), mask.to(device), **options)
             out.loss_sum.backward()
             results.append((out.loss_sum.detach().cpu(), current.grad.cpu(), out.metrics))
         (cpu_loss, cpu_grad, cpu_metrics), (gpu_loss, gpu_grad, gpu_metrics) = results

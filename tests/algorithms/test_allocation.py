@@ -24,9 +24,7 @@ def vigor_cfg(**vigor) -> RolloutConfig:
 def run_vigor(cfg: RolloutConfig, reward_of, num_prompts: int) -> tuple[list[int], list[list[int]]]:
     """Drive the allocation as rollout.generate does; reward_of(prompt, k) gives the k-th reward."""
     budget = total_budget(num_prompts, cfg)
-    rewards = [
-        [reward_of(p, k) for k in range(n)] for p, n in enumerate(initial_allocation(num_prompts, cfg))
-    ]
+    rewards = [[reward_of(p, k) for k in range(n)] for p, n in enumerate(initial_allocation(num_prompts, cfg))]
     extras = []
     for r in range(1, num_rounds(cfg) + 1):
         spent = sum(map(len, rewards))

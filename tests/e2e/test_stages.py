@@ -161,3 +161,46 @@ def test_resume_after_sigkill_equals_uninterrupted(
         assert torch.equal(expected[name], got[name]), f"{name} differs after resume"
     steps = [r["step"] for r in records(run_dir) if "train/loss" in r]
     assert steps == list(range(1, 9)), "each update is logged exactly once after resume"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_with_tensor_parallelism(tmp_path: Path, base_model: Path):
+    """torchrun with TP=2: rank 0 owns the engine and the store, both ranks train; π_θ = β at update 1."""
+    run_dir = tmp_path / "tp2"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "megatron_mugrpo.cli",
+        "train",
+        "--config",
+        str(DEMO),
+        "--run-dir",
+        str(run_dir),
+        f"model.hf_dir={base_model}",
+        "parallel.tensor_parallel=2",
+        "stages.num_stages=1",
+        *SMALL[1:],
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("acc_before=")
+    updates = [r for r in records(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in updates] == [1, 2, 3, 4]
+    assert updates[0]["train/rollout_logprob_abs_diff_max"] < 1e-4
+    assert (run_dir / "hf_final" / "model.safetensors").is_file()

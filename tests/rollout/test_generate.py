@@ -68,9 +68,7 @@ def make_prompts(tokenizer, n: int) -> list[PromptRecord]:
 
 
 def rollout_cfg(**overrides) -> RolloutConfig:
-    return RolloutConfig(
-        **({"group_size": 3, "max_new_tokens": 6, "shard_groups": 2, "batch_size": 16} | overrides)
-    )
+    return RolloutConfig(**({"group_size": 3, "max_new_tokens": 6, "shard_groups": 2, "batch_size": 16} | overrides))
 
 
 def run(store_dir, engine, prompts, tokenizer, reward, cfg, **overrides):
@@ -118,9 +116,7 @@ def test_generate_stage_with_transformers_engine(tmp_path, model_dir, tokenizer,
     # The stored behaviour log-probs are what the trainer-side forward computes.
     flat = [(g.prompt_ids, s) for g in groups for s in g.samples]
     reference = engine.teacher_forced_logprobs([p for p, _ in flat], [s.response_ids for _, s in flat], 1.0)
-    error = max(
-        float((torch.tensor(s.behaviour_logprobs) - ref).abs().max()) for (_, s), ref in zip(flat, reference)
-    )
+    error = max(float((torch.tensor(s.behaviour_logprobs) - ref).abs().max()) for (_, s), ref in zip(flat, reference))
     assert error <= LOGPROB_TOLERANCE
     lengths = [len(s.response_ids) for _, s in flat]
     assert metrics["rollout/responses"] == 15
@@ -152,10 +148,7 @@ def test_resume_after_crash_regenerates_only_missing_shards(tmp_path, model_dir,
     metrics = run(tmp_path / "resumed", counting, prompts, tokenizer, reward, cfg)
     assert counting.calls == [[p.prompt_ids for p in prompts[2:4]], [p.prompt_ids for p in prompts[4:6]]]
     assert metrics["perf/rollout_shards_resumed"] == 1
-    assert (
-        RolloutStore.open(tmp_path / "resumed").groups()
-        == RolloutStore.open(tmp_path / "uninterrupted").groups()
-    )
+    assert RolloutStore.open(tmp_path / "resumed").groups() == RolloutStore.open(tmp_path / "uninterrupted").groups()
 
     with pytest.raises(StoreError, match="prompts_sha256"):
         run(tmp_path / "resumed", counting, prompts[::-1], tokenizer, reward, cfg)

@@ -200,10 +200,7 @@ def test_minibatches_are_deterministic_and_cover_each_epoch(tmp_path):
     epoch1 = [i for batch in orders[3:] for i in batch]
     assert len(set(epoch0)) == 9 and len(set(epoch1)) == 9  # no repeats within an epoch
     assert epoch0 != epoch1  # a new permutation per epoch
-    assert (
-        store.minibatch_indices(0, 3, seed=8) != orders[0]
-        or store.minibatch_indices(1, 3, seed=8) != orders[1]
-    )
+    assert store.minibatch_indices(0, 3, seed=8) != orders[0] or store.minibatch_indices(1, 3, seed=8) != orders[1]
     groups = store.minibatch(4, 3, seed=7)
     assert [g.prompt_id for g in groups] == [f"p{i}" for i in orders[4]]
     batch = collate(groups, pad_id=0)

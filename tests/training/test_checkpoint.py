@@ -31,8 +31,12 @@ def _policy(seed: int) -> Policy:
 def _update(policy: Policy, index: int) -> dict[str, float]:
     # Dropout is off, so the RNG does not change results here; the draw below checks it is restored.
     return train_step(
-        policy, make_batch(20 + index), loss_name="mu_grpo", loss_options=AlgoConfig().loss_options(),
-        temperature=1.0, micro_batch_size=3,
+        policy,
+        make_batch(20 + index),
+        loss_name="mu_grpo",
+        loss_options=AlgoConfig().loss_options(),
+        temperature=1.0,
+        micro_batch_size=3,
     ) | {"rng_draw": float(torch.rand(()))}
 
 
@@ -50,13 +54,20 @@ def _resume_is_bitwise(rank: int, world_size: int, root: str) -> None:
     resumed_metrics = [_update(first, i) for i in range(2)]
     state = TrainerState(stage=0, update_in_stage=2, global_update=2, data_cursor=2 * 2, extra={"note": "x"})
     checkpoint.save_checkpoint(
-        root, 2, first.model_chunks, hf_config=first.hf_config, optimizer=first.optimizer,
-        scheduler=first.scheduler, trainer_state=state, run_config={"seed": 0},
+        root,
+        2,
+        first.model_chunks,
+        hf_config=first.hf_config,
+        optimizer=first.optimizer,
+        scheduler=first.scheduler,
+        trainer_state=state,
+        run_config={"seed": 0},
     )
     second = _policy(seed=7)  # different init: everything must come from the checkpoint
     torch.rand(5)  # disturb the RNG: it must be restored too
-    info = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root), second.model_chunks,
-                                      second.optimizer, second.scheduler)
+    info = checkpoint.load_checkpoint(
+        checkpoint.latest_checkpoint(root), second.model_chunks, second.optimizer, second.scheduler
+    )
     assert info.trainer_state == state and info.loaded_optimizer and info.restored_rng
     assert info.metadata["run_config"] == {"seed": 0} and info.metadata["tp"] == 1
     resumed_metrics += [_update(second, i) for i in range(2, 4)]
@@ -110,8 +121,9 @@ def _model_only_checkpoint_starts_fresh_optimizer(rank: int, world_size: int, ro
     checkpoint.save_checkpoint(root, 0, source.model_chunks, hf_config=source.hf_config)  # like convert hf-to-megatron
     weights = _params(source)
     target = _policy(seed=3)
-    info = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(root), target.model_chunks,
-                                      target.optimizer, target.scheduler)
+    info = checkpoint.load_checkpoint(
+        checkpoint.latest_checkpoint(root), target.model_chunks, target.optimizer, target.scheduler
+    )
     assert not info.loaded_optimizer and not info.metadata["has_optimizer"]
     for name, value in _params(target).items():
         assert torch.equal(value, weights[name]), name

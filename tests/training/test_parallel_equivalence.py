@@ -57,8 +57,12 @@ def _updates(policy: Policy, on_first: Any = None) -> list[dict[str, float]]:
     for i in range(UPDATES):
         metrics.append(
             train_step(
-                policy, make_batch(10 + i, groups=2, group_size=4), loss_name="mu_grpo",
-                loss_options=AlgoConfig().loss_options(), temperature=1.0, micro_batch_size=MICRO_BATCH,
+                policy,
+                make_batch(10 + i, groups=2, group_size=4),
+                loss_name="mu_grpo",
+                loss_options=AlgoConfig().loss_options(),
+                temperature=1.0,
+                micro_batch_size=MICRO_BATCH,
             )
         )
         if i == 0 and on_first is not None:
@@ -101,8 +105,12 @@ def _layouts(rank: int, world_size: int, root: str) -> None:
         metrics = _updates(policy, on_first)
         final_logprobs = forward_logprobs(policy, make_batch(10), temperature=1.0, micro_batch_size=MICRO_BATCH)
         checkpoint.save_checkpoint(
-            Path(root) / name, UPDATES, policy.model_chunks, hf_config=CONFIG,
-            optimizer=policy.optimizer, scheduler=policy.scheduler,
+            Path(root) / name,
+            UPDATES,
+            policy.model_chunks,
+            hf_config=CONFIG,
+            optimizer=policy.optimizer,
+            scheduler=policy.scheduler,
         )
         if rank == 0:
             result = {"logprobs": logprobs, "grads": grads, "metrics": metrics, "final_logprobs": final_logprobs}

@@ -34,8 +34,13 @@ def _policy(seed: int = 0, **optim: Any) -> Policy:
 def _step(policy: Policy, batch: TrainBatch, micro_batch_size: int = 4, impl: str = "fused") -> dict:
     options = AlgoConfig().loss_options()
     return train_step(
-        policy, batch, loss_name="mu_grpo", loss_options=options, temperature=1.0,
-        micro_batch_size=micro_batch_size, impl=impl,
+        policy,
+        batch,
+        loss_name="mu_grpo",
+        loss_options=options,
+        temperature=1.0,
+        micro_batch_size=micro_batch_size,
+        impl=impl,
     )
 
 
@@ -57,8 +62,15 @@ def _parameters_change(rank: int, world_size: int) -> None:
     before = _params(policy)
     metrics = _step(policy, make_batch(0))
     after = _params(policy)
-    expected = {"train/loss", "train/grad_norm", "train/lr", "train/rollout_logprob_abs_diff_max",
-                "train/rollout_logprob_abs_diff_mean", "train/clip_frac_low", "train/nav_vetoed_frac"}
+    expected = {
+        "train/loss",
+        "train/grad_norm",
+        "train/lr",
+        "train/rollout_logprob_abs_diff_max",
+        "train/rollout_logprob_abs_diff_mean",
+        "train/clip_frac_low",
+        "train/nav_vetoed_frac",
+    }
     assert expected <= metrics.keys(), sorted(expected - metrics.keys())
     assert metrics["train/lr"] == LR and metrics["train/grad_norm"] > 0
     changed = [name for name in before if not torch.equal(before[name], after[name])]
