@@ -235,6 +235,46 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+_WRITER_MANAGER: Any = None
+PR_SET_PDEATHSIG = 1
+"""prctl option: the kernel sends a signal to this process when its parent dies (Linux)."""
+
+
+def _die_with_parent() -> None:
+    """Initializer of the results-queue server: SIGKILL it when the training process dies."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the server outlives a killed trainer, as in Megatron
+        pass
+
+
+def _writer_queue_dies_with_this_process() -> None:
+    """Give Megatron's checkpoint writer a results queue whose server process dies with us.
+
+    megatron-core's torch_dist writer lazily starts a ``multiprocessing.Manager`` server for its
+    results queue. When the trainer is SIGKILLed that server is orphaned and lives on, holding the
+    trainer's stdout/stderr open (a launcher reading them never sees EOF). We start the same kind of
+    server ourselves with a parent-death signal and hand its queue to Megatron's module slot.
+    """
+    global _WRITER_MANAGER
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if _WRITER_MANAGER is not None or getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # already installed, or this megatron-core version manages the queue differently
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_die_with_parent)
+    _WRITER_MANAGER = manager  # the server lives as long as this reference
+    filesystem_async._results_queue = manager.Queue()
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -265,6 +305,7 @@ def save_checkpoint(
             if sub:
                 (tmp / sub).mkdir(parents=True)
     _barrier()
+    _writer_queue_dies_with_this_process()
     dist_checkpointing.save(_model_sharded_state_dict(model_chunks), str(tmp / "model"))
     if optimizer is not None:
         opt_sd = optimizer.sharded_state_dict(
