@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
@@ -193,8 +194,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def quiet_libraries() -> None:
+    """Keep the console for our progress bars and metrics: library chatter only from WARNING up.
+
+    megatron-core logs every DDP bucket and optimizer setting at INFO and warns at import that Apex
+    / Transformer Engine are absent (expected on CPU: the local implementations are used).
+    """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("megatron", "torch.distributed", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
+    warnings.filterwarnings("ignore", message=".*torch_dtype.*is deprecated.*")
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
     args = build_parser().parse_args(argv)
     if args.verb == "convert":
         from conversion.cli import run_convert
