@@ -204,3 +204,16 @@ def test_two_ranks_with_tensor_parallelism(tmp_path: Path, base_model: Path):
     assert [r["step"] for r in updates] == [1, 2, 3, 4]
     assert updates[0]["train/rollout_logprob_abs_diff_max"] < 1e-4
     assert (run_dir / "hf_final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_phase_verbs_replay_one_stage(tmp_path: Path, base_model: Path):
+    """`generate` writes D_0 only; `optimize` then makes μ updates on it and checkpoints."""
+    run_dir = tmp_path / "phases"
+    common = ["--run-dir", str(run_dir), "--stage", "0"]
+    mugrpo("generate", "--config", str(DEMO), *common, f"model.hf_dir={base_model}", *SMALL)
+    assert json.loads((run_dir / "rollouts" / "stage_000" / "manifest.json").read_text())["complete"]
+    assert not (run_dir / "checkpoints").exists()
+    mugrpo("optimize", *common)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert [r["step"] for r in records(run_dir) if "train/loss" in r] == [1, 2, 3, 4]
