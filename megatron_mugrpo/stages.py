@@ -10,6 +10,7 @@ high-staleness baseline and M2PO are the same loop with other configs.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -23,13 +24,15 @@ from megatron_mugrpo.rollout.engine import ProgressCallback
 from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
 from megatron_mugrpo.rollout.store import RolloutStore, is_complete
 from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
-from megatron_mugrpo.training.checkpoint import TrainerState, save_checkpoint
+from megatron_mugrpo.training.checkpoint import TrainerState, save_checkpoint, step_dir_name
 from megatron_mugrpo.training.train_step import train_step
 
 log = logging.getLogger(__name__)
 
 GAP_KEY = "train/rollout_logprob_abs_diff_max"
 BEST_KEY = "best_eval"
+BEST_FILE = "best.json"
+"""RUN_DIR/best.json: the best eval/avg_pass@1 so far, its update and its checkpoint (kept from pruning)."""
 CRASH_ENV = "MUGRPO_CRASH_AT"
 FINAL_HF_DIR = "hf_final"
 TIMER_KEYS = ("perf/t_rollout_s", "perf/t_optimize_s", "perf/t_eval_s")
@@ -175,8 +178,9 @@ def run_evaluation(run: Run) -> dict[str, float]:
 
 
 def checkpoint(run: Run) -> None:
-    """Save model, optimizer and the trainer state (including accumulated timers)."""
+    """Save model, optimizer and trainer state (timers included); the best evaluated step is never pruned."""
     run.state.extra["timers"] = _timers(run)
+    best = run.state.extra.get(BEST_KEY)
     save_checkpoint(
         run.checkpoint_root,
         run.state.global_update,
@@ -187,7 +191,14 @@ def checkpoint(run: Run) -> None:
         trainer_state=run.state,
         run_config=run.cfg.to_dict(),
         keep_last=run.cfg.checkpoint.keep_last,
+        keep=[best["global_update"]] if best else [],
     )
+    if run.is_writer and best:
+        step_dir = run.checkpoint_root / step_dir_name(best["global_update"])
+        # The best may be the starting policy (update 0), which lives in the base HF directory.
+        where = step_dir if step_dir.is_dir() else (run.hf_dir if best["global_update"] == 0 else None)
+        record = best | {"checkpoint": str(where) if where else None}
+        (run.run_dir / BEST_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def export_final(run: Run) -> None:

@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -287,8 +288,12 @@ def save_checkpoint(
     run_config: dict[str, Any] | None = None,
     save_rng: bool = True,
     keep_last: int = MIN_KEEP_LAST,
+    keep: Collection[int] = (),
 ) -> Path:
     """Write ``root/step_XXXXXXXX`` (collective: every rank calls it) and return its path.
+
+    The newest ``keep_last`` complete checkpoints survive pruning, and so do the steps in ``keep``
+    (e.g. the best one by evaluation).
 
     ``model_chunks`` may be DDP-wrapped or bare GPTModels. Without ``optimizer`` the directory is
     model-only (what ``mugrpo convert hf-to-megatron`` writes). Synchronous: dist_checkpointing's
@@ -319,7 +324,7 @@ def save_checkpoint(
     if _is_rank0():
         metadata = _metadata(model_chunks, hf_config, optimizer, scheduler, trainer_state, run_config)
         (tmp / "metadata.json").write_text(json.dumps(metadata, indent=2, default=str))
-        _publish(root, tmp, final, keep_last)
+        _publish(root, tmp, final, keep_last, keep)
     _barrier()
     return final
 
@@ -357,7 +362,7 @@ def _is_distributed(optimizer: MegatronOptimizer | None) -> bool:
     return any(isinstance(part, DistributedOptimizer) for part in parts)
 
 
-def _publish(root: Path, tmp: Path, final: Path, keep_last: int) -> None:
+def _publish(root: Path, tmp: Path, final: Path, keep_last: int, keep: Collection[int] = ()) -> None:
     """Rank 0: rename tmp → final, point ``latest`` at it (atomic replace), prune old ones."""
     if final.exists():  # re-saving a step: the new copy replaces the old one
         shutil.rmtree(final)
@@ -365,8 +370,10 @@ def _publish(root: Path, tmp: Path, final: Path, keep_last: int) -> None:
     pointer_tmp = root / (LATEST + TMP_SUFFIX)
     pointer_tmp.write_text(final.name + "\n")
     os.replace(pointer_tmp, root / LATEST)
+    protected = {step_dir_name(step) for step in keep}
     for old in _complete_steps(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name not in protected:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 # -------------------------------------------------------------------------------------- load

@@ -102,7 +102,15 @@ def test_end_to_end_run_writes_everything(uninterrupted: tuple[Path, subprocess.
         assert manifest["complete"] is True and manifest["num_groups"] == 16
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000008"
-    assert len([p for p in ckpts.iterdir() if p.name.startswith("step_")]) == 2  # keep_last
+    best = json.loads((run_dir / "best.json").read_text())
+    kept = {p.name for p in ckpts.iterdir() if p.name.startswith("step_")}
+    # keep_last = 2 newest, plus the best evaluated step, which is never pruned
+    assert (
+        {"step_00000006", "step_00000008"}
+        <= kept
+        <= {"step_00000006", "step_00000008", f"step_{best['global_update']:08d}"}
+    )
+    assert best["checkpoint"] is not None and Path(best["checkpoint"]).is_dir()
     assert (run_dir / "config.yaml").is_file() and any((run_dir / "tensorboard").iterdir())
     assert {p.name for p in (run_dir / "report").glob("*.png")} >= {"eval_accuracy.png", "reward_per_stage.png"}
 

@@ -89,6 +89,12 @@ def _keep_last_latest_and_errors(rank: int, world_size: int, root: str) -> None:
     assert names == ["latest", "step_00000003", "step_00000004"], names
     assert checkpoint.latest_checkpoint(root) == root_path / "step_00000004"
 
+    # A protected step (the best evaluated one) survives pruning past keep_last.
+    keep_root = root_path.parent / "keep"
+    for step in range(1, 5):
+        checkpoint.save_checkpoint(keep_root, step, policy.model_chunks, hf_config=policy.hf_config, keep=[1])
+    assert sorted(p.name for p in keep_root.iterdir()) == ["latest", "step_00000001", "step_00000003", "step_00000004"]
+
     # A half-written save (crash before the rename) is ignored.
     (root_path / "step_00000005.tmp" / "model").mkdir(parents=True)
     assert checkpoint.latest_checkpoint(root) == root_path / "step_00000004"
