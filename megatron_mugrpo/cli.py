@@ -82,15 +82,11 @@ def _resolve_config(args: argparse.Namespace, run_dir: Path):
         return load_config(args.config, args.overrides)
     if (run_dir / CONFIG_FILE).is_file():
         return load_run_config(run_dir) if not args.overrides else load_config(run_dir / CONFIG_FILE, args.overrides)
-    raise _usage(f"{run_dir} has no {CONFIG_FILE}: pass --config C to start a new run there")
+    raise _UsageError(f"{run_dir} has no {CONFIG_FILE}: pass --config C to start a new run there")
 
 
 class _UsageError(ValueError):
-    pass
-
-
-def _usage(message: str) -> _UsageError:
-    return _UsageError(message)
+    """A command-line mistake: printed as one `error:` line, exit status 2."""
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -99,18 +95,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.resume is not None:
         if args.config is not None or args.run_dir is not None:
-            raise _usage("--resume RUN_DIR takes neither --config nor --run-dir (the run's config.yaml is used)")
+            raise _UsageError("--resume RUN_DIR takes neither --config nor --run-dir (the run's config.yaml is used)")
         if not args.resume.is_dir():
-            raise _usage(f"--resume {args.resume}: no such run directory")
+            raise _UsageError(f"--resume {args.resume}: no such run directory")
         cfg, run_dir = load_run_config(args.resume), args.resume
     else:
         if args.config is None or args.run_dir is None:
-            raise _usage("train needs --config C and --run-dir DIR (or --resume RUN_DIR)")
+            raise _UsageError("train needs --config C and --run-dir DIR (or --resume RUN_DIR)")
         from megatron_mugrpo.config import load_config
 
         cfg, run_dir = load_config(args.config, args.overrides), args.run_dir
         if (run_dir / "config.yaml").exists():
-            raise _usage(
+            raise _UsageError(
                 f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
                 "or choose another --run-dir"
             )
@@ -151,7 +147,7 @@ def cmd_phase(args: argparse.Namespace) -> int:
 
     cfg = _resolve_config(args, args.run_dir)
     if not 0 <= args.stage < cfg.stages.num_stages:
-        raise _usage(f"--stage {args.stage} is outside [0, stages.num_stages={cfg.stages.num_stages})")
+        raise _UsageError(f"--stage {args.stage} is outside [0, stages.num_stages={cfg.stages.num_stages})")
     run = open_run(cfg, args.run_dir, resume=True)
     try:
         if args.verb == "generate":
@@ -159,7 +155,7 @@ def cmd_phase(args: argparse.Namespace) -> int:
             print(f"rollout dataset complete: {run.rollout_dir(args.stage)}")
             return 0
         if not is_complete(run.rollout_dir(args.stage)):
-            raise _usage(
+            raise _UsageError(
                 f"{run.rollout_dir(args.stage)} is not a complete rollout dataset: run "
                 f"`mugrpo generate --run-dir {args.run_dir} --stage {args.stage}` first"
             )
@@ -175,7 +171,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     cfg = _resolve_config(args, args.run_dir)
     if not cfg.eval.benchmarks:
-        raise _usage("no benchmarks configured: add eval.benchmarks to the config")
+        raise _UsageError("no benchmarks configured: add eval.benchmarks to the config")
     run = open_run(cfg, args.run_dir, resume=True, checkpoint=args.checkpoint)
     try:
         metrics = stages.run_evaluation(run)

@@ -105,10 +105,8 @@ def barrier() -> None:
 
 
 def set_determinism(cfg: RunConfig) -> None:
-    """Deterministic kernels and seeds, so a resumed CPU run equals an uninterrupted one."""
+    """Deterministic kernels, so a resumed CPU run equals an uninterrupted one (seeds: initialize_parallel)."""
     torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
 
 
 def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | None = None) -> Run:

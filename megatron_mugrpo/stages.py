@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.records import collate
-from megatron_mugrpo.rollout.engine import ProgressCallback
 from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
 from megatron_mugrpo.rollout.store import RolloutStore, is_complete
 from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
@@ -86,7 +85,8 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
         if run.is_writer:
             cfg = run.cfg
             prompts = stage_prompts(run.prompts, stage, cfg.stages.train_groups, cfg.data.seed)
-            with _Bar(run, len(prompts) * cfg.rollout.group_size, f"stage {stage} rollout") as bar:
+            rows = len(prompts) * cfg.rollout.group_size
+            with progress(rows, f"stage {stage} rollout", enabled=cfg.logging.progress_bars) as bar:
                 generate_stage(
                     engine=run.engine,
                     prompts=prompts,
@@ -99,7 +99,7 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
                     policy_version=run.state.global_update,
                     seed=cfg.stages.seed,
                     vocab_size=int(run.hf_config["vocab_size"]),
-                    progress=bar,
+                    progress=bar.update,
                 )
             run.engine.release()  # free the engine's memory for the optimizer phase
     barrier()
@@ -268,16 +268,3 @@ def progress_range(run: Run, start: int, stop: int, desc: str) -> Iterator[int]:
         yield index
         bar.update(1)
     bar.close()
-
-
-class _Bar:
-    """A progress bar (rank 0, when enabled) usable as the engine's progress callback."""
-
-    def __init__(self, run: Run, total: int, desc: str) -> None:
-        self._bar = progress(total, desc, enabled=run.is_writer and run.cfg.logging.progress_bars)
-
-    def __enter__(self) -> ProgressCallback:
-        return self._bar.update
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.close()

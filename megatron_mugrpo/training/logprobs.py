@@ -10,8 +10,8 @@ logits are never gathered: max and sum-exp are all-reduced over the TP group.
 
 Two implementations behind one switch (``impl``):
 
-* ``"unfused"``: the model's output layer materialises logits [B, L, V/tp]; ``VocabParallelLogprob``
-  below turns them into log-probs (plain torch, one [N, V/tp] float32 softmax saved for backward).
+* ``"unfused"``: the model's output layer materialises logits [B, L, V/tp] and
+  ``megatron_mugrpo.kernels.vocab_parallel_logprobs`` turns them into log-probs.
 * ``"fused"``: the output layer is bypassed (``hidden_states_instead_of_logits``) and
   ``megatron_mugrpo.kernels.fused_linear_logprobs`` multiplies the final hidden states with the
   output-weight shard block by block, never holding [N, V/tp] float32 logits. With tied embeddings
@@ -26,7 +26,6 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from torch import Tensor
@@ -40,66 +39,25 @@ def vocab_range(n_local: int, tp_group: dist.ProcessGroup | None) -> tuple[int, 
     return rank * n_local, (rank + 1) * n_local
 
 
-class VocabParallelLogprob(torch.autograd.Function):
-    """log_softmax(logits / T)[target] for logits split over the vocabulary across ``tp_group``.
-
-    Forward: logits [N, V/tp] (any float dtype), targets [N] int64 global ids → [N] float32.
-    Backward: d logits = g · (onehot(target) − softmax) / T on this shard (no communication: the
-    reduced statistics were saved in forward).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        logits: Tensor,
-        targets: Tensor,
-        temperature: float,
-        vocab_size: int,
-        tp_group: dist.ProcessGroup | None,
-    ) -> Tensor:
-        n_local = logits.shape[-1]
-        start, stop = vocab_range(n_local, tp_group)
-        scaled = logits.float() / temperature
-        if stop > vocab_size:  # padding rows on this shard: never sampled, never in the softmax
-            valid = torch.arange(start, stop, device=logits.device) < vocab_size
-            scaled = scaled.masked_fill(~valid, float("-inf"))
-        local_max = scaled.max(dim=-1).values
-        global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, tp_group)
-        exp = torch.exp(scaled - global_max.unsqueeze(-1))
-        sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, tp_group)
-        owned = (targets >= start) & (targets < stop)
-        local_index = torch.where(owned, targets - start, 0)
-        picked = scaled.gather(-1, local_index.unsqueeze(-1)).squeeze(-1)
-        target_logit = _all_reduce(torch.where(owned, picked, 0.0), dist.ReduceOp.SUM, tp_group)
-        logprob = target_logit - global_max - torch.log(sum_exp)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_index, owned)
-        ctx.temperature = temperature
-        ctx.logits_dtype = logits.dtype
-        return logprob
-
-    @staticmethod
-    def backward(ctx: Any, grad_logprob: Tensor) -> tuple[Tensor | None, ...]:
-        softmax, local_index, owned = ctx.saved_tensors
-        grad = softmax.neg_()
-        grad.scatter_add_(-1, local_index.unsqueeze(-1), owned.to(grad.dtype).unsqueeze(-1))
-        grad.mul_((grad_logprob / ctx.temperature).unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None
-
-
-def _all_reduce(tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
-
-
 def logprobs_from_logits(
     logits: Tensor, targets: Tensor, *, temperature: float, vocab_size: int, tp_group: dist.ProcessGroup | None
 ) -> Tensor:
-    """The "unfused" path: logits [B, L, V/tp] (this TP rank's shard), targets [B, L] → [B, L] float32."""
+    """The "unfused" path: logits [B, L, V/tp] (this TP rank's shard), targets [B, L] → [B, L] float32.
+
+    The logits are materialised by the output layer; ``kernels.vocab_parallel_logprobs`` reduces them
+    (the same TP statistics and padded-row exclusion as the fused path, minus the fused matmul).
+    """
+    from megatron_mugrpo.kernels import vocab_parallel_logprobs
+
     batch, length, n_local = logits.shape
-    flat = VocabParallelLogprob.apply(
-        logits.reshape(batch * length, n_local), targets.reshape(-1), float(temperature), vocab_size, tp_group
+    start, _ = vocab_range(n_local, tp_group)
+    flat = vocab_parallel_logprobs(
+        logits.reshape(batch * length, n_local),
+        targets.reshape(-1),
+        temperature=float(temperature),
+        vocab_start=start,
+        vocab_size=vocab_size,
+        tp_group=tp_group,
     )
     return flat.view(batch, length)
 

@@ -27,14 +27,14 @@ def test_matches_log_softmax_over_the_true_vocabulary():
 
 def test_gradient_matches_autograd_reference():
     gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, 4, PADDED_VOCAB, generator=gen, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(3, 4, PADDED_VOCAB, generator=gen).requires_grad_()  # float32, as the model emits
     targets = torch.randint(0, TRUE_VOCAB, (3, 4), generator=gen)
     weights = torch.randn(3, 4, generator=gen, dtype=torch.float64)
     ours = logprobs_from_logits(logits, targets, temperature=1.3, vocab_size=TRUE_VOCAB, tp_group=None)
-    (ours * weights).sum().backward()
-    ours = logits.grad.clone()
-    logits.grad = None
-    (_reference(logits, targets, 1.3) * weights).sum().backward()
-    # The statistics are float32 whatever the input dtype (as on bf16 GPUs): float32 accuracy.
-    torch.testing.assert_close(ours, logits.grad, atol=1e-6, rtol=0)
+    (ours.double() * weights).sum().backward()
+    ours = logits.grad.double()
+    reference = logits.detach().double().requires_grad_()
+    (_reference(reference, targets, 1.3) * weights).sum().backward()
+    # The statistics are float32 (as on bf16 GPUs): float32 accuracy against the float64 reference.
+    torch.testing.assert_close(ours, reference.grad, atol=1e-6, rtol=0)
     assert torch.all(ours[..., TRUE_VOCAB:] == 0), "padding rows get no gradient"
