@@ -2,7 +2,7 @@
 
 μ-GRPO runs GRPO as a few large stages: freeze the policy, bulk-generate a static rollout dataset
 with stored behaviour log-probs, then make μ = B_train / B_mini optimizer updates on it with relaxed
-ratio clipping ([0, 5]) and the negative-advantage veto. See README.md and ../shared/DESIGN.md.
+ratio clipping ([0, 5]) and the negative-advantage veto. See README.md.
 """
 
 __version__ = "0.1.0"

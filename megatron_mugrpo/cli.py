@@ -21,6 +21,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from megatron_mugrpo.errors import InputError
+
 EXIT_BAD_INPUT = 2
 
 
@@ -85,7 +87,7 @@ def _resolve_config(args: argparse.Namespace, run_dir: Path):
     raise _UsageError(f"{run_dir} has no {CONFIG_FILE}: pass --config C to start a new run there")
 
 
-class _UsageError(ValueError):
+class _UsageError(InputError, ValueError):
     """A command-line mistake: printed as one `error:` line, exit status 2."""
 
 
@@ -217,22 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         "eval": cmd_eval,
         "report": cmd_report,
     }
-    from megatron_mugrpo.config import ConfigError
-
     try:
         return handlers[args.verb](args)
-    except (_UsageError, ConfigError, FileNotFoundError) as exc:
+    except InputError as exc:  # bad input: one line, exit 2; anything else is a bug and keeps its traceback
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except Exception as exc:  # known input errors of the components, reported in one line
-        if type(exc).__name__ in INPUT_ERRORS:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        raise
-
-
-INPUT_ERRORS = {"RunError", "CheckpointError", "StoreError", "PromptDataError", "ConversionError", "ModelConfigError"}
-"""Component exceptions that mean bad input (reported as one line, exit 2) rather than a bug."""
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_mugrpo.errors import InputError
+
 LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
 VETO_SCOPES = ("seq", "suffix", "nontrigger_suffix", "trigger", "none")
@@ -31,7 +33,7 @@ LOGPROB_IMPLS = ("fused", "unfused")
 FP8_RECIPES = ("none", "delayed", "current", "mxfp8")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from megatron_mugrpo.errors import MissingInputError
+
 METRIC_PREFIXES = ("rollout/", "train/", "perf/", "eval/")
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -236,7 +238,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """All records of ``<run_dir>/metrics.jsonl`` in file order."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"{path} does not exist: {run_dir} is not a run directory written by MetricsLogger "
             "(pass the --run-dir of a training run)"
         )

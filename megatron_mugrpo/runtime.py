@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mugrpo.config import RunConfig, check_hf_model_parallelism, load_config, save_config
+from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.metrics import MetricsLogger, Timer
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
@@ -39,7 +40,7 @@ from megatron_mugrpo.training.setup import Policy, build_policy, resolve_dtype
 CONFIG_FILE = "config.yaml"
 
 
-class RunError(RuntimeError):
+class RunError(InputError, RuntimeError):
     """A run directory cannot be used as asked; the message says why and what to do."""
 
 

@@ -28,13 +28,14 @@ from __future__ import annotations
 import math
 
 from megatron_mugrpo.config import RolloutConfig
+from megatron_mugrpo.errors import InputError
 
 ALPHA_ROUNDING_SLACK = 1e-9
 """⌈α·P⌉ is taken of α·P minus this slack so that float noise (0.1 × 30 = 3.0000000000000004) does not
 select one prompt too many."""
 
 
-class AllocationError(ValueError):
+class AllocationError(InputError, ValueError):
     """The rollout budget cannot be allocated with these settings; the message says what to change."""
 
 

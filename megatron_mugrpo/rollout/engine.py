@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from megatron_mugrpo.errors import InputError
+
 if TYPE_CHECKING:
     import torch
 
@@ -38,7 +40,7 @@ ProgressCallback = Callable[[int], None]
 """Called with the number of sequences finished since the previous call (tqdm.update style)."""
 
 
-class EngineOutputError(ValueError):
+class EngineOutputError(InputError, ValueError):
     """An engine returned something the rollout dataset must not store (NaN log-prob, bad id, ...)."""
 
 

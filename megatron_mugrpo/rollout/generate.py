@@ -30,6 +30,7 @@ from megatron_mugrpo.algorithms.allocation import (
     total_budget,
 )
 from megatron_mugrpo.config import RolloutConfig
+from megatron_mugrpo.errors import MissingInputError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
 from megatron_mugrpo.rollout.engine import (
     Generation,
@@ -240,5 +241,5 @@ def stage_store_metrics(store_dir: str | Path) -> dict[str, float]:
     """``rollout/*`` metrics of an existing store (e.g. after a restart that skipped generation)."""
     manifest = read_manifest(store_dir)
     if manifest is None:
-        raise FileNotFoundError(f"{store_dir} has no rollout store manifest")
+        raise MissingInputError(f"{store_dir} has no rollout store manifest")
     return store_metrics(manifest)

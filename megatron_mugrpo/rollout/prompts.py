@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_mugrpo.config import BenchmarkConfig, DataConfig
+from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ DEFAULT_BUILTIN_EVAL_SIZE = 256
 REJECT_REASONS = ("missing_prompt", "missing_answer", "empty_prompt", "empty_answer", "too_long")
 
 
-class PromptDataError(ValueError):
+class PromptDataError(InputError, ValueError):
     """A prompt file has no usable row (or cannot be read); the message names the file and fields."""
 
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
+from megatron_mugrpo.errors import InputError
+
 log = logging.getLogger(__name__)
 
 REASONS = ("correct", "no_box", "unparsable", "wrong", "timeout", "crash")
@@ -48,7 +50,7 @@ _TIMEOUT = "timeout"
 _CRASH = "crash"
 
 
-class RewardError(RuntimeError):
+class RewardError(InputError, RuntimeError):
     """The reward function cannot run (unknown name, bad arguments, verifier pool cannot start)."""
 
 

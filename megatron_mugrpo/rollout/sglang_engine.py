@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megatron_mugrpo.errors import MissingInputError
 from megatron_mugrpo.rollout.engine import (
     Generation,
     ProgressCallback,
@@ -209,7 +210,7 @@ def _check_ok(result: Any, what: str) -> None:
 def _hf_vocab_size(hf_dir: str | Path) -> int:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+        raise MissingInputError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
     config = json.loads(path.read_text())
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     if not vocab:

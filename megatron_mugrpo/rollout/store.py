@@ -37,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
 
 FORMAT = "megatron_mugrpo.rollout_store/1"
@@ -62,7 +63,7 @@ SCHEMA = pa.schema(
 )
 
 
-class StoreError(RuntimeError):
+class StoreError(InputError, RuntimeError):
     """The rollout store is invalid, incomplete or corrupted, or refuses invalid data.
 
     The message says how to fix it."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from megatron_mugrpo.errors import MissingInputError
 from megatron_mugrpo.rollout.engine import (
     Generation,
     ProgressCallback,
@@ -91,7 +92,7 @@ class TransformersEngine:
     def load_hf_dir(self, path: str) -> None:
         """Load (or reload) the model from a local Hugging Face directory."""
         if not (Path(path) / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+            raise MissingInputError(f"{path} is not a Hugging Face model directory (no config.json)")
         self.release()
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=self.dtype, attn_implementation=self.attn_implementation

@@ -45,6 +45,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_mugrpo.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "megatron_mugrpo.checkpoint.v1"
@@ -58,7 +60,7 @@ VOCAB_KEYS = ("word_embeddings.weight", "output_layer.weight")
 """Checkpoint keys (suffixes) of the vocabulary-parallel tensors whose padding depends on TP."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
     """A checkpoint is missing, truncated or incompatible; the message names the path and the fix."""
 
 

@@ -28,6 +28,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.kernels.fp8 import megatron_fp8_kwargs
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
@@ -38,7 +39,7 @@ VOCAB_DIVISIBLE_BY = 128
 _MEGATRON_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(InputError, ValueError):
     """The Hugging Face config cannot be expressed as a supported Megatron model; says why and what to do."""
 
 

@@ -1,0 +1,21 @@
+"""The one error path for bad user input.
+
+Every exception that means "the input is wrong and the user can fix it" derives from ``InputError``:
+configuration, run directory, data files, checkpoints, rollout stores, engine output, rewards,
+allocation, conversion. Its message names the file or field and the fix. The CLI catches exactly
+this class, prints one ``error: ...`` line and exits with status 2; any other exception is a bug
+and keeps its traceback.
+
+Component errors keep a second, conventional base (``ValueError`` / ``RuntimeError``) so that
+callers that catch those still work.
+"""
+
+from __future__ import annotations
+
+
+class InputError(Exception):
+    """Bad input (config, data, checkpoint, store, engine output, reward, CLI argument); says how to fix it."""
+
+
+class MissingInputError(InputError, FileNotFoundError):
+    """A file or directory the user pointed at does not exist or is not what it should be."""
