@@ -9,6 +9,9 @@ checks it against the reference: 1.0 when equal, else 0.0, always with a reason:
     wrong       parsed and not equal
     timeout     verification took longer than ``timeout_s``; the worker was killed and replaced
     crash       the verifier process died (e.g. out of memory); it was replaced
+    error       checking this answer raised (a verifier bug or an input it cannot handle); logged
+
+No answer can stop a stage: every failure while checking one answer becomes that answer's reason.
 
 Most answers never reach math-verify: an exact match of the normalised strings is correct and two
 different integers are wrong (the CPU demo verifies hundreds of thousands of short integer answers).
@@ -41,13 +44,14 @@ from megatron_mugrpo.errors import InputError
 
 log = logging.getLogger(__name__)
 
-REASONS = ("correct", "no_box", "unparsable", "wrong", "timeout", "crash")
+REASONS = ("correct", "no_box", "unparsable", "wrong", "timeout", "crash", "error")
 CORRECT_REWARD = 1.0
 INCORRECT_REWARD = 0.0
 WORKER_START_TIMEOUT_S = 120.0
 """How long a fresh verifier process may take to import math-verify/sympy before the pool gives up."""
 _TIMEOUT = "timeout"
 _CRASH = "crash"
+_ERROR = "error"
 
 
 class RewardError(InputError, RuntimeError):
@@ -154,13 +158,27 @@ def normalise_answer(answer: str) -> str:
     return text.rstrip(".")
 
 
+def canonical_integer(text: str) -> str | None:
+    """``text`` as a canonical integer spelling ('-12', '0', '7' for '+007'), None if not an integer.
+
+    Compared as strings, not through ``int()``: Python refuses to convert strings of more than 4300
+    digits, and a model can box any number of digits.
+    """
+    match = _INTEGER.fullmatch(text)
+    if match is None:
+        return None
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    return "-" + digits if text.startswith("-") and digits != "0" else digits
+
+
 def fast_verdict(boxed: str, answer: str) -> str | None:
     """'correct' / 'wrong' when the strings decide it without math-verify, else None."""
     pred, gold = normalise_answer(boxed), normalise_answer(answer)
     if pred == gold:
         return "correct"
-    if _INTEGER.fullmatch(pred) and _INTEGER.fullmatch(gold):
-        return "correct" if int(pred) == int(gold) else "wrong"
+    pred_int, gold_int = canonical_integer(pred), canonical_integer(gold)
+    if pred_int is not None and gold_int is not None:
+        return "correct" if pred_int == gold_int else "wrong"
     return None
 
 
@@ -361,15 +379,25 @@ class MathReward:
             raise RewardError(f"score() got {len(responses)} responses but {len(answers)} reference answers")
         reasons: list[str | None] = []
         slow: list[tuple[int, tuple[str, str]]] = []
+        errors: list[str] = []
         for response, answer in zip(responses, answers):
-            boxed = last_boxed(response)
-            verdict = boxed.reason if boxed.content is None else fast_verdict(boxed.content, answer)
+            try:
+                boxed = last_boxed(response)
+                verdict = boxed.reason if boxed.content is None else fast_verdict(boxed.content, answer)
+            except Exception as exc:  # one answer the checker cannot handle must not stop the stage
+                errors.append(repr(exc))
+                verdict = _ERROR
             if verdict is None:
                 slow.append((len(reasons), (boxed.content, answer)))
             reasons.append(verdict)
         for (index, _), outcome in zip(slow, self.pool.map([args for _, args in slow])):
-            # A non-string outcome is ("error", repr(exc)): math-verify raised on this input.
-            reasons[index] = outcome if isinstance(outcome, str) else "unparsable"
+            if isinstance(outcome, str) and outcome in REASONS:
+                reasons[index] = outcome
+            else:  # ("error", repr(exc)): the verifier raised on this input
+                errors.append(str(outcome[1]) if isinstance(outcome, tuple) else repr(outcome))
+                reasons[index] = _ERROR
+        if errors:
+            log.warning("checking %d answer(s) raised; scored 0, reason 'error' (first: %s)", len(errors), errors[0])
         return [(CORRECT_REWARD if r == "correct" else INCORRECT_REWARD, r) for r in reasons]
 
     def close(self) -> None:

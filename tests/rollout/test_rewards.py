@@ -146,3 +146,112 @@ def test_registry():
 def test_score_rejects_mismatched_lengths(math_reward):
     with pytest.raises(RewardError, match="2 responses but 1"):
         math_reward.score(["a", "b"], ["c"])
+
+
+# ----------------------------------------------------------------------------- no answer stops a stage
+
+HUGE = "\\boxed{" + "1" * 5000 + "}"
+"""An integer past Python's int-string limit (4300 digits): int() raises ValueError on it."""
+
+
+def test_huge_integers_are_compared_as_digit_strings(math_reward):
+    assert fast_verdict("1" * 5000, "81") == "wrong"
+    assert fast_verdict("+000" + "1" * 5000, "1" * 5000) == "correct"
+    assert fast_verdict("-0", "0") == "correct"
+    assert math_reward.score([HUGE, HUGE, "\\boxed{81}"], ["81", "1" * 5000, "81"]) == [
+        (0.0, "wrong"),
+        (1.0, "correct"),
+        (1.0, "correct"),
+    ]
+
+
+def test_a_failing_check_is_reason_error_for_that_answer_only(math_reward, monkeypatch):
+    """An exception while checking one answer (main process or verifier worker) scores it 0 with
+    reason 'error'; the other answers of the batch are scored as usual."""
+    from megatron_mugrpo.rollout import rewards
+
+    real = rewards.fast_verdict
+
+    def flaky(boxed: str, answer: str) -> str | None:
+        if boxed == "13":
+            raise ValueError("checker bug")
+        return real(boxed, answer)
+
+    monkeypatch.setattr(rewards, "fast_verdict", flaky)
+    got = math_reward.score(["\\boxed{12}", "\\boxed{13}", "\\boxed{0.5}"], ["12", "13", "1/2"])
+    assert got == [(1.0, "correct"), (0.0, "error"), (1.0, "correct")]
+    assert "error" in REASONS and reward_metrics(got)["rollout/reason_error"] == 1.0
+
+
+def _raise_on_x(boxed: str, answer: str) -> str:
+    if "x" in boxed:
+        raise RecursionError("sympy blew its stack")
+    return "correct"
+
+
+def test_an_exception_inside_the_verifier_is_reason_error():
+    reward = build_reward("math", workers=1, timeout_s=TIMEOUT_S)
+    reward.pool.close()
+    reward.pool = VerifierPool(_raise_on_x, workers=1, timeout_s=TIMEOUT_S)
+    try:
+        got = reward.score(["\\boxed{x^2}", "\\boxed{0.5}"], ["y", "1/2"])
+    finally:
+        reward.close()
+    assert got == [(0.0, "error"), (1.0, "correct")]
+
+
+def _fuzz_cases(count: int, seed: int) -> list[tuple[str, str]]:
+    """Random and adversarial (response, reference) pairs: huge numbers, unbalanced and deep braces,
+    LaTeX soup, control characters, unicode, very long strings; a few reach math-verify."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "0123456789+-*/^_{}()[]\\$., xyz=<>!|&%#~'\"\n\t\x00\u00b5\u2212\u221a\ud7ff"
+    pieces = ["\\boxed{", "\\fbox{", "}", "{", "\\frac", "\\sqrt", "\\left(", "\\right)", "^{", "\\dfrac{1}{", "9"]
+    fixed = [
+        HUGE,
+        "\\boxed{-" + "9" * 10000 + "}",
+        "\\boxed{" + "{" * 3000 + "1" + "}" * 3000 + "}",
+        "\\boxed{" + "}" * 100,
+        "\\boxed{1e99999999}",
+        "\\boxed{" + "1/" * 2000 + "1}",
+        "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",
+        "\\boxed{\\infty}",
+        "\\boxed{nan}",
+        "\\boxed{" + "x" * 100000 + "}",
+        "\\boxed{\x00}",
+        "\\boxed{\\}",
+        "\\boxed{}" * 1000,
+        "",
+    ]
+    cases = [(text, rng.choice(["81", "1/2", "x", "", "1" * 5000])) for text in fixed]
+    while len(cases) < count:
+        kind = rng.random()
+        if kind < 0.5:  # random characters, usually no box
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200)))
+        elif kind < 0.99:  # box fragments that rarely balance: exercises extraction and the fast path
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+        else:  # a balanced box with random content: goes to math-verify (kept rare: it is the slow path)
+            text = "\\boxed{" + "".join(rng.choice("0123456789+-*/^x.") for _ in range(rng.randint(1, 12))) + "}"
+        cases.append((text, rng.choice(["81", "-3", "\\frac{1}{2}", "x+1", "1" * 5000, ""])))
+    return cases
+
+
+FUZZ_TIMEOUT_S = 1.0
+"""Per-answer bound for the fuzz test: a few adversarial answers hit it, so it sets the test's runtime."""
+
+
+@pytest.mark.timeout(600)
+def test_fuzz_thousand_strings_never_raise():
+    """1,000 random and adversarial answers: every one gets a (reward, known reason), none raises.
+    Bounded time comes from the verifier pool's per-answer timeout (pytest-timeout backs it up)."""
+    cases = _fuzz_cases(1000, seed=1234)
+    reward = build_reward("math", workers=2, timeout_s=FUZZ_TIMEOUT_S)
+    try:
+        results = reward.score([text for text, _ in cases], [answer for _, answer in cases])
+    finally:
+        reward.close()
+    assert len(results) == len(cases)
+    for (text, _), (reward, reason) in zip(cases, results):
+        assert reason in REASONS, (text[:80], reason)
+        assert reward in (0.0, 1.0)
