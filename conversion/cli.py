@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 EXIT_OK = 0
@@ -54,7 +55,8 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
     to_hf.add_argument(
         "--tokenizer-dir",
         default=None,
-        help="copy tokenizer files from here (default: the tokenizer/ saved by hf-to-megatron)",
+        help="copy tokenizer files from here (default: the tokenizer/ saved by hf-to-megatron, or the base model "
+        "of the run the checkpoint belongs to)",
     )
 
     check = verbs.add_parser("verify", help="compare Megatron and transformers logits on random tokens")
@@ -71,18 +73,38 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_convert(args: argparse.Namespace) -> int:
     """Run a parsed ``convert`` command; returns the process exit status."""
-    from conversion.errors import ConversionError
+    from megatron_mugrpo.errors import InputError
 
     try:
+        check_arguments(args)
         return _dispatch(args)
-    except ConversionError as err:
+    except InputError as err:  # conversion, checkpoint or config input: one line; anything else is a bug
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Numeric arguments in range, before anything is read, spawned or written."""
+    from conversion.errors import ConversionError
+
+    at_least_one = ("tp", "pp", "batch", "seq_len")
+    for name in at_least_one:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConversionError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
+    for name in ("atol", "kl_tol"):
+        value = getattr(args, name, None)
+        if value is not None and not value >= 0:
+            raise ConversionError(f"--{name.replace('_', '-')} {value}: must be >= 0")
+    tokenizer_dir = getattr(args, "tokenizer_dir", None)
+    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
+        raise ConversionError(f"--tokenizer-dir {tokenizer_dir} is not a directory")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
     import conversion.convert as convert
     import conversion.verify as verify
+    from conversion.hf_io import TOKENIZER_FILES
 
     if args.convert_verb == "hf-to-megatron":
         step_dir = convert.hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype)
@@ -91,6 +113,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.convert_verb == "megatron-to-hf":
         out = convert.megatron_to_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp, tokenizer_dir=args.tokenizer_dir)
         print(f"wrote {out}")
+        if not any((out / name).is_file() for name in TOKENIZER_FILES):
+            print(
+                f"note: {out} has no tokenizer files: none were found next to the checkpoint or in the model the "
+                "run started from. Copy them from that model (its Hugging Face directory) or rerun with "
+                "--tokenizer-dir DIR",
+                file=sys.stderr,
+            )
         return EXIT_OK
     result = verify.verify(
         args.hf_dir,

@@ -82,10 +82,20 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(file, dst / file.name)
 
 
-def tokenizer_dir_for(step_dir: Path) -> Path | None:
-    """Tokenizer files saved next to a converted checkpoint (root/tokenizer), if any."""
-    for candidate in (step_dir / TOKENIZER_SUBDIR, step_dir.parent / TOKENIZER_SUBDIR):
-        if candidate.is_dir():
+def tokenizer_dir_for(step_dir: Path, metadata: dict | None = None) -> Path | None:
+    """Where the tokenizer files of a checkpoint are, if anywhere.
+
+    Next to a converted checkpoint (root/tokenizer); for a training run's checkpoint
+    (RUN_DIR/checkpoints/step_N) the model the run started from: ``model.hf_dir`` of the run config in
+    the metadata, else the demo's RUN_DIR/base_model.
+    """
+    run_config = (metadata or {}).get("run_config") or {}
+    hf_dir = (run_config.get("model") or {}).get("hf_dir")
+    candidates = [step_dir / TOKENIZER_SUBDIR, step_dir.parent / TOKENIZER_SUBDIR]
+    candidates += [Path(hf_dir)] if hf_dir else []
+    candidates.append(step_dir.parent.parent / "base_model")
+    for candidate in candidates:
+        if any((candidate / name).is_file() for name in TOKENIZER_FILES):
             return candidate
     return None
 
@@ -108,13 +118,13 @@ def megatron_to_hf(
 ) -> Path:
     """Convert a step directory (or checkpoint root) into a HF directory at ``out``.
 
-    Tensors keep the checkpoint's dtype; tokenizer files come from ``tokenizer_dir`` or the
-    ``tokenizer/`` folder the converter saved next to the checkpoint.
+    Tensors keep the checkpoint's dtype; tokenizer files come from ``tokenizer_dir``, else from where
+    ``tokenizer_dir_for`` finds them (next to the checkpoint, or the run's base model).
     """
     step_dir = resolve_step_dir(ckpt)
     metadata = read_metadata(step_dir)
     check_convertible(metadata["hf_config"], tp, pp)
-    tokenizer = Path(tokenizer_dir) if tokenizer_dir else tokenizer_dir_for(step_dir)
+    tokenizer = Path(tokenizer_dir) if tokenizer_dir else tokenizer_dir_for(step_dir, metadata)
     with atomic_output_dir(out) as tmp:
         # save_hf_dir writes atomically itself; it gets a fresh path inside our temporary directory.
         run_on_ranks(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_mugrpo.errors import InputError
@@ -523,7 +523,14 @@ def _load_yaml_with_inherit(path: Path, chain: tuple[Path, ...]) -> Any:
     """Load a YAML file; its optional ``inherit: [files]`` (relative to it) are merged first, in order."""
     _require(path.is_file(), f"config file {str(path)!r} does not exist")
     _require(path.resolve() not in chain, f"config file {path} inherits itself (cycle: {' -> '.join(map(str, chain))})")
-    node = OmegaConf.load(path)
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from exc
+    _require(
+        isinstance(node, DictConfig),
+        f"config file {path}: the top level must be a mapping of sections (model:, rollout:, ...), not a list",
+    )
     parents = node.pop("inherit", None) or []
     if isinstance(parents, str):
         parents = [parents]
@@ -531,6 +538,13 @@ def _load_yaml_with_inherit(path: Path, chain: tuple[Path, ...]) -> Any:
     for parent in parents:
         merged = OmegaConf.merge(merged, _load_yaml_with_inherit(path.parent / parent, (*chain, path.resolve())))
     return OmegaConf.merge(merged, node)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line from a YAML parser error: what is wrong and where (1-based line and column)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).split("\n")[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -552,8 +566,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 OmegaConf.select(merged, key, default=_MISSING) is not _MISSING,
                 f"override {item!r}: {key!r} is not a configuration key (see configs/ and config.py)",
             )
+            try:
+                parsed = yaml.safe_load(value) if value else ""
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(exc)})") from exc
             # update() (unlike merging a dotlist) also reaches list elements: eval.benchmarks.0.k=16
-            OmegaConf.update(merged, key, yaml.safe_load(value) if value else "", merge=True)
+            OmegaConf.update(merged, key, parsed, merge=True)
         container = OmegaConf.to_container(merged, resolve=True, structured_config_mode=None)
     except OmegaConfBaseException as exc:
         where = f" in {path}" if path is not None else ""

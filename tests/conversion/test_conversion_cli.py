@@ -89,3 +89,32 @@ def test_convert_verify_and_export_at_tp2_pp2(hf_dir: Path, tmp_path: Path, caps
     assert all(torch.equal(original[n].view(torch.uint8), exported[n].view(torch.uint8)) for n in original)
     assert json.loads((back / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
     assert (back / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["hf-to-megatron", "--tp", "0"], "--tp 0: must be a positive integer"),
+        (["hf-to-megatron", "--tp", "-2"], "--tp -2: must be a positive integer"),
+        (["hf-to-megatron", "--pp", "0"], "--pp 0: must be a positive integer"),
+        (["megatron-to-hf", "--tp", "0"], "--tp 0: must be a positive integer"),
+        (["megatron-to-hf", "--tokenizer-dir", "/nonexistent/tok"], "is not a directory"),
+        (["verify", "--batch", "0"], "--batch 0: must be a positive integer"),
+        (["verify", "--seq-len", "-1"], "--seq-len -1: must be a positive integer"),
+        (["verify", "--atol", "-1"], "--atol -1.0: must be >= 0"),
+    ],
+)
+def test_bad_argument_values_write_nothing(
+    argv: list[str], message: str, hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: --tp 0 raised ZeroDivisionError; --tp -2 left OUT/tokenizer/ behind."""
+    (hf_dir / "tokenizer_config.json").write_text("{}")
+    out = tmp_path / "o"
+    paths = {
+        "hf-to-megatron": ["--hf-dir", str(hf_dir), "--out", str(out)],
+        "megatron-to-hf": ["--ckpt", str(tmp_path), "--out", str(out)],
+        "verify": ["--hf-dir", str(hf_dir), "--ckpt", str(tmp_path)],
+    }[argv[0]]
+    _bad_input([argv[0], *paths, *argv[1:]], message, capsys)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [], "no temporary directory left behind either"

@@ -98,3 +98,41 @@ def test_phase_verbs_need_a_run(tmp_path: Path):
 def test_report_on_a_dir_without_metrics(tmp_path: Path):
     line = _error_line(mugrpo("report", str(tmp_path)))
     assert "metrics.jsonl" in line
+
+
+# ------------------------------------------------------------------ bad input: no traceback, no output
+# In-process (cheap): these fail before any process group or file is created.
+
+
+def _main_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    from megatron_mugrpo.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("model: [\n", r"is not valid YAML: .* at line 2, column 1"),
+        ("- model\n- rollout\n", "the top level must be a mapping of sections"),
+    ],
+)
+def test_malformed_yaml_is_one_error(tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]):
+    import re
+
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    line = _main_error(["train", "--config", str(config), "--run-dir", str(tmp_path / "r")], capsys)
+    assert "run.yaml" in line and re.search(message, line), line
+    assert not (tmp_path / "r").exists()
+
+
+def test_override_value_that_is_not_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    argv = ["train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(tmp_path / "r"), "algo.clip_high=["]
+    line = _main_error(argv, capsys)
+    assert "algo.clip_high=[" in line and "not valid YAML" in line
+    assert not (tmp_path / "r").exists()

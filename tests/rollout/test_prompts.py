@@ -126,3 +126,21 @@ def test_benchmarks_builtin_and_file(tmp_path, tokenizer):
     bench = BenchmarkConfig(name="aime", path=str(path), prompt_field="question", answer_field="solution", limit=1)
     records = load_benchmark(bench, tokenizer, MAX_TOKENS)
     assert [r.answer for r in records] == ["5"]
+
+
+def test_a_bad_jsonl_line_is_named_by_its_number(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2", "answer": \n{"problem": "3", "answer": "3"}\n')
+    with pytest.raises(PromptDataError, match=r"bad\.jsonl:3: not a JSON object"):
+        read_rows(path)
+    path.write_text('{"problem": "1+1", "answer": "2"}\n[1, 2]\n')
+    with pytest.raises(PromptDataError, match=r"bad\.jsonl:2: expected a JSON object.*got list"):
+        read_rows(path)
+
+
+@pytest.mark.parametrize(("name", "text"), [("empty.jsonl", ""), ("blank.jsonl", "\n  \n"), ("empty.json", "")])
+def test_an_empty_file_says_so(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(PromptDataError, match=rf"{name} (is empty|holds only blank lines)"):
+        read_rows(path)
