@@ -130,7 +130,8 @@ def test_benchmarks_builtin_and_file(tmp_path, tokenizer):
 
 def test_a_bad_jsonl_line_is_named_by_its_number(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2", "answer": \n{"problem": "3", "answer": "3"}\n')
+    good = '{"problem": "1+1", "answer": "2"}\n'
+    path.write_text(good + "\n" + '{"problem": "2+2", "answer": \n' + good)
     with pytest.raises(PromptDataError, match=r"bad\.jsonl:3: not a JSON object"):
         read_rows(path)
     path.write_text('{"problem": "1+1", "answer": "2"}\n[1, 2]\n')
