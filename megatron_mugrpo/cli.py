@@ -19,9 +19,14 @@ import argparse
 import logging
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_mugrpo.errors import InputError
+
+if TYPE_CHECKING:
+    from megatron_mugrpo.config import RunConfig
 
 EXIT_BAD_INPUT = 2
 
@@ -75,44 +80,73 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_config(args: argparse.Namespace, run_dir: Path):
-    """The YAML plus overrides for a new run; the run's snapshot for an existing one."""
-    from megatron_mugrpo.config import load_config
-    from megatron_mugrpo.runtime import CONFIG_FILE, load_run_config
-
-    if args.config is not None:
-        return load_config(args.config, args.overrides)
-    if (run_dir / CONFIG_FILE).is_file():
-        return load_run_config(run_dir) if not args.overrides else load_config(run_dir / CONFIG_FILE, args.overrides)
-    raise _UsageError(f"{run_dir} has no {CONFIG_FILE}: pass --config C to start a new run there")
-
-
 class _UsageError(InputError, ValueError):
     """A command-line mistake: printed as one `error:` line, exit status 2."""
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """The config a verb runs with, and the history entry to record for it (None: config unchanged)."""
+
+    cfg: RunConfig
+    record: str | None
+
+
+def resolve_config(args: argparse.Namespace, run_dir: Path, verb: str, *, persist: bool = True) -> Resolved:
+    """A new run: the YAML plus overrides. An existing run: its config.yaml plus the overrides that the
+    resume policy allows (``resume.py``), recorded in its history when ``persist``. Reads only."""
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.resume import continue_config
+    from megatron_mugrpo.rundir import is_run
+
+    if not is_run(run_dir):
+        if args.config is None:
+            raise _UsageError(f"{run_dir} is not a run (no config.yaml): pass --config C to start a new run there")
+        return Resolved(load_config(args.config, args.overrides), _created(verb, args))
+    if args.config is not None:
+        raise _UsageError(
+            f"{run_dir} already holds a run, whose config.yaml is used: drop --config (overrides may follow) "
+            "or choose another --run-dir"
+        )
+    cfg, changes = continue_config(run_dir, args.overrides)
+    return Resolved(cfg, f"{verb}: {' '.join(changes)}" if changes and persist else None)
+
+
+def _created(verb: str, args: argparse.Namespace) -> str:
+    return " ".join([f"{verb}: created from {args.config}", *args.overrides])
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from megatron_mugrpo import stages
-    from megatron_mugrpo.runtime import load_run_config, open_run
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.rundir import is_run, produced_nothing
+    from megatron_mugrpo.runtime import open_run
 
     if args.resume is not None:
         if args.config is not None or args.run_dir is not None:
             raise _UsageError("--resume RUN_DIR takes neither --config nor --run-dir (the run's config.yaml is used)")
         if not args.resume.is_dir():
             raise _UsageError(f"--resume {args.resume}: no such run directory")
-        cfg, run_dir = load_run_config(args.resume), args.resume
+        if not is_run(args.resume):
+            raise _UsageError(f"{args.resume} is not a run (no config.yaml): start one with --config C --run-dir DIR")
+        run_dir, resolved = args.resume, resolve_config(args, args.resume, "train --resume")
+        run = open_run(resolved.cfg, run_dir, resume=True, record=resolved.record, redo_after_checkpoint=True)
     else:
         if args.config is None or args.run_dir is None:
             raise _UsageError("train needs --config C and --run-dir DIR (or --resume RUN_DIR)")
-        from megatron_mugrpo.config import load_config
-
-        cfg, run_dir = load_config(args.config, args.overrides), args.run_dir
-        if (run_dir / "config.yaml").exists():
+        run_dir, cfg = args.run_dir, load_config(args.config, args.overrides)
+        if is_run(run_dir) and not produced_nothing(run_dir):
             raise _UsageError(
                 f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
                 "or choose another --run-dir"
             )
-    run = open_run(cfg, run_dir, resume=args.resume is not None)
+        run = open_run(
+            cfg,
+            run_dir,
+            resume=False,
+            record=_created("train", args),
+            replace_failed_start=is_run(run_dir),
+        )
     try:
         result = stages.train(run)
     finally:
@@ -147,10 +181,13 @@ def cmd_phase(args: argparse.Namespace) -> int:
     from megatron_mugrpo.rollout.store import is_complete
     from megatron_mugrpo.runtime import open_run
 
-    cfg = _resolve_config(args, args.run_dir)
+    resolved = resolve_config(args, args.run_dir, args.verb)
+    cfg = resolved.cfg
     if not 0 <= args.stage < cfg.stages.num_stages:
         raise _UsageError(f"--stage {args.stage} is outside [0, stages.num_stages={cfg.stages.num_stages})")
-    run = open_run(cfg, args.run_dir, resume=True)
+    # `optimize` continues from the latest checkpoint and redoes the updates logged after it.
+    redo = args.verb == "optimize"
+    run = open_run(cfg, args.run_dir, resume=True, record=resolved.record, redo_after_checkpoint=redo)
     try:
         if args.verb == "generate":
             stages.rollout_phase(run, args.stage)
@@ -171,10 +208,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from megatron_mugrpo import stages
     from megatron_mugrpo.runtime import open_run
 
-    cfg = _resolve_config(args, args.run_dir)
-    if not cfg.eval.benchmarks:
+    # Overrides (e.g. eval.benchmarks.0.k=16) apply to this evaluation only: the run's config is kept.
+    resolved = resolve_config(args, args.run_dir, "eval", persist=False)
+    if not resolved.cfg.eval.benchmarks:
         raise _UsageError("no benchmarks configured: add eval.benchmarks to the config")
-    run = open_run(cfg, args.run_dir, resume=True, checkpoint=args.checkpoint)
+    if args.checkpoint is not None and not (args.checkpoint / "metadata.json").is_file():
+        raise _UsageError(f"--checkpoint {args.checkpoint} is not a checkpoint step directory (no metadata.json)")
+    run = open_run(
+        resolved.cfg, args.run_dir, resume=True, checkpoint=args.checkpoint, record=resolved.record, standalone="eval"
+    )
     try:
         metrics = stages.run_evaluation(run)
     finally:

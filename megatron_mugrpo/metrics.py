@@ -7,9 +7,14 @@ Every metric name starts with one of ``rollout/``, ``train/``, ``perf/``, ``eval
 
 ``step`` is the optimizer-update count, ``wall_s`` the seconds since the run started (continued across
 resumes from the file's last line), ``time`` the Unix time. The line is flushed at once so a killed run
-keeps everything it logged; a resumed run appends (``purge_step=`` first drops the records it will
-repeat, in the JSONL file and in TensorBoard). Non-finite values are written (JSON ``NaN`` /
-``Infinity``, which ``read_metrics`` reads back) and their names listed under ``"nonfinite"``.
+keeps everything it logged. Non-finite values are written (JSON ``NaN`` / ``Infinity``, which
+``read_metrics`` reads back) and their names listed under ``"nonfinite"``.
+
+The file only grows, with one exception: a run that continues from a checkpoint first drops the
+records logged after that checkpoint (work it is about to redo), in the JSONL file and in
+TensorBoard: ``keep_records=N`` keeps the first N (the count the checkpoint stored),
+``purge_step=k`` (checkpoints without a count) drops steps >= k. Records with a ``"source"`` field
+come from a standalone command (``mugrpo eval``), not from the training loop, and are never dropped.
 
     logger = MetricsLogger(run_dir, rank=rank)
     timer = Timer()
@@ -38,7 +43,7 @@ from megatron_mugrpo.errors import MissingInputError
 METRIC_PREFIXES = ("rollout/", "train/", "perf/", "eval/")
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-RESERVED_FIELDS = ("step", "wall_s", "time", "nonfinite")
+RESERVED_FIELDS = ("step", "wall_s", "time", "nonfinite", "source")
 """Keys of a JSONL record that are not metrics."""
 CONSOLE_KEYS = (
     "train/loss",
@@ -86,27 +91,41 @@ def _truncate_partial_line(path: Path) -> None:
             handle.truncate(keep)
 
 
-def _purge_from(path: Path, purge_step: int) -> list[dict[str, Any]]:
-    """Drop records with step >= purge_step (logged after the checkpoint a resumed run restarts from).
+def _drop_redone(path: Path, *, keep_records: int | None, purge_step: int | None) -> tuple[list, list]:
+    """Drop the training records logged after the checkpoint a continued run restarts from.
 
-    Rewritten under a temporary name and renamed, so a crash here leaves the old file intact.
+    Returns (kept, dropped). Records with a "source" (standalone commands) are always kept. Rewritten
+    under a temporary name and renamed, so a crash here leaves the old file intact.
     """
     records = _read_records(path)
-    kept = [r for r in records if r["step"] < purge_step]
-    if len(kept) < len(records):
+
+    def redone(index: int, record: dict[str, Any]) -> bool:
+        if "source" in record:
+            return False
+        if keep_records is not None:
+            return index >= keep_records
+        return purge_step is not None and record["step"] >= purge_step
+
+    kept = [r for i, r in enumerate(records) if not redone(i, r)]
+    dropped = [r for i, r in enumerate(records) if redone(i, r)]
+    if dropped:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(path)
-    return kept
+    return kept, dropped
 
 
 class MetricsLogger:
     """Send metric dicts to ``<run_dir>/metrics.jsonl``, TensorBoard and the console.
 
     Only ``rank`` 0 writes anything; other ranks still validate names so a bad metric fails everywhere.
-    A run resumed from the checkpoint taken after update ``k`` passes ``purge_step=k + 1``: records
-    the interrupted run logged from that step on (work the resumed run repeats) are removed from the
-    JSONL file and from TensorBoard, so every step appears once.
+    A run continued from a checkpoint passes ``keep_records`` (the record count the checkpoint stored)
+    or, for a checkpoint without one taken after update ``k``, ``purge_step=k + 1``: the records the
+    interrupted run logged after that checkpoint (work the continued run repeats) are removed from the
+    JSONL file and from TensorBoard, so every step appears once. ``source`` marks every record of a
+    standalone command (e.g. ``"mugrpo eval of checkpoints/step_00000064"``); ``tensorboard_dir``
+    (relative to ``run_dir``) gives such a command its own TensorBoard run, since TensorBoard hides
+    later points of a tag when an earlier step is written after them.
     """
 
     def __init__(
@@ -116,13 +135,21 @@ class MetricsLogger:
         tensorboard: bool = True,
         console: bool = True,
         rank: int = 0,
+        keep_records: int | None = None,
         purge_step: int | None = None,
+        source: str | None = None,
+        tensorboard_dir: str = TENSORBOARD_DIR,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.console = console
         self.rank = rank
+        self.source = source
+        self.records = 0
+        """Records in the JSONL file (kept ones included): the count a checkpoint stores."""
         self._tensorboard = tensorboard
-        self._purge_step = purge_step
+        self._tensorboard_dir = tensorboard_dir
+        self._purge_step: int | None = None
+        self._replay: list[dict[str, Any]] = []
         self._writer: Any = None
         self._file = None
         self._start = time.monotonic()
@@ -132,10 +159,19 @@ class MetricsLogger:
             path = self.run_dir / METRICS_FILE
             if path.exists():
                 _truncate_partial_line(path)
-                kept = _purge_from(path, purge_step) if purge_step is not None else _read_records(path)
+                kept, dropped = _drop_redone(path, keep_records=keep_records, purge_step=purge_step)
+                self._plan_tensorboard_purge(kept, dropped)
+                self.records = len(kept)
                 # A resumed run continues the wall clock so plots against wall_s stay monotone.
                 self._wall_offset = float(kept[-1].get("wall_s", 0.0)) if kept else 0.0
             self._file = path.open("a", encoding="utf-8")
+
+    def _plan_tensorboard_purge(self, kept: list[dict[str, Any]], dropped: list[dict[str, Any]]) -> None:
+        """TensorBoard can only purge by step: drop from the first dropped step on, then write the kept
+        records at or after that step again, so TensorBoard shows exactly what the JSONL file holds."""
+        if dropped:
+            self._purge_step = min(int(r["step"]) for r in dropped)
+            self._replay = [r for r in kept if int(r["step"]) >= self._purge_step and "source" not in r]
 
     @property
     def path(self) -> Path:
@@ -153,8 +189,11 @@ class MetricsLogger:
         record.update(values)
         if nonfinite:
             record["nonfinite"] = nonfinite
+        if self.source is not None:
+            record["source"] = self.source
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        self.records += 1
         self._log_tensorboard(values, int(step), record["time"])
         if self.console:
             tqdm.write(format_console_line(record))
@@ -167,9 +206,13 @@ class MetricsLogger:
         writer = self._tensorboard_writer()
         if writer is None:
             return
+        self._log_values(writer, values, step, walltime)
+        writer.flush()
+
+    @staticmethod
+    def _log_values(writer: Any, values: dict[str, float], step: int, walltime: float) -> None:
         for name, value in values.items():
             writer.add_scalar(name, value, global_step=step, walltime=walltime)
-        writer.flush()
 
     def _tensorboard_writer(self) -> Any:
         """Create the SummaryWriter on first use; warn once and turn TensorBoard off if it is missing."""
@@ -185,7 +228,11 @@ class MetricsLogger:
             )
             self._tensorboard = False
             return None
-        self._writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=self._purge_step)
+        self._writer = SummaryWriter(log_dir=str(self.run_dir / self._tensorboard_dir), purge_step=self._purge_step)
+        for record in self._replay:
+            values = {name: float(value) for name, value in record.items() if name not in RESERVED_FIELDS}
+            self._log_values(self._writer, values, int(record["step"]), record["time"])
+        self._replay = []
         return self._writer
 
     def close(self) -> None:

@@ -6,9 +6,12 @@ demo's locally built and warm-started one), the Megatron policy with its optimiz
 benchmarks, verifier and metrics logger. The rollout engine is created lazily on rank 0 at the
 first weight sync and lives for the whole run (released between phases).
 
-Run directory layout::
+Run directory layout (its guarantees, lock and config written last, are in ``rundir.py``)::
 
-    RUN_DIR/config.yaml          resolved configuration (the snapshot `train --resume` reads)
+    RUN_DIR/config.yaml          the run's configuration (what `train --resume` continues with);
+                                 written last in set-up, so a directory is a run once set-up succeeded
+    RUN_DIR/config_history.json  creation and every accepted change on resume (see resume.py)
+    RUN_DIR/.lock                held by the process writing the run
     RUN_DIR/base_model/          the demo's built model (absent with model.hf_dir)
     RUN_DIR/rollouts/stage_K/    rollout dataset D_k (sharded, checksummed manifest)
     RUN_DIR/checkpoints/         step_XXXXXXXX/ directories and the `latest` pointer
@@ -26,18 +29,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_mugrpo.config import RunConfig, check_hf_model_parallelism, load_config, save_config
+from megatron_mugrpo.config import RunConfig, check_hf_model_parallelism, load_config
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
-from megatron_mugrpo.metrics import MetricsLogger, Timer
+from megatron_mugrpo.metrics import TENSORBOARD_DIR, MetricsLogger, Timer
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
-from megatron_mugrpo.training.checkpoint import TrainerState, latest_checkpoint, load_checkpoint
+from megatron_mugrpo.rundir import CONFIG_FILE, RunLock, claim, record_config
+from megatron_mugrpo.training.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, read_metadata
 from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy, resolve_dtype
 
-CONFIG_FILE = "config.yaml"
+METRICS_RECORDS_KEY = "metrics_records"
+"""TrainerState.extra key: metrics.jsonl records logged when the checkpoint was taken."""
 
 
 class RunError(InputError, RuntimeError):
@@ -69,6 +74,8 @@ class Run:
     """perf/ seconds accumulated by earlier processes of this run (restored from the checkpoint)."""
     started: float = field(default_factory=time.monotonic)
     """When this process opened the run (for perf/t_total_s)."""
+    lock: RunLock | None = None
+    """Rank 0's exclusive lock on the run directory, held until close()."""
 
     @property
     def is_writer(self) -> bool:
@@ -87,6 +94,8 @@ class Run:
             self.engine.release()
         self.reward_fn.close()
         self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def load_run_config(run_dir: Path) -> RunConfig:
@@ -110,14 +119,61 @@ def set_determinism(cfg: RunConfig) -> None:
     torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
 
 
-def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | None = None) -> Run:
-    """Build this rank's Run. ``resume`` loads the latest checkpoint (or ``checkpoint``) when one exists."""
+def open_run(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    resume: bool,
+    checkpoint: Path | None = None,
+    record: str | None = None,
+    redo_after_checkpoint: bool = False,
+    standalone: str | None = None,
+    replace_failed_start: bool = False,
+) -> Run:
+    """Build this rank's Run. ``resume`` loads the latest checkpoint (or ``checkpoint``) when one exists.
+
+    Rank 0 locks the run directory first and keeps the lock until ``Run.close()``. Once everything
+    is set up it writes config.yaml with the history entry ``record`` (None: the stored config is
+    unchanged), so a directory becomes a run only when set-up succeeded; a failed set-up removes the
+    directory it created. ``redo_after_checkpoint``: this verb redoes the work logged after the
+    checkpoint (train --resume, optimize), whose metrics records are dropped first. ``standalone``
+    (e.g. 'eval') marks every metrics record as that command's, never dropped by a later resume.
+    """
     set_determinism(cfg)
     groups = initialize_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.seed)
-    if groups.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not (run_dir / CONFIG_FILE).exists():
-            save_config(cfg, run_dir / CONFIG_FILE)
+    claimed = claim(run_dir, replace_failed_start=replace_failed_start) if groups.rank == 0 else None
+    try:
+        run = _set_up(
+            cfg,
+            run_dir,
+            groups,
+            resume=resume,
+            checkpoint=checkpoint,
+            redo_after_checkpoint=redo_after_checkpoint,
+            standalone=standalone,
+        )
+        if claimed is not None and record is not None:
+            record_config(cfg, run_dir, event=record)  # last: from here on the directory is a run
+    except BaseException:
+        if claimed is not None:
+            claimed.abandon()
+        raise
+    run.lock = claimed.lock if claimed is not None else None
+    barrier()
+    return run
+
+
+def _set_up(
+    cfg: RunConfig,
+    run_dir: Path,
+    groups: ParallelGroups,
+    *,
+    resume: bool,
+    checkpoint: Path | None,
+    redo_after_checkpoint: bool,
+    standalone: str | None,
+) -> Run:
+    """Base model, policy, weights, prompts, benchmarks, verifier and metrics logger of one rank."""
     hf_dir = _base_model(cfg, run_dir, is_writer=groups.rank == 0)
     check_hf_model_parallelism(hf_dir, cfg.parallel)
     from transformers import AutoTokenizer
@@ -126,6 +182,7 @@ def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | 
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     hf_config = load_hf_config(hf_dir)
+    _check_checkpoint_model(hf_config, checkpoint or (latest_checkpoint(run_dir / "checkpoints") if resume else None))
     policy = build_policy(
         hf_config,
         groups=groups,
@@ -153,14 +210,7 @@ def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | 
     reward_fn = build_reward(
         cfg.rollout.reward, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
     )
-    logger = MetricsLogger(
-        run_dir,
-        tensorboard=cfg.logging.tensorboard,
-        console=cfg.logging.progress_bars,
-        rank=groups.rank,
-        # Records past the restored state are redone (and re-logged) by this process.
-        purge_step=state.global_update + 1 if resumed_from is not None else (0 if resume else None),
-    )
+    logger = _metrics_logger(cfg, run_dir, groups.rank, state, resumed_from, redo_after_checkpoint, standalone)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else None
     return Run(
         cfg=cfg,
@@ -178,6 +228,54 @@ def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | 
         timer=Timer(sync=sync),
         resumed_from=resumed_from,
         extra_timers=dict(state.extra.get("timers", {})),
+    )
+
+
+def _check_checkpoint_model(hf_config: dict[str, Any], step_dir: Path | None) -> None:
+    """Before building anything: the model must have the checkpoint's shape (else a clear error, not a
+    tensor-shape failure deep inside the loader). A checkpoint whose metadata is unreadable is left to
+    the loader, which reports it."""
+    from megatron_mugrpo.resume import check_same_model
+
+    if step_dir is None:
+        return
+    try:
+        saved = read_metadata(step_dir)["hf_config"]
+    except InputError:
+        return
+    check_same_model(hf_config, saved, step_dir)
+
+
+def _metrics_logger(
+    cfg: RunConfig,
+    run_dir: Path,
+    rank: int,
+    state: TrainerState,
+    resumed_from: Path | None,
+    redo_after_checkpoint: bool,
+    standalone: str | None,
+) -> MetricsLogger:
+    """The run's logger: appending, or first dropping the records of work this process redoes."""
+    keep_records = purge_step = None
+    if redo_after_checkpoint and resumed_from is None:
+        keep_records = 0  # no checkpoint: everything logged so far is redone
+    elif redo_after_checkpoint and METRICS_RECORDS_KEY in state.extra:
+        keep_records = int(state.extra[METRICS_RECORDS_KEY])
+    elif redo_after_checkpoint:  # a checkpoint written before record counts were stored
+        purge_step = state.global_update + 1
+    source, tensorboard_dir = None, TENSORBOARD_DIR
+    if standalone is not None:  # its own TensorBoard run: an older step written later would hide newer points
+        evaluated = resumed_from.name if resumed_from is not None else "base_model"
+        source, tensorboard_dir = f"mugrpo {standalone} of {evaluated}", f"{TENSORBOARD_DIR}/{standalone}_{evaluated}"
+    return MetricsLogger(
+        run_dir,
+        tensorboard=cfg.logging.tensorboard,
+        console=cfg.logging.progress_bars,
+        rank=rank,
+        keep_records=keep_records,
+        purge_step=purge_step,
+        source=source,
+        tensorboard_dir=tensorboard_dir,
     )
 
 

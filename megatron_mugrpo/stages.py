@@ -22,7 +22,7 @@ from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.records import collate
 from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
 from megatron_mugrpo.rollout.store import RolloutStore, is_complete
-from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
+from megatron_mugrpo.runtime import METRICS_RECORDS_KEY, Run, barrier, stage_prompts, sync_engine
 from megatron_mugrpo.training.checkpoint import TrainerState, save_checkpoint, step_dir_name
 from megatron_mugrpo.training.train_step import train_step
 
@@ -65,10 +65,11 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
             metrics = optimizer_update(run, store, stage, update)
             run.logger.log(metrics, step=run.state.global_update)
             crash_point(f"update:{run.state.global_update}")
-            if _due(cfg.checkpoint.every_updates, run.state.global_update) and update + 1 < mu:
-                checkpoint(run)
+            # Evaluate first: the checkpoint then holds the result, and a resume never loses the record.
             if _due(cfg.eval.every_updates, run.state.global_update):
                 run_evaluation(run)
+            if _due(cfg.checkpoint.every_updates, run.state.global_update) and update + 1 < mu:
+                checkpoint(run)
     run.state = TrainerState(stage=stage + 1, global_update=run.state.global_update, extra=run.state.extra)
     last = stage + 1 == cfg.stages.num_stages
     if cfg.eval.every_updates == 0 or (last and not _due(cfg.eval.every_updates, run.state.global_update)):
@@ -178,8 +179,13 @@ def run_evaluation(run: Run) -> dict[str, float]:
 
 
 def checkpoint(run: Run) -> None:
-    """Save model, optimizer and trainer state (timers included); the best evaluated step is never pruned."""
+    """Save model, optimizer and trainer state (timers included); the best evaluated step is never pruned.
+
+    The state also stores how many metrics records exist now: a run resumed from this checkpoint drops
+    exactly the records logged after it (work it redoes), even those logged at this same step.
+    """
     run.state.extra["timers"] = _timers(run)
+    run.state.extra[METRICS_RECORDS_KEY] = run.logger.records
     best = run.state.extra.get(BEST_KEY)
     save_checkpoint(
         run.checkpoint_root,

@@ -89,6 +89,64 @@ def test_purge_step_drops_what_the_resumed_run_repeats(tmp_path: Path) -> None:
     assert points == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 
+def _scalars(tensorboard_dir: Path, tag: str) -> list[tuple[int, float]]:
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = event_accumulator.EventAccumulator(str(tensorboard_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_keep_records_drops_exactly_what_was_logged_after_the_checkpoint(tmp_path: Path) -> None:
+    """The checkpoint after update 2 stored 3 records; the next stage's summary, logged after it at the
+    same step 2, and update 3 are redone by the resumed run, while a standalone evaluation's record
+    (source) logged in between is kept. A step-based purge cannot tell the two step-2 records apart."""
+    pytest.importorskip("tensorboard")
+    with MetricsLogger(tmp_path, console=False) as logger:
+        logger.log({"train/loss": 1.0}, step=1)
+        logger.log({"train/loss": 2.0}, step=2)
+        logger.log({"eval/avg_pass@1": 0.5, "perf/t_total_s": 10.0}, step=2)
+        assert logger.records == 3  # ← the checkpoint after update 2 stores this
+        logger.log({"rollout/reward_mean": 0.7, "perf/t_total_s": 12.0}, step=2)  # next stage's summary
+        logger.log({"train/loss": 3.0}, step=3)
+    with MetricsLogger(tmp_path, console=False, source="mugrpo eval of step_2", tensorboard_dir="tb_eval") as ev:
+        ev.log({"eval/avg_pass@1": 0.5}, step=2)
+    with MetricsLogger(tmp_path, console=False, keep_records=3) as logger:
+        assert logger.records == 4
+        logger.log({"rollout/reward_mean": 0.75, "perf/t_total_s": 11.0}, step=2)
+        logger.log({"train/loss": 30.0}, step=3)
+    records = read_metrics(tmp_path)
+    assert [(r["step"], "source" in r) for r in records] == [
+        (1, False),
+        (2, False),
+        (2, False),
+        (2, True),
+        (2, False),
+        (3, False),
+    ]
+    assert [r["rollout/reward_mean"] for r in records if "rollout/reward_mean" in r] == [0.75], "summary logged once"
+    totals = [r["perf/t_total_s"] for r in records if "perf/t_total_s" in r]
+    assert totals == sorted(totals), "perf/t_total_s never goes backwards"
+    tb = tmp_path / "tensorboard"
+    assert _scalars(tb, "train/loss") == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert _scalars(tb, "eval/avg_pass@1") == [(2, 0.5)]
+    assert _scalars(tb, "rollout/reward_mean") == [(2, 0.75)]
+    assert _scalars(tmp_path / "tb_eval", "eval/avg_pass@1") == [(2, 0.5)]
+
+
+def test_a_logger_without_purge_only_appends(tmp_path: Path) -> None:
+    """What `mugrpo eval` and `mugrpo generate` open: the file's bytes so far stay exactly as they were."""
+    with MetricsLogger(tmp_path, tensorboard=False, console=False) as logger:
+        for step in (1, 2, 3):
+            logger.log({"train/loss": float(step)}, step=step)
+    before = (tmp_path / METRICS_FILE).read_bytes()
+    with MetricsLogger(tmp_path, tensorboard=False, console=False, source="mugrpo eval of step_1") as logger:
+        logger.log({"eval/avg_pass@1": 0.25}, step=1)
+    after = (tmp_path / METRICS_FILE).read_bytes()
+    assert after.startswith(before)
+    (added,) = [json.loads(line) for line in after[len(before) :].splitlines()]
+    assert added["source"] == "mugrpo eval of step_1" and added["step"] == 1
+
+
 def test_bad_names_and_values_are_errors(tmp_path: Path) -> None:
     logger = MetricsLogger(tmp_path, tensorboard=False, console=False)
     with pytest.raises(ValueError, match=r"'loss' must be a string starting with one of"):
