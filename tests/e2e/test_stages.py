@@ -16,80 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import free_port
+from e2e_runs import DEMO, ROOT, SMALL, final_weights, mugrpo, records, train
 from safetensors.torch import load_file
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "configs" / "demo_cpu.yaml"
-SMALL = [
-    "stages.num_stages=2",
-    "stages.train_groups=16",
-    "stages.mini_groups=4",
-    "parallel.micro_batch_size=16",
-    "rollout.shard_groups=8",
-    "rollout.max_new_tokens=40",
-    "eval.benchmarks.0.limit=16",
-    "eval.benchmarks.0.k=2",
-    "checkpoint.every_updates=2",
-    "logging.progress_bars=false",
-    "logging.tensorboard=true",
-    "optim.lr=1e-3",
-]
-
-
-def mugrpo(*args: str, crash_at: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("MUGRPO_CRASH_AT", None)
-    if crash_at:
-        env["MUGRPO_CRASH_AT"] = crash_at
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_mugrpo.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"mugrpo {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
-
-
-@pytest.fixture(scope="session")
-def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A warm-started tiny model (some problems solved, so advantages are non-zero)."""
-    from megatron_mugrpo.config import load_config
-    from megatron_mugrpo.warmstart import prepare_base_model
-
-    cfg = load_config(DEMO, ["warmstart.steps=150"])
-    return prepare_base_model(cfg, tmp_path_factory.mktemp("base") / "model")
-
-
-def train(run_dir: Path, base: Path, *extra: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
-    return mugrpo(
-        "train",
-        "--config",
-        str(DEMO),
-        "--run-dir",
-        str(run_dir),
-        f"model.hf_dir={base}",
-        *SMALL,
-        *extra,
-        crash_at=crash_at,
-        check=crash_at is None,
-    )
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "hf_final" / "model.safetensors"))
-
-
-@pytest.fixture(scope="session")
-def uninterrupted(
-    tmp_path_factory: pytest.TempPathFactory, base_model: Path
-) -> tuple[Path, subprocess.CompletedProcess]:
-    run_dir = tmp_path_factory.mktemp("runs") / "full"
-    return run_dir, train(run_dir, base_model)
 
 
 @pytest.mark.slow
@@ -151,14 +80,17 @@ def test_end_to_end_run_writes_everything(uninterrupted: tuple[Path, subprocess.
 def test_resume_after_sigkill_equals_uninterrupted(
     tmp_path: Path, base_model: Path, uninterrupted: tuple[Path, subprocess.CompletedProcess]
 ):
-    """Killed after stage 0's generation, then mid-optimization of stage 1: same final weights."""
+    """Killed after stage 0's generation, then at the first update of stage 1 (after the stage-end
+    checkpoint and stage 1's rollout summary, both at step 4): same final weights, every record once,
+    and the run's clock (perf/t_total_s) accumulating across the three processes."""
     run_dir = tmp_path / "killed"
     proc = train(run_dir, base_model, crash_at="rollout:0")
     assert proc.returncode == -signal.SIGKILL
     assert json.loads((run_dir / "rollouts" / "stage_000" / "manifest.json").read_text())["complete"]
-    proc = mugrpo("train", "--resume", str(run_dir), crash_at="update:7", check=False)
+    proc = mugrpo("train", "--resume", str(run_dir), crash_at="update:5", check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     manifest_before = (run_dir / "rollouts" / "stage_001" / "manifest.json").read_bytes()
+    checkpoint = json.loads((run_dir / "checkpoints" / "step_00000004" / "metadata.json").read_text())
     mugrpo("train", "--resume", str(run_dir))
     # The complete D_1 was reused, not regenerated.
     assert (run_dir / "rollouts" / "stage_001" / "manifest.json").read_bytes() == manifest_before
@@ -167,16 +99,14 @@ def test_resume_after_sigkill_equals_uninterrupted(
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), f"{name} differs after resume"
-    steps = [r["step"] for r in records(run_dir) if "train/loss" in r]
+    recs = records(run_dir)
+    steps = [r["step"] for r in recs if "train/loss" in r]
     assert steps == list(range(1, 9)), "each update is logged exactly once after resume"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    assert [r["rollout/stage"] for r in recs if "rollout/stage" in r] == [0.0, 1.0], "one summary per stage"
+    assert [r["step"] for r in recs if "eval/avg_pass@1" in r] == [0, 4, 8]
+    totals = [r["perf/t_total_s"] for r in recs if "perf/t_total_s" in r]
+    assert totals == sorted(totals), f"perf/t_total_s went backwards: {totals}"
+    assert totals[-1] > checkpoint["trainer_state"]["extra"]["timers"]["perf/t_total_s"] > 0
 
 
 @pytest.mark.slow
@@ -191,7 +121,7 @@ def test_two_ranks_with_tensor_parallelism(tmp_path: Path, base_model: Path):
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "megatron_mugrpo.cli",
         "train",

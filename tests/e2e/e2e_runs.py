@@ -1,0 +1,75 @@
+"""Helpers of the end-to-end tests: the `mugrpo` CLI in a subprocess, a small run's overrides, records.
+
+Runs go through the CLI in subprocesses, as a user would, so tests can SIGKILL them at named points
+($MUGRPO_CRASH_AT) and continue with `--resume`. The shared fixtures (a warm-started base model, one
+finished run) are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo_cpu.yaml"
+SMALL = [
+    "stages.num_stages=2",
+    "stages.train_groups=16",
+    "stages.mini_groups=4",
+    "parallel.micro_batch_size=16",
+    "rollout.shard_groups=8",
+    "rollout.max_new_tokens=40",
+    "eval.benchmarks.0.limit=16",
+    "eval.benchmarks.0.k=2",
+    "checkpoint.every_updates=2",
+    "logging.progress_bars=false",
+    "logging.tensorboard=true",
+    "optim.lr=1e-3",
+]
+
+
+def mugrpo(*args: str, crash_at: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MUGRPO_CRASH_AT", None)
+    if crash_at:
+        env["MUGRPO_CRASH_AT"] = crash_at
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_mugrpo.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"mugrpo {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def train(
+    run_dir: Path, base: Path, *extra: str, crash_at: str | None = None, check: bool | None = None
+) -> subprocess.CompletedProcess:
+    """A small run on the warm-started ``base`` model; checked for success unless it is crashed on purpose."""
+    return mugrpo(
+        "train",
+        "--config",
+        str(DEMO),
+        "--run-dir",
+        str(run_dir),
+        f"model.hf_dir={base}",
+        *SMALL,
+        *extra,
+        crash_at=crash_at,
+        check=crash_at is None if check is None else check,
+    )
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "hf_final" / "model.safetensors"))
