@@ -229,7 +229,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from megatron_mugrpo.report import write_report
 
-    for path in write_report(args.run_dirs, args.out or args.run_dirs[0] / "report"):
+    out = args.out or args.run_dirs[0] / "report"
+    if out.exists() and not out.is_dir():
+        raise _UsageError(f"--out {out} is a file; give a directory for the report")
+    for path in write_report(args.run_dirs, out):
         print(path)
     return 0
 

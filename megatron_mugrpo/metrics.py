@@ -38,7 +38,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from megatron_mugrpo.errors import MissingInputError
+from megatron_mugrpo.errors import InputError, MissingInputError
 
 METRIC_PREFIXES = ("rollout/", "train/", "perf/", "eval/")
 METRICS_FILE = "metrics.jsonl"
@@ -58,6 +58,10 @@ CONSOLE_KEYS = (
 """Metrics shown on the console line when present (all of them go to JSONL and TensorBoard)."""
 CONSOLE_FALLBACK_COUNT = 6
 """Metrics shown on the console line when none of CONSOLE_KEYS is in the record."""
+
+
+class MetricsFileError(InputError, ValueError):
+    """metrics.jsonl holds a line that is not a JSON record (not the last one, which a kill may cut)."""
 
 
 def check_metric_name(name: object) -> str:
@@ -277,7 +281,9 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
             if number == len(lines):
                 warnings.warn(f"{path}:{number}: dropping a truncated last line ({exc})", stacklevel=3)
                 continue
-            raise ValueError(f"{path}:{number} is not a JSON record ({exc}); the file is corrupt") from exc
+            raise MetricsFileError(
+                f"{path}:{number} is not a JSON record ({exc}); the file is corrupt: fix or delete that line"
+            ) from exc
     return records
 
 

@@ -63,9 +63,12 @@ class RunLock:
     @classmethod
     def acquire(cls, run_dir: Path) -> RunLock:
         """Lock ``run_dir`` (created if missing) or raise RunLockedError naming the holder."""
-        run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_FILE
-        handle = path.open("a+")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            handle = path.open("a+")
+        except OSError as exc:  # a file in the way, no permission, read-only file system
+            raise RunDirError(f"cannot use {run_dir} as a run directory: {exc}") from exc
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -85,7 +85,10 @@ def test_resume_dir_without_config(tmp_path: Path):
 
 
 def test_train_refuses_an_existing_run(tmp_path: Path):
+    """A run that produced something (here a rollout shard); one that produced nothing is replaced."""
     (tmp_path / "config.yaml").write_text("{}\n")
+    (tmp_path / "rollouts" / "stage_000").mkdir(parents=True)
+    (tmp_path / "rollouts" / "stage_000" / "shard_00000.parquet").write_bytes(b"x")
     line = _error_line(mugrpo("train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(tmp_path)))
     assert "--resume" in line
 
@@ -136,3 +139,24 @@ def test_override_value_that_is_not_yaml(tmp_path: Path, capsys: pytest.CaptureF
     line = _main_error(argv, capsys)
     assert "algo.clip_high=[" in line and "not valid YAML" in line
     assert not (tmp_path / "r").exists()
+
+
+def test_report_on_a_corrupt_metrics_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    record = '{"step": 1, "wall_s": 1.0, "time": 1.0, "train/loss": 1.0}\n'
+    (tmp_path / "metrics.jsonl").write_text(record + "GARBAGE\n" + record)
+    assert "metrics.jsonl:2 is not a JSON record" in _main_error(["report", str(tmp_path)], capsys)
+    (tmp_path / "metrics.jsonl").write_text(record)
+    (tmp_path / "out").write_text("")
+    assert "--out" in _main_error(["report", str(tmp_path), "--out", str(tmp_path / "out")], capsys)
+
+
+def test_run_dir_that_is_a_file(tmp_path: Path):
+    (tmp_path / "file").write_text("")
+    line = _error_line(mugrpo("train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(tmp_path / "file")))
+    assert "cannot use" in line and "file" in line
+
+
+def test_eval_of_a_checkpoint_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    (tmp_path / "config.yaml").write_text("eval:\n  benchmarks:\n  - {name: a, path: builtin}\n")
+    line = _main_error(["eval", "--run-dir", str(tmp_path), "--checkpoint", str(tmp_path / "step_9")], capsys)
+    assert "step_9 is not a checkpoint step directory" in line
