@@ -37,12 +37,10 @@ from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_conf
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 from megatron_mugrpo.rundir import CONFIG_FILE, RunLock, claim, record_config
-from megatron_mugrpo.training.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, read_metadata
+from megatron_mugrpo.state import TrainerState
+from megatron_mugrpo.training.checkpoint import latest_checkpoint, load_checkpoint, read_metadata
 from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy, resolve_dtype
-
-METRICS_RECORDS_KEY = "metrics_records"
-"""TrainerState.extra key: metrics.jsonl records logged when the checkpoint was taken."""
 
 
 class RunError(InputError, RuntimeError):
@@ -190,6 +188,7 @@ def _set_up(
         optim=cfg.optim,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         fp8=cfg.kernels.fp8,
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
     state, resumed_from = _initial_weights(policy, hf_dir, run_dir, resume=resume, checkpoint=checkpoint)
     prompts = load_prompts(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens)
@@ -227,7 +226,7 @@ def _set_up(
         logger=logger,
         timer=Timer(sync=sync),
         resumed_from=resumed_from,
-        extra_timers=dict(state.extra.get("timers", {})),
+        extra_timers=dict(state.timers),
     )
 
 
@@ -259,8 +258,8 @@ def _metrics_logger(
     keep_records = purge_step = None
     if redo_after_checkpoint and resumed_from is None:
         keep_records = 0  # no checkpoint: everything logged so far is redone
-    elif redo_after_checkpoint and METRICS_RECORDS_KEY in state.extra:
-        keep_records = int(state.extra[METRICS_RECORDS_KEY])
+    elif redo_after_checkpoint and state.metrics_records is not None:
+        keep_records = state.metrics_records
     elif redo_after_checkpoint:  # a checkpoint written before record counts were stored
         purge_step = state.global_update + 1
     source, tensorboard_dir = None, TENSORBOARD_DIR

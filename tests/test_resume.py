@@ -88,8 +88,10 @@ def test_continue_config_applies_safe_overrides_and_refuses_the_rest(tmp_path: P
     cfg, changes = continue_config(run_dir, ["stages.num_stages=3", "eval.benchmarks.0.k=8"])
     assert cfg.stages.num_stages == 3 and cfg.eval.benchmarks[0].k == 8
     assert changes == ["stages.num_stages=3", "eval.benchmarks.0.k=8"]
-    with pytest.raises(ResumeError, match=r"algo\.clip_high, rollout\.group_size cannot be overridden on resume"):
-        continue_config(run_dir, ["algo.clip_high=3", "rollout.group_size=4", "stages.num_stages=3"])
+    with pytest.raises(
+        ResumeError, match=r"algo\.mu_grpo\.clip_high, rollout\.group_size cannot be overridden on resume"
+    ):
+        continue_config(run_dir, ["algo.mu_grpo.clip_high=3", "rollout.group_size=4", "stages.num_stages=3"])
     assert continue_config(run_dir, [])[1] == [], "nothing changed, nothing to record"
 
 
@@ -122,7 +124,7 @@ def test_without_history_the_latest_checkpoint_is_the_reference(tmp_path: Path, 
     config = run_dir / CONFIG_FILE
     original = config.read_text()
     config.write_text(original.replace("clip_high: 5.0", "clip_high: 3.0"))
-    with pytest.raises(ResumeError, match=r"algo\.clip_high differ"):
+    with pytest.raises(ResumeError, match=r"algo\.mu_grpo\.clip_high differ"):
         continue_config(run_dir, [])
     config.write_text(original)
     with pytest.raises(ResumeError, match=r"stages\.num_stages=1: the run has already finished 2 stages"):

@@ -84,8 +84,8 @@ def test_resume_refuses_unsafe_changes_before_touching_anything(uninterrupted: F
     and the reason; the run directory is left exactly as it was."""
     run_dir = _copy(uninterrupted, tmp_path)
     snapshot = _snapshot(run_dir)
-    line = _error_line(mugrpo("train", "--resume", str(run_dir), "algo.clip_high=3", check=False))
-    assert "algo.clip_high cannot be overridden on resume" in line and "new run" in line
+    line = _error_line(mugrpo("train", "--resume", str(run_dir), "algo.mu_grpo.clip_high=3", check=False))
+    assert "algo.mu_grpo.clip_high cannot be overridden on resume" in line and "new run" in line
     line = _error_line(
         mugrpo("optimize", "--run-dir", str(run_dir), "--stage", "1", "rollout.group_size=4", check=False)
     )
@@ -97,7 +97,7 @@ def test_resume_refuses_unsafe_changes_before_touching_anything(uninterrupted: F
     config = run_dir / "config.yaml"
     original = config.read_text()
     for old, new, key in (
-        ("clip_high: 5.0", "clip_high: 3.0", "algo.clip_high"),
+        ("clip_high: 5.0", "clip_high: 3.0", "algo.mu_grpo.clip_high"),
         ("hidden_size: 64", "hidden_size: 128", "model.tiny.hidden_size"),
     ):
         config.write_text(original.replace(old, new))
