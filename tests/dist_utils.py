@@ -1,5 +1,9 @@
 """Run a test function on N gloo ranks in spawned processes, re-raising a rank's failure.
 
+The one way tests start ranks: every multi-rank test calls ``run_distributed`` and its rank body
+sets up process groups with ``initialize_parallel`` (only the end-to-end launcher test goes through
+``torchrun`` itself, since that is what it tests; it takes its port from ``free_port`` here).
+
     def _body(rank: int, world_size: int, tmp: str) -> None:   # top level: it must pickle
         groups = initialize_parallel(tp=2, pp=1, seed=0)
         ...

@@ -139,9 +139,9 @@ def test_malformed_yaml_is_one_error(tmp_path: Path, text: str, message: str, ca
 
 
 def test_override_value_that_is_not_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    argv = ["train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(tmp_path / "r"), "algo.clip_high=["]
+    argv = ["train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(tmp_path / "r"), "algo.mu_grpo.clip_high=["]
     line = _main_error(argv, capsys)
-    assert "algo.clip_high=[" in line and "not valid YAML" in line
+    assert "algo.mu_grpo.clip_high=[" in line and "not valid YAML" in line
     assert not (tmp_path / "r").exists()
 
 

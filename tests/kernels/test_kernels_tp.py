@@ -9,6 +9,7 @@ from dist_utils import run_distributed
 from kernel_cases import make_case, make_targets
 
 from megatron_mugrpo.kernels import fused_linear_logprobs, vocab_parallel_logprobs
+from megatron_mugrpo.training.parallel import initialize_parallel
 
 N, H, PADDED, TEMPERATURE = 24, 16, 1024, 0.8
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -55,10 +56,10 @@ def _materialised(logits, targets, vocab_start, vocab_size, group):
 
 
 def _tp2_equals_tp1(rank: int, world_size: int) -> None:
-    dist.init_process_group("gloo")
+    groups = initialize_parallel(tp=world_size, pp=1, seed=0)  # as every rank body does (tests/dist_utils.py)
     # 1000: the last shard ends in padding rows; 500: the last shard is nothing but padding.
     for vocab_size in (1000, 500):
-        _compare(rank, world_size, vocab_size, dist.group.WORLD)
+        _compare(groups.tp_rank, groups.tp, vocab_size, groups.tp_group)
 
 
 def _compare(rank: int, world_size: int, vocab_size: int, group: dist.ProcessGroup) -> None:
