@@ -78,11 +78,17 @@ def _labels(run_dirs: Sequence[Path]) -> list[str]:
 
 
 def load_runs(run_dirs: Sequence[str | Path]) -> list[Run]:
-    """Read every run's metrics; a directory without metrics.jsonl raises FileNotFoundError."""
+    """Read every run's training metrics; a directory without metrics.jsonl raises FileNotFoundError.
+
+    Records of standalone commands (``"source"``, e.g. a later ``mugrpo eval`` of an old checkpoint)
+    are left out: the curves follow the training run in time.
+    """
     paths = [Path(p) for p in run_dirs]
     if not paths:
         raise ValueError("write_report needs at least one run directory")
-    return [Run(label, read_metrics(path)) for label, path in zip(_labels(paths), paths)]
+    return [
+        Run(label, [r for r in read_metrics(path) if "source" not in r]) for label, path in zip(_labels(paths), paths)
+    ]
 
 
 def series(records: list[dict[str, Any]], y_key: str, x_key: str = "step") -> Series:

@@ -89,9 +89,13 @@ def refuse(keys: Iterable[str], how: str) -> None:
     if unsafe:
         reasons = "; ".join(f"{key}: {why_unsafe(key)}" for key in unsafe)
         raise ResumeError(
-            f"{', '.join(unsafe)} {how} ({reasons}). Only {', '.join(SAFE_KEYS)} may change on resume; "
+            f"{', '.join(unsafe)} {how} ({reasons}). Only {_safe_keys_text()} may change on resume; "
             "start a new run (--config C --run-dir NEW_DIR) to change anything else"
         )
+
+
+def _safe_keys_text() -> str:
+    return ", ".join(key + "*" if key.endswith(".") else key for key in SAFE_KEYS)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -186,8 +186,8 @@ def record_config(cfg: RunConfig, run_dir: Path, *, event: str) -> None:
 def _config_header(entries: list[dict[str, str]]) -> str:
     lines = [
         "# The configuration of this run: `mugrpo train --resume RUN_DIR` continues with these values.",
-        "# On resume only stages.num_stages, eval.*, logging.* and the checkpoint cadence may change",
-        "# (see megatron_mugrpo/resume.py); other changes need a new run directory.",
+        "# On resume only keys that are safe mid-run may change (megatron_mugrpo/resume.py lists them:",
+        "# the stage count, eval, logging, checkpoint cadence); other changes need a new run directory.",
         "# History (also in config_history.json):",
     ]
     lines += [f"#   {entry['time']}  {entry['event']}" for entry in entries]

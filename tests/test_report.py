@@ -108,3 +108,15 @@ def test_series_extraction() -> None:
 def test_moving_average() -> None:
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert moving_average([2.0], 5) == [2.0]
+
+
+def test_standalone_evaluations_stay_out_of_the_training_curves(tmp_path: Path) -> None:
+    """A later `mugrpo eval` of an old checkpoint appends a record with a 'source'; the report's curves
+    follow the training run, so that record is not a point of the accuracy curve."""
+    from megatron_mugrpo.report import load_runs
+
+    _fake_run(tmp_path, updates_per_stage=4, seconds_per_update=1.0)
+    with MetricsLogger(tmp_path, tensorboard=False, console=False, source="mugrpo eval of step_00000004") as logger:
+        logger.log({"eval/avg_pass@1": 0.9, "perf/t_total_s": 4.5}, step=4)
+    (run,) = load_runs([tmp_path])
+    assert eval_series(run.records, "eval/avg_pass@1", [], "run").y == [0.2, 0.2]
