@@ -21,7 +21,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.rollout.quantization import ModelOptConfig, available_schemes
 
 LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
@@ -166,6 +168,11 @@ class RolloutConfig:
     """Processes in the verification pool."""
     sglang_mem_fraction: float = 0.7
     """SGLang static memory fraction on GPU."""
+    quantization: str = "none"
+    """Behaviour policy precision: 'none' (the trainer's weights as they are), 'fp8', 'fp8_per_channel'
+    or 'nvfp4' (GPU only), quantized with NVIDIA Model Optimizer each stage (rollout.quantization module)."""
+    modelopt: ModelOptConfig = field(default_factory=ModelOptConfig)
+    """Calibration of the quantized behaviour policy (used when quantization != 'none')."""
 
     def __post_init__(self) -> None:
         _require(self.engine in ENGINES, f"rollout.engine={self.engine!r} is not one of {ENGINES}")
@@ -180,6 +187,10 @@ class RolloutConfig:
         for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_groups", "reward_workers"):
             _require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         _require(self.reward_timeout_s > 0, f"rollout.reward_timeout_s={self.reward_timeout_s} must be > 0")
+        _require(
+            self.quantization in available_schemes(),
+            f"rollout.quantization={self.quantization!r} is unknown; choose one of {available_schemes()}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -236,6 +247,9 @@ class AlgoConfig:
     """seq_mean_token_mean (paper Eq. 2) or token_mean."""
     adv_eps: float = 1e-6
     """ε in A = (R - mean R) / (std R + ε)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Mismatch metrics and the optional correction of a behaviour policy that differs from the
+    trainer's (e.g. an FP8 rollout engine); off by default (algorithms.rollout_correction)."""
 
     def __post_init__(self) -> None:
         _require(self.loss in LOSSES, f"algo.loss={self.loss!r} is unknown; choose one of {LOSSES}")
@@ -515,7 +529,8 @@ _NESTED: dict[type, dict[str, type]] = {
         "checkpoint": CheckpointConfig,
     },
     ModelConfig: {"tiny": TinyModelConfig},
-    RolloutConfig: {"vigor": VigorConfig},
+    RolloutConfig: {"vigor": VigorConfig, "modelopt": ModelOptConfig},
+    AlgoConfig: {"rollout_correction": RolloutCorrectionConfig},
 }
 
 

@@ -28,12 +28,17 @@ class RolloutSample:
     """Why the reward is what it is ('correct', 'no_box', 'unparsable', 'wrong', 'timeout')."""
     advantage: float = 0.0
     """Group-normalised advantage; every token of the response shares it."""
+    old_logprobs: list[float] | None = None
+    """Per-token log π_train(θ_old): the trainer's own log-prob at the stage's starting weights. Only
+    attached (never stored in the rollout shards) when the loss uses the rollout correction."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.behaviour_logprobs):
             raise ValueError(
                 f"response has {len(self.response_ids)} tokens but {len(self.behaviour_logprobs)} behaviour log-probs"
             )
+        if self.old_logprobs is not None and len(self.old_logprobs) != len(self.response_ids):
+            raise ValueError(f"response has {len(self.response_ids)} tokens but {len(self.old_logprobs)} old log-probs")
 
 
 @dataclass(kw_only=True)
@@ -77,6 +82,9 @@ class TrainBatch:
     """[B] float32, one advantage per response."""
     group_index: torch.Tensor
     """[B] int64: which prompt group (within the mini-batch) each response belongs to."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, L] float32 log π_train(θ_old) aligned with targets, 0 outside the response; present only
+    when every response carries it (the rollout correction, ``algorithms.rollout_correction``)."""
 
     @property
     def num_sequences(self) -> int:
@@ -91,10 +99,13 @@ class TrainBatch:
             behaviour_logprobs=self.behaviour_logprobs[start:stop],
             advantages=self.advantages[start:stop],
             group_index=self.group_index[start:stop],
+            old_logprobs=self.old_logprobs[start:stop] if self.old_logprobs is not None else None,
         )
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(**{k: getattr(self, k).to(device) for k in _BATCH_FIELDS})
+        moved = {k: getattr(self, k).to(device) for k in _BATCH_FIELDS}
+        old = self.old_logprobs.to(device) if self.old_logprobs is not None else None
+        return TrainBatch(**moved, old_logprobs=old)
 
 
 _BATCH_FIELDS = ("tokens", "targets", "response_mask", "behaviour_logprobs", "advantages", "group_index")
@@ -112,6 +123,8 @@ def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -
     targets = torch.full((batch, length), pad_id, dtype=torch.long)
     mask = torch.zeros(batch, length)
     behaviour = torch.zeros(batch, length)
+    with_old = all(s.old_logprobs is not None for _, _, s in rows)
+    old = torch.zeros(batch, length) if with_old else None
     for b, (_, prompt, sample) in enumerate(rows):
         seq = torch.tensor(prompt + sample.response_ids, dtype=torch.long)
         tokens[b, : len(seq)] = seq
@@ -120,6 +133,8 @@ def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -
         start, stop = len(prompt) - 1, len(prompt) - 1 + len(sample.response_ids)
         mask[b, start:stop] = 1.0
         behaviour[b, start:stop] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+        if old is not None:
+            old[b, start:stop] = torch.tensor(sample.old_logprobs, dtype=torch.float32)
     return TrainBatch(
         tokens=tokens,
         targets=targets,
@@ -127,4 +142,5 @@ def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -
         behaviour_logprobs=behaviour,
         advantages=torch.tensor([s.advantage for _, _, s in rows], dtype=torch.float32),
         group_index=torch.tensor([g for g, _, _ in rows], dtype=torch.long),
+        old_logprobs=old,
     )

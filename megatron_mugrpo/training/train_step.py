@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from megatron_mugrpo.algorithms.losses import policy_loss
+from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig, corrected_policy_loss
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.logprobs import (
     check_impl,
@@ -64,6 +64,7 @@ def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
         behaviour_logprobs=grow(batch.behaviour_logprobs),
         advantages=grow(batch.advantages),
         group_index=grow(batch.group_index),
+        old_logprobs=grow(batch.old_logprobs) if batch.old_logprobs is not None else None,
     )
 
 
@@ -144,11 +145,24 @@ def _run_schedule(
 # ---------------------------------------------------------------------------------- train step
 
 
-def _policy_loss_fn(loss_name: str, loss_options: dict[str, Any]) -> LossFn:
-    """Registry loss plus the cheap train-vs-rollout log-prob gap, in Megatron's 3-tuple form."""
+def _policy_loss_fn(
+    loss_name: str, loss_options: dict[str, Any], correction: RolloutCorrectionConfig | None = None
+) -> LossFn:
+    """Registry loss (with the rollout correction when one is on) plus the cheap train-vs-rollout
+    log-prob gap, in Megatron's 3-tuple form."""
+    caps = {"tis_cap": correction.tis_cap, "mask_bound": correction.mask_bound} if correction else {}
 
     def loss_fn(mb: TrainBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, dict[str, float]]:
-        out = policy_loss(loss_name, logprobs, mb.behaviour_logprobs, mb.advantages, mb.response_mask, **loss_options)
+        out = corrected_policy_loss(
+            loss_name,
+            logprobs,
+            mb.behaviour_logprobs,
+            mb.advantages,
+            mb.response_mask,
+            old_logprobs=mb.old_logprobs,
+            **caps,
+            **loss_options,
+        )
         with torch.no_grad():
             mask = mb.response_mask.bool()
             gap = torch.where(mask, (logprobs - mb.behaviour_logprobs).abs(), 0.0)
@@ -217,8 +231,11 @@ def train_step(
     temperature: float,
     micro_batch_size: int,
     impl: str = "fused",
+    rollout_correction: RolloutCorrectionConfig | None = None,
 ) -> dict[str, float]:
     """One optimizer update on ``batch`` (the whole update's rows, identical on every rank).
+
+    With a ``rollout_correction`` that is on, the batch must carry ``old_logprobs`` (log π_old).
 
     Returns (on every rank) ``train/loss`` (Σ loss_sum / Σ normaliser), ``train/grad_norm`` (before
     clipping), ``train/lr``, ``train/update_successful``, the registry loss metrics prefixed
@@ -234,7 +251,7 @@ def train_step(
         chunk.zero_grad_buffer()
     policy.optimizer.zero_grad()
     forward_step = _forward_step_func(
-        impl, temperature, policy.vocab_size, groups, _policy_loss_fn(loss_name, loss_options)
+        impl, temperature, policy.vocab_size, groups, _policy_loss_fn(loss_name, loss_options, rollout_correction)
     )
     records = _run_schedule(policy, micro_batches, forward_step, forward_only=False)
     update_successful, grad_norm, _ = policy.optimizer.step()
