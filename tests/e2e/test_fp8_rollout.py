@@ -7,6 +7,7 @@ Needs NVIDIA Model Optimizer (the ``fp8`` extra); skipped without it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 from pathlib import Path
@@ -16,12 +17,9 @@ import torch
 from safetensors.torch import load_file
 from test_stages import final_weights, mugrpo, records, train
 
-from megatron_mugrpo.rollout.quantization import ModelOptMissingError, import_modelopt
 from megatron_mugrpo.training.stage_reference import OLD_LOGPROBS_FILE
 
-try:
-    import_modelopt()
-except ModelOptMissingError:
+if importlib.util.find_spec("modelopt") is None:
     pytest.skip("NVIDIA Model Optimizer is not installed (pip install 'megatron_mugrpo[fp8]')", allow_module_level=True)
 
 FP8 = [

@@ -7,6 +7,7 @@ Tests that quantize need NVIDIA Model Optimizer (the ``fp8`` extra); they are sk
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -28,18 +29,13 @@ from megatron_mugrpo.rollout.quantization import (
     check_scheme_usable,
     dequantized_state_dict,
     export_checkpoint,
-    import_modelopt,
     load_behaviour_policy,
     quantization_scheme,
     quantize_model,
 )
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, teacher_forced_logprobs
 
-try:
-    import_modelopt()
-    HAVE_MODELOPT = True
-except ModelOptMissingError:
-    HAVE_MODELOPT = False
+HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None  # without importing it (slow) at collection
 needs_modelopt = pytest.mark.skipif(
     not HAVE_MODELOPT, reason="NVIDIA Model Optimizer is not installed (pip install 'megatron_mugrpo[fp8]')"
 )
