@@ -425,8 +425,9 @@ def _load_exported(
         raise QuantizationError(
             "exporting a quantized checkpoint for SGLang needs a CUDA GPU; on CPU use the transformers engine"
         )
-    config = AutoConfig.from_pretrained(str(hf_dir))
-    model = AutoModelForCausalLM.from_config(config).to(device="cuda", dtype=torch.bfloat16)
+    with torch.device("cuda"):  # built on the GPU: no full-size float32 copy in host memory
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf_dir)), dtype=torch.bfloat16)
+    model = model.to(torch.bfloat16)  # cast *before* quantizing: dtype= leaves some modules in float32
     copy_weights(model, named_tensors)
     quantize_model(model, quantizer.scheme, quantizer.calibration, batch_size=quantizer.batch_size)
     path = export_checkpoint(model, quantizer.export_dir, tokenizer_dir=hf_dir)
