@@ -9,7 +9,11 @@ responses; the original model scores them teacher forced; printed per scheme:
   check sees) and ``kl_k3``, the sampled-token KL(β ‖ π) estimate logged as rollout/mismatch_kl;
 * ``kl_exact``: the full-vocabulary KL(β ‖ π) averaged over the same positions (float64);
 * the time of one generation batch with the original and with the folded quantized weights
-  (best of --repeats, EOS disabled so both generate exactly the same number of tokens).
+  (best of --repeats, EOS disabled so both generate exactly the same number of tokens);
+* ``engine-recompute``: max |stored − teacher-forced| log-prob of the quantized model itself. It is
+  ~1e-6 except on rare tokens where a float32 rounding difference between the batched, left-padded
+  decode and the one-sequence recompute moves an activation across an FP8 rounding boundary (a
+  jump of one FP8 step). The stored values are the engine's actual sampling distribution.
 
     python benchmarks/fp8_rollout.py                       # warm-started demo model, CPU, ~2 minutes
     python benchmarks/fp8_rollout.py --hf-dir /models/SmolLM2-135M --batch 32

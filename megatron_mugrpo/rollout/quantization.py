@@ -15,9 +15,10 @@ Per stage (``load_behaviour_policy``, called by the weight sync):
 3. the engine serves it:
 
    * transformers engine (CPU and GPU): the fake-quant model itself, with the weight quantizers
-     folded into the weights (``mtq.fold_weight``: quantize-dequantize once, so decoding costs
-     what the original model costs; activation quantizers stay active). This path is exact and
-     runs in CI;
+     folded into the weights (``mtq.fold_weight``: quantize-dequantize once; activation quantizers
+     stay active). The stored log-probs are this model's (a teacher-forced recompute agrees to
+     ~1e-6, except on rare tokens where float32 rounding differences between batched decoding and
+     the recompute push an activation across an FP8 rounding boundary). This path runs in CI;
    * SGLang (GPU): the model (cast to bfloat16 *before* quantizing: ``dtype=`` at load time does
      not convert norms and embeddings) is exported as a ModelOpt FP8 checkpoint (F8_E4M3 weights,
      ``weight_scale`` / ``input_scale``, ``hf_quant_config.json``; embeddings and ``lm_head`` stay
