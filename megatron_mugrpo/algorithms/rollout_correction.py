@@ -44,18 +44,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from megatron_mugrpo.errors import InputError
-
-if TYPE_CHECKING:
-    from megatron_mugrpo.algorithms.losses import LossOutput
-
-# The loss registry is imported inside the functions that use it: ``config`` imports this module's
-# RolloutCorrectionConfig, and ``losses`` imports ``config``.
+from megatron_mugrpo.algorithms.losses import LossOutput, LossStats, policy_loss
+from megatron_mugrpo.errors import InputError, require
 
 LOG_WEIGHT_CLAMP = 20.0
 """|log w| is clamped to this before exp, as the losses clamp |log ρ| (losses.LOG_RATIO_CLAMP): e^20
@@ -81,25 +76,29 @@ class RolloutCorrectionConfig:
     scored anyway and the metrics cover all of them. 0: no metrics."""
 
     def __post_init__(self) -> None:
-        if not (self.tis_cap == 0 or self.tis_cap >= 1):
-            raise RolloutCorrectionError(
-                f"algo.rollout_correction.tis_cap={self.tis_cap} must be 0 (off) or >= 1: a cap below 1 would "
-                "down-weight every token (the factor is 1 where behaviour and trainer agree)"
-            )
-        if not (self.mask_bound == 0 or self.mask_bound > 1):
-            raise RolloutCorrectionError(
-                f"algo.rollout_correction.mask_bound={self.mask_bound} must be 0 (off) or > 1: tokens are kept "
-                "while π_old / β lies in [1/c, c]"
-            )
-        if self.mismatch_groups < 0:
-            raise RolloutCorrectionError(
-                f"algo.rollout_correction.mismatch_groups={self.mismatch_groups} must be >= 0 (0: no metrics)"
-            )
+        require(
+            self.tis_cap == 0 or self.tis_cap >= 1,
+            f"algo.rollout_correction.tis_cap={self.tis_cap} must be 0 (off) or >= 1: a cap below 1 would "
+            "down-weight every token (the factor is 1 where behaviour and trainer agree)",
+        )
+        require(
+            self.mask_bound == 0 or self.mask_bound > 1,
+            f"algo.rollout_correction.mask_bound={self.mask_bound} must be 0 (off) or > 1: tokens are kept "
+            "while π_old / β lies in [1/c, c]",
+        )
+        require(
+            self.mismatch_groups >= 0,
+            f"algo.rollout_correction.mismatch_groups={self.mismatch_groups} must be >= 0 (0: no metrics)",
+        )
 
     @property
     def enabled(self) -> bool:
         """Whether the loss uses log π_old (and so every token needs it)."""
         return self.tis_cap > 0 or self.mask_bound > 0
+
+    def loss_options(self) -> dict[str, float]:
+        """The keyword options of ``corrected_policy_loss`` / ``correction_inputs``."""
+        return {"tis_cap": self.tis_cap, "mask_bound": self.mask_bound}
 
 
 def mismatch_log_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, response_mask: Tensor) -> Tensor:
@@ -134,7 +133,7 @@ def correction_weights(
     *,
     tis_cap: float = 0.0,
     mask_bound: float = 0.0,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
     """Per-token weights of the corrected loss (module docstring) and their diagnostics.
 
     Args:
@@ -144,23 +143,58 @@ def correction_weights(
         tis_cap: C (0: no truncation). mask_bound: c (0: no mask).
 
     Returns:
-        weights [B, T] (0 off the response and on masked tokens) and 0-d tensors
-        ``rollout_corr_weight_mean``, ``rollout_corr_truncated_frac``, ``rollout_corr_masked_frac``
-        (over response tokens).
+        weights [B, T] (0 off the response and on masked tokens) and (numerator, denominator) parts
+        over response tokens of ``rollout_corr_weight_mean``, ``rollout_corr_truncated_frac`` and
+        ``rollout_corr_masked_frac`` (``LossStats.means``: exact across micro-batches).
     """
     mask = response_mask.bool()
     log_w = mismatch_log_ratio(old_logprobs, behaviour_logprobs, mask)
     weights = truncated_weights(log_w, mask, tis_cap) if tis_cap > 0 else torch.where(mask, log_w.exp(), 0.0)
     keep = mismatch_keep(log_w, mask, mask_bound) if mask_bound > 0 else mask
     weights = torch.where(keep, weights, 0.0)
-    count = mask.sum().clamp_min(1)
+    count = mask.sum().to(weights.dtype)
     truncated = mask & (log_w > math.log(tis_cap)) if tis_cap > 0 else torch.zeros_like(mask)
-    metrics = {
-        "rollout_corr_weight_mean": weights.sum() / count,
-        "rollout_corr_truncated_frac": truncated.sum() / count,
-        "rollout_corr_masked_frac": (mask & ~keep).sum() / count,
+    parts = {
+        "rollout_corr_weight_mean": (weights.sum(), count),
+        "rollout_corr_truncated_frac": (truncated.sum().to(weights.dtype), count),
+        "rollout_corr_masked_frac": ((mask & ~keep).sum().to(weights.dtype), count),
     }
-    return weights, metrics
+    return weights, parts
+
+
+class LossInputs(NamedTuple):
+    """What a registry loss (and its update pass) is given in place of (b, A) under the correction."""
+
+    anchor_logprobs: Tensor
+    """[B, T]: log π_old with a correction on (the loss's ratio becomes π_θ / π_old), else b."""
+    advantages: Tensor
+    """[B, T] w_t · A with a correction on, else the advantages as given ([B] or [B, T])."""
+    stats: dict[str, tuple[Tensor, Tensor]]
+    """The correction's (numerator, denominator) diagnostics; empty when off."""
+
+
+def correction_inputs(
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    old_logprobs: Tensor | None,
+    tis_cap: float = 0.0,
+    mask_bound: float = 0.0,
+) -> LossInputs:
+    """The loss's (anchor, advantages) under the rollout correction; (b, A) unchanged when it is off."""
+    if tis_cap <= 0 and mask_bound <= 0:
+        return LossInputs(behaviour_logprobs, advantages, {})
+    if old_logprobs is None:
+        raise ValueError(
+            "algo.rollout_correction is on but the batch has no old log-probs (log π_old per token); "
+            "the stage reference pass must attach them (training.stage_reference)"
+        )
+    weights, stats = correction_weights(
+        old_logprobs, behaviour_logprobs, response_mask, tis_cap=tis_cap, mask_bound=mask_bound
+    )
+    adv = advantages.detach().to(weights.dtype)
+    return LossInputs(old_logprobs, weights * (adv[:, None] if adv.dim() == 1 else adv), stats)
 
 
 def corrected_policy_loss(
@@ -173,6 +207,7 @@ def corrected_policy_loss(
     old_logprobs: Tensor | None,
     tis_cap: float = 0.0,
     mask_bound: float = 0.0,
+    update_inputs: dict[str, Tensor] | None = None,
     **options: Any,
 ) -> LossOutput:
     """Registry loss ``name`` with the rollout correction (module docstring); without one (both
@@ -182,24 +217,21 @@ def corrected_policy_loss(
         logprobs: [B, T] log π_θ, carries the gradient.
         behaviour_logprobs: [B, T] b_t. old_logprobs: [B, T] log π_old, required when a correction is on.
         advantages: [B] or [B, T]. response_mask: [B, T].
+        update_inputs: this call's share of the loss's update pass, computed on ``correction_inputs``.
         **options: the loss's own options (``AlgoConfig.loss_options()``).
     """
-    from megatron_mugrpo.algorithms.losses import LossOutput, finish_metrics, policy_loss
-
-    if tis_cap <= 0 and mask_bound <= 0:
-        return policy_loss(name, logprobs, behaviour_logprobs, advantages, response_mask, **options)
-    if old_logprobs is None:
-        raise ValueError(
-            "algo.rollout_correction is on but the batch has no old log-probs (log π_old per token); "
-            "the stage reference pass must attach them (training.stage_reference)"
-        )
-    weights, extra = correction_weights(
-        old_logprobs, behaviour_logprobs, response_mask, tis_cap=tis_cap, mask_bound=mask_bound
+    inputs = correction_inputs(
+        behaviour_logprobs, advantages, response_mask, old_logprobs=old_logprobs, tis_cap=tis_cap, mask_bound=mask_bound
     )
-    adv = advantages.detach().to(weights.dtype)
-    token_advantages = weights * (adv[:, None] if adv.dim() == 1 else adv)
-    out = policy_loss(name, logprobs, old_logprobs, token_advantages, response_mask, **options)
-    return LossOutput(out.loss_sum, out.normaliser, out.metrics | finish_metrics(extra))
+    out = policy_loss(
+        name, logprobs, inputs.anchor_logprobs, inputs.advantages, response_mask, update_inputs=update_inputs, **options
+    )
+    if not inputs.stats:
+        return out
+    stats = LossStats(
+        means=out.stats.means | inputs.stats, sums=out.stats.sums, maxima=out.stats.maxima, ratios=out.stats.ratios
+    )
+    return LossOutput(out.loss_sum, out.normaliser, stats)
 
 
 @torch.no_grad()
