@@ -1,8 +1,9 @@
 """End to end: the staged loop through the real engine, converter and Megatron backend (CPU).
 
-A small base model is warm-started once per session; runs point `model.hf_dir` at it so each test
-pays only for its stages. Runs go through the `mugrpo` CLI in subprocesses, as a user would, so the
-resume tests can SIGKILL them at named points ($MUGRPO_CRASH_AT) and continue with `--resume`.
+A small base model is warm-started once per session (``base_model`` in conftest.py); runs point
+`model.hf_dir` at it so each test pays only for its stages. Runs go through the `mugrpo` CLI in
+subprocesses, as a user would, so the resume tests can SIGKILL them at named points
+($MUGRPO_CRASH_AT) and continue with `--resume`.
 """
 
 from __future__ import annotations
