@@ -23,7 +23,7 @@ from megatron_mugrpo.records import collate
 from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
 from megatron_mugrpo.rollout.store import RolloutStore, is_complete
 from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
-from megatron_mugrpo.training.checkpoint import TrainerState, save_checkpoint, step_dir_name
+from megatron_mugrpo.training.checkpoint import TrainerState, step_dir_name
 from megatron_mugrpo.training.train_step import train_step
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
             metrics = optimizer_update(run, store, stage, update)
             run.logger.log(metrics, step=run.state.global_update)
             crash_point(f"update:{run.state.global_update}")
+            run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
             if _due(cfg.checkpoint.every_updates, run.state.global_update) and update + 1 < mu:
                 checkpoint(run)
             if _due(cfg.eval.every_updates, run.state.global_update):
@@ -181,8 +182,7 @@ def checkpoint(run: Run) -> None:
     """Save model, optimizer and trainer state (timers included); the best evaluated step is never pruned."""
     run.state.extra["timers"] = _timers(run)
     best = run.state.extra.get(BEST_KEY)
-    save_checkpoint(
-        run.checkpoint_root,
+    saved = run.checkpoints.save(
         run.state.global_update,
         run.policy.model_chunks,
         hf_config=run.hf_config,
@@ -190,13 +190,14 @@ def checkpoint(run: Run) -> None:
         scheduler=run.policy.scheduler,
         trainer_state=run.state,
         run_config=run.cfg.to_dict(),
-        keep_last=run.cfg.checkpoint.keep_last,
         keep=[best["global_update"]] if best else [],
     )
     if run.is_writer and best:
         step_dir = run.checkpoint_root / step_dir_name(best["global_update"])
-        # The best may be the starting policy (update 0), which lives in the base HF directory.
-        where = step_dir if step_dir.is_dir() else (run.hf_dir if best["global_update"] == 0 else None)
+        # The best may be the starting policy (update 0), which lives in the base HF directory; the
+        # step just saved may still be being written in the background.
+        exists = step_dir.is_dir() or step_dir == saved
+        where = step_dir if exists else (run.hf_dir if best["global_update"] == 0 else None)
         record = best | {"checkpoint": str(where) if where else None}
         (run.run_dir / BEST_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
@@ -208,7 +209,7 @@ def export_final(run: Run) -> None:
     from conversion import export_hf, save_hf_dir
 
     target = run.run_dir / FINAL_HF_DIR
-    tensors = export_hf(run.policy.unwrapped(), run.hf_config)
+    tensors = export_hf(run.policy.unwrapped(), run.hf_config, run.groups)
     if run.is_writer:
         shutil.rmtree(target, ignore_errors=True)
         save_hf_dir(((name, tensor.cpu()) for name, tensor in tensors), target, run.hf_config, run.hf_dir)
