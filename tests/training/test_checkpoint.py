@@ -348,3 +348,55 @@ def _failed_write_is_reported(rank: int, world_size: int, root: str) -> None:
 
 def test_a_failed_write_is_reported_and_not_published(tmp_path):
     run_distributed(_failed_write_is_reported, 1, str(tmp_path))
+
+
+# --------------------------------------------------------------------------- command line
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_RUN = [
+    "warmstart.steps=5",
+    "stages.num_stages=1",
+    "stages.train_groups=4",
+    "stages.mini_groups=2",
+    "parallel.micro_batch_size=8",
+    "rollout.shard_groups=4",
+    "rollout.max_new_tokens=8",
+    "eval.benchmarks.0.limit=4",
+    "eval.benchmarks.0.k=1",
+    "checkpoint.every_updates=1",
+    "logging.progress_bars=false",
+    "logging.tensorboard=false",
+]
+"""A 2-update run of the CPU demo: checkpoints step_00000001 (after update 1) and step_00000002."""
+
+
+def _mugrpo(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MUGRPO_CRASH_AT", None)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_mugrpo.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+@pytest.mark.slow
+def test_resume_cli_skips_a_bit_flipped_checkpoint_and_stops_when_none_is_intact(tmp_path):
+    run = tmp_path / "run"
+    first = _mugrpo("train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(run), *TINY_RUN)
+    assert first.returncode == 0, first.stderr[-4000:]
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+
+    _flip_bit(ckpts / "step_00000002" / "model" / "__0_0.distcp")
+    resumed = _mugrpo("train", "--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "step_00000002 is damaged: model/__0_0.distcp fails its SHA-256 check" in resumed.stderr
+    assert "falling back to an older checkpoint" in resumed.stderr and "resumed from" in resumed.stderr
+    checkpoint.verify_checkpoint(ckpts / "step_00000002")  # update 2 was redone and saved intact
+
+    for step in ("step_00000001", "step_00000002"):
+        _flip_bit(ckpts / step / "model" / "__0_0.distcp", at=0.9)
+    failed = _mugrpo("train", "--resume", str(run))
+    assert failed.returncode == 2, failed.stderr[-4000:]
+    assert "Traceback" not in failed.stderr
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no intact checkpoint under" in errors[0], failed.stderr[-4000:]
