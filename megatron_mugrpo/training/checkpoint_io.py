@@ -252,15 +252,21 @@ class HostBufferPool:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-def snapshot_buckets(buckets: list[WriteBucket], pool: HostBufferPool) -> list[WriteBucket]:
-    """The same buckets with every tensor replaced by its host copy (training may then change the originals)."""
+def host_buckets(buckets: list[WriteBucket], pool: HostBufferPool, *, copy_cpu: bool) -> list[WriteBucket]:
+    """The same buckets with tensors in host memory the writer threads can read on their own.
+
+    Device tensors always go to (pinned) host buffers; CPU tensors are copied only with ``copy_cpu``
+    (an async save: training may change the originals while the threads write).
+    """
     copied = []
     on_gpu = False
     for path, name, (bytes_data, tensor_data) in buckets:
         tensors = []
         for item, tensor in tensor_data:
-            on_gpu = on_gpu or tensor.is_cuda
-            tensors.append((item, pool.copy((item.index.fqn, tuple(item.index.offset or ())), tensor)))
+            if tensor.is_cuda or copy_cpu:
+                on_gpu = on_gpu or tensor.is_cuda
+                tensor = pool.copy((item.index.fqn, tuple(item.index.offset or ())), tensor)
+            tensors.append((item, tensor))
         copied.append((path, name, (bytes_data, tensors)))
     if on_gpu:
         torch.cuda.synchronize()
@@ -311,7 +317,9 @@ class ThreadedFileWriter(FileSystemWriterAsync):
         if not self.write_buckets:
             self.results = []
             return None, None, []
-        preload = partial(snapshot_buckets, self.write_buckets, self.pool) if self.snapshot else None
+        on_device = any(t.is_cuda for _, _, (_, tensors) in self.write_buckets for _, t in tensors)
+        stage = self.snapshot or on_device
+        preload = partial(host_buckets, self.write_buckets, self.pool, copy_cpu=self.snapshot) if stage else None
         # megatron's AsyncRequest convention: args[1] holds the buckets (the preload result replaces it).
         return self.write_files, preload, [0, self.write_buckets, None]
 
