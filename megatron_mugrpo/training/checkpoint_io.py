@@ -549,14 +549,13 @@ class DirectLoadStrategy(TorchDistLoadShardedStrategy):
 class ThreadAsyncCaller(AsyncCaller):
     """Runs an AsyncRequest's function in a thread of this process (megatron-core forks a process).
 
-    The snapshot (preload) runs in the caller before the thread starts. An exception in the thread
-    is kept and reported by ``error`` once the thread is done: ranks finalize collectively, so a
-    failure is raised after every rank has learnt about it, not on one rank alone.
+    The snapshot (preload) runs in the caller before the thread starts. The function should not
+    raise: ranks finalize collectively, so a failure must travel with the request to its finalize
+    functions and be raised there on every rank (``training.checkpoint`` does this).
     """
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         if async_req.async_fn is None:
@@ -564,14 +563,9 @@ class ThreadAsyncCaller(AsyncCaller):
         args = list(async_req.async_fn_args)
         if async_req.preload_fn:
             args[1] = async_req.preload_fn()
-
-        def run() -> None:
-            try:
-                async_req.async_fn(*args, **async_req.async_fn_kwargs)
-            except BaseException as err:  # reported at finalization, on every rank
-                self.error = err
-
-        self.thread = threading.Thread(target=run, name="ckpt-async-save", daemon=True)
+        self.thread = threading.Thread(
+            target=async_req.async_fn, args=args, kwargs=async_req.async_fn_kwargs, name="ckpt-async-save", daemon=True
+        )
         self.thread.start()
 
     def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
