@@ -17,8 +17,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import torch.distributed as dist
-
 from conversion.errors import ConversionError
 from conversion.hf_io import TOKENIZER_FILES, HfCheckpoint, atomic_output_dir, save_hf_dir
 from conversion.launch import run_on_ranks
@@ -33,6 +31,7 @@ from conversion.megatron_io import (
     save_converted,
 )
 from megatron_mugrpo.training.model import ModelConfigError, check_divisibility, check_supported
+from megatron_mugrpo.training.parallel import ParallelGroups
 
 
 def default_dtype(hf_config: dict) -> str:
@@ -49,12 +48,12 @@ def check_convertible(hf_config: dict, tp: int, pp: int) -> None:
         raise ConversionError(str(err)) from err
 
 
-def hf_to_megatron_on_rank(hf_dir: str, root: str, dtype_name: str) -> None:
+def hf_to_megatron_on_rank(groups: ParallelGroups, hf_dir: str, root: str, dtype_name: str) -> None:
     """Rank body of hf -> megatron: build this rank's shard, fill it from HF, save ``root/step_00000000``."""
     ckpt = HfCheckpoint(hf_dir)
-    chunks = build_model_chunks(ckpt.config, dtype_from_name(dtype_name))
-    load_hf_into_model(chunks, ckpt)
-    save_converted(root, chunks, ckpt.config)
+    chunks = build_model_chunks(ckpt.config, dtype_from_name(dtype_name), groups)
+    load_hf_into_model(chunks, ckpt, groups)
+    save_converted(root, chunks, ckpt.config, groups)
 
 
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str | None = None) -> Path:
@@ -100,13 +99,18 @@ def tokenizer_dir_for(step_dir: Path, metadata: dict | None = None) -> Path | No
     return None
 
 
-def megatron_to_hf_on_rank(step_dir: str, out_dir: str, dtype_name: str, tokenizer_dir: str | None) -> None:
-    """Rank body of megatron -> hf: load the step dir, stream the export; global rank 0 writes."""
+def megatron_to_hf_on_rank(
+    groups: ParallelGroups, step_dir: str, out_dir: str, dtype_name: str, tokenizer_dir: str | None
+) -> None:
+    """Rank body of megatron -> hf: load the step dir, stream the export; global rank 0 writes.
+
+    Device tensors reach the file through one reused pinned host buffer (``save_hf_dir``).
+    """
     hf_config = read_metadata(step_dir)["hf_config"]
-    chunks = build_model_chunks(hf_config, dtype_from_name(dtype_name))
-    load_model(step_dir, chunks)
-    tensors = ((name, tensor.cpu()) for name, tensor in export_hf(chunks, hf_config))
-    if dist.get_rank() == 0:
+    chunks = build_model_chunks(hf_config, dtype_from_name(dtype_name), groups)
+    load_model(step_dir, chunks, groups)
+    tensors = export_hf(chunks, hf_config, groups)
+    if groups.rank == 0:
         save_hf_dir(tensors, out_dir, hf_config, tokenizer_dir)
     else:
         for _ in tensors:  # take part in the export's collectives

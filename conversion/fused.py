@@ -1,8 +1,9 @@
 """Pure tensor functions for the fused Megatron parameters, one pair per fused layout.
 
-Each ``*_shard`` function builds the tensor one TP rank holds from Hugging Face tensors; each
-``*_gather`` function inverts it from the list of all TP ranks' shards. No process groups, no I/O:
-the live loader, the exporter and the tests call the same functions.
+Each ``*_shard`` function builds the tensor one TP rank holds from Hugging Face tensors (its
+``*_shard_into`` twin writes it straight into an existing tensor, e.g. the live parameter, copying
+each element once); each ``*_gather`` function inverts it from the list of all TP ranks' shards.
+No process groups, no I/O: the live loader, the exporter and the tests call the same functions.
 
 Layouts (checked against megatron-core's ``Attention.get_query_key_value_tensors`` and
 ``mlp.apply_swiglu_sharded_factory``):
@@ -30,8 +31,11 @@ def split_shard(tensor: Tensor, axis: int | None, tp: int, rank: int) -> Tensor:
 
 
 def concat_shards(shards: list[Tensor], axis: int | None) -> Tensor:
-    """Inverse of ``split_shard`` over all ranks: concatenation along ``axis`` (rank 0's copy if None)."""
-    if axis is None:
+    """Inverse of ``split_shard`` over all ranks: concatenation along ``axis`` (rank 0's copy if None).
+
+    One shard (TP = 1) comes back as is, not copied.
+    """
+    if axis is None or len(shards) == 1:
         return shards[0]
     return torch.cat(shards, dim=axis)
 
@@ -62,11 +66,27 @@ def qkv_unfuse(fused: Tensor, num_heads: int, num_groups: int, head_dim: int) ->
     )
 
 
+def qkv_shard_into(
+    out: Tensor, q: Tensor, k: Tensor, v: Tensor, *, num_heads: int, num_groups: int, head_dim: int, tp: int, rank: int
+) -> Tensor:
+    """Write TP rank ``rank``'s fused QKV [(heads + 2·groups)·d / tp, *] into ``out`` (cast to its dtype)."""
+    trailing = q.shape[1:]
+    per_group, local = num_heads // num_groups, num_groups // tp
+    mine = slice(rank * local, (rank + 1) * local)  # the rank's query groups are contiguous
+    dst = out.view(local, (per_group + 2) * head_dim, *trailing)
+    q_rows = per_group * head_dim
+    dst[:, :q_rows].copy_(q.reshape(num_groups, q_rows, *trailing)[mine])
+    dst[:, q_rows : q_rows + head_dim].copy_(k.reshape(num_groups, head_dim, *trailing)[mine])
+    dst[:, q_rows + head_dim :].copy_(v.reshape(num_groups, head_dim, *trailing)[mine])
+    return out
+
+
 def qkv_shard(
     q: Tensor, k: Tensor, v: Tensor, *, num_heads: int, num_groups: int, head_dim: int, tp: int, rank: int
 ) -> Tensor:
     """TP rank ``rank``'s fused QKV [(heads + 2·groups)·d / tp, *]: a row chunk of the global fused tensor."""
-    return split_shard(qkv_fuse(q, k, v, num_heads, num_groups, head_dim), 0, tp, rank)
+    out = q.new_empty(((num_heads + 2 * num_groups) * head_dim // tp, *q.shape[1:]))
+    return qkv_shard_into(out, q, k, v, num_heads=num_heads, num_groups=num_groups, head_dim=head_dim, tp=tp, rank=rank)
 
 
 def qkv_gather(
@@ -76,9 +96,18 @@ def qkv_gather(
     return qkv_unfuse(torch.cat(shards, dim=0), num_heads, num_groups, head_dim)
 
 
+def gated_fc1_shard_into(out: Tensor, gate: Tensor, up: Tensor, *, tp: int, rank: int) -> Tensor:
+    """Write TP rank ``rank``'s fc1 [2·F/tp, H] = [gate_r; up_r] into ``out`` (cast to its dtype)."""
+    rows = gate.shape[0] // tp
+    out[:rows].copy_(gate[rank * rows : (rank + 1) * rows])
+    out[rows:].copy_(up[rank * rows : (rank + 1) * rows])
+    return out
+
+
 def gated_fc1_shard(gate: Tensor, up: Tensor, *, tp: int, rank: int) -> Tensor:
     """TP rank ``rank``'s fc1 [2·F/tp, H] = [gate_r; up_r] from HF gate [F, H] and up [F, H]."""
-    return torch.cat([split_shard(gate, 0, tp, rank), split_shard(up, 0, tp, rank)], dim=0)
+    out = gate.new_empty((2 * gate.shape[0] // tp, *gate.shape[1:]))
+    return gated_fc1_shard_into(out, gate, up, tp=tp, rank=rank)
 
 
 def gated_fc1_gather(shards: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -97,11 +126,24 @@ def vocab_pad(weight: Tensor, padded_vocab: int) -> Tensor:
     return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])], dim=0)
 
 
+def vocab_shard_into(out: Tensor, weight: Tensor, *, padded_vocab: int, tp: int, rank: int) -> Tensor:
+    """Write TP rank ``rank``'s rows [V_pad / tp, H] of the zero-padded ``weight`` into ``out``."""
+    if padded_vocab < weight.shape[0]:
+        raise ValueError(f"vocab_pad: weight has {weight.shape[0]} rows, more than padded_vocab={padded_vocab}")
+    rows = padded_vocab // tp
+    start = rank * rows
+    real = max(0, min(rows, weight.shape[0] - start))
+    out[:real].copy_(weight[start : start + real])
+    out[real:].zero_()
+    return out
+
+
 def vocab_shard(weight: Tensor, *, padded_vocab: int, tp: int, rank: int) -> Tensor:
     """TP rank ``rank``'s rows [V_pad / tp, H] of the zero-padded embedding / output weight."""
-    return split_shard(vocab_pad(weight, padded_vocab), 0, tp, rank)
+    out = weight.new_empty((padded_vocab // tp, *weight.shape[1:]))
+    return vocab_shard_into(out, weight, padded_vocab=padded_vocab, tp=tp, rank=rank)
 
 
 def vocab_gather(shards: list[Tensor], *, vocab_size: int) -> Tensor:
     """HF [V, H] from every TP rank's padded rows: concatenate, then drop the padding rows."""
-    return torch.cat(shards, dim=0)[:vocab_size]
+    return concat_shards(shards, 0)[:vocab_size]

@@ -3,7 +3,9 @@
 The converter's CLI calls ``run_on_ranks`` so ``--tp 2 --pp 2`` works from a plain shell. A rank's
 ConversionError comes back to the caller as a ConversionError with the same message (so the CLI
 prints one clear line); any other failure comes back as a RuntimeError carrying the rank's traceback.
+The function receives the rank's ``ParallelGroups`` first:
 
+    def _convert_rank(groups: ParallelGroups, hf_dir: str, tmp_dir: str) -> None: ...
     run_on_ranks(_convert_rank, tp=2, pp=2, args=(hf_dir, tmp_dir))
 """
 
@@ -43,8 +45,8 @@ def _rank_main(rank: int, fn: Callable[..., Any], tp: int, pp: int, port: int, e
     from megatron_mugrpo.training import parallel
 
     try:
-        parallel.initialize_parallel(tp, pp, seed=0)
-        fn(*args)
+        groups = parallel.initialize_parallel(tp, pp, seed=0)
+        fn(groups, *args)
         parallel.destroy_parallel(destroy_process_group=True)
     except BaseException as err:  # the parent re-raises the first rank's error
         kind = "conversion" if isinstance(err, (ConversionError, ModelConfigError)) else "other"
@@ -54,7 +56,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], tp: int, pp: int, port: int, e
 
 
 def run_on_ranks(fn: Callable[..., Any], *, tp: int, pp: int, args: tuple = ()) -> None:
-    """Call ``fn(*args)`` on every rank of a TP × PP model-parallel group (Megatron state initialised).
+    """Call ``fn(groups, *args)`` on every rank of a TP × PP model-parallel group (Megatron state initialised).
 
     Under an initialised ``torch.distributed`` (torchrun) the current ranks are used (world size
     must be a multiple of TP × PP); otherwise TP × PP processes are spawned on this machine (one GPU
@@ -63,8 +65,7 @@ def run_on_ranks(fn: Callable[..., Any], *, tp: int, pp: int, args: tuple = ()) 
     if dist.is_initialized():
         from megatron_mugrpo.training import parallel
 
-        parallel.initialize_parallel(tp, pp, seed=0)
-        fn(*args)
+        fn(parallel.initialize_parallel(tp, pp, seed=0), *args)
         return
     if torch.cuda.is_available() and torch.cuda.device_count() < tp * pp:
         raise ConversionError(f"--tp {tp} --pp {pp} needs {tp * pp} GPUs, this machine has {torch.cuda.device_count()}")

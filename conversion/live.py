@@ -1,14 +1,21 @@
 """Live TP/PP-sharded Megatron models <-> Hugging Face tensors.
 
 ``load_hf_into_model`` fills this rank's shard of a model straight from safetensors (each rank reads
-only the tensors its pipeline stage holds). ``export_hf`` streams gathered, unpadded HF tensors
-from a live sharded model; it feeds both ``save_hf_dir`` and a rollout engine's ``load_weights``.
+only the tensors its pipeline stage holds, each element copied once: from the file's pages into the
+parameter). ``export_hf`` streams gathered, unpadded HF tensors from a live sharded model; it feeds
+both ``save_hf_dir`` and a rollout engine's ``load_weights``.
 
-Both run on every rank of the model-parallel group after ``initialize_parallel``:
+Both run on every rank of the model-parallel group and take its ``ParallelGroups``:
 
-    load_hf_into_model([model], "/models/Qwen3-1.7B-Base")
-    for name, tensor in export_hf([model], hf_config):   # every rank must drain the generator
+    groups = initialize_parallel(tp, pp, seed)
+    load_hf_into_model([model], "/models/Qwen3-1.7B-Base", groups)
+    for name, tensor in export_hf([model], hf_config, groups):   # every rank must drain the generator
         ...
+
+Export copies as little as it can and holds no full-model dict: at TP = 1 every HF tensor is a view
+of its parameter except q / k / v (whose rows are interleaved per query group: one copy); at TP > 1
+each rank's piece is all-gathered straight into the output tensor. Peak extra memory is one layer's
+largest gathered tensor, not the model.
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from torch import Tensor
 
 from conversion.errors import ConversionError
@@ -32,17 +38,14 @@ from conversion.mappings import (
     canonical_megatron_name,
     entry_for,
     expected_hf_shapes,
-    to_hf,
-    to_megatron_shard,
+    fill_megatron_shard,
+    hf_from_pieces,
+    hf_pieces,
+    shard_shape,
 )
 from megatron_mugrpo.training import model as model_provider
-
-
-def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers (each exposes ``.module``)."""
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
+from megatron_mugrpo.training.model import unwrap_model
+from megatron_mugrpo.training.parallel import ParallelGroups
 
 
 def as_chunks(model_chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -78,61 +81,67 @@ def live_parameters(
         yield entry, param
 
 
-def _tp() -> tuple[int, int, Any]:
-    return (
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_group(),
-    )
-
-
 @torch.no_grad()
 def load_hf_into_model(
-    model_chunks: torch.nn.Module | Sequence[torch.nn.Module], hf_dir: str | Path | HfCheckpoint
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
+    hf_dir: str | Path | HfCheckpoint,
+    groups: ParallelGroups,
 ) -> int:
     """Copy a HF checkpoint into this rank's shard of a live model; returns the number of parameters set.
 
     Validates the checkpoint first (missing / extra tensors, shapes against config.json) and every
     local shard's shape; raises ConversionError naming the tensor otherwise. Values are cast to the
-    parameters' dtype.
+    parameters' dtype on the way in.
     """
     ckpt = hf_dir if isinstance(hf_dir, HfCheckpoint) else HfCheckpoint(hf_dir)
     ckpt.validate()
     dims = ModelDims.from_hf(ckpt.config)
-    tp, tp_rank, _ = _tp()
     count = 0
     for model in as_chunks(model_chunks):
         for entry, param in live_parameters(model, ckpt.config):
-            shard = to_megatron_shard(entry, [ckpt.tensor(n) for n in entry.hf], dims, tp=tp, rank=tp_rank)
-            if tuple(shard.shape) != tuple(param.shape):
+            expected = shard_shape(entry, [ckpt.shape(n) for n in entry.hf], dims, tp=groups.tp)
+            if expected != tuple(param.shape):
                 raise ConversionError(
-                    f"{entry.megatron} (from {list(entry.hf)}): TP shard shape {tuple(shard.shape)} does not "
+                    f"{entry.megatron} (from {list(entry.hf)}): TP shard shape {expected} does not "
                     f"match the model's {tuple(param.shape)}; was the model built from this config.json?"
                 )
-            param.copy_(shard)
+            hf = [ckpt.mapped(n) for n in entry.hf]
+            fill_megatron_shard(param.data, entry, hf, dims, tp=groups.tp, rank=groups.tp_rank)
             count += 1
     return count
 
 
-def _gather_tp(entry: TensorMap, param: Tensor, tp: int, group: Any) -> list[Tensor]:
-    """Every TP rank's shard of ``param`` (in rank order); only this rank's copy when replicated."""
-    local = param.detach()
-    if tp == 1 or TP_AXIS[entry.kind] is None:
-        return [local]
-    shards = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(shards, local.contiguous(), group=group)
-    return shards
+def _gather_tp(entry: TensorMap, piece: Tensor, groups: ParallelGroups) -> Tensor:
+    """Every TP rank's ``piece`` concatenated along the entry's TP axis, gathered into the output tensor.
+
+    TP = 1 or a replicated tensor: ``piece`` itself. Along rows (axis 0) the ranks' pieces land
+    directly in their rows of the result; along columns (row-parallel weights) they are gathered
+    into a staging buffer first and interleaved into the result.
+    """
+    axis = TP_AXIS[entry.kind]
+    if groups.tp == 1 or axis is None:
+        return piece
+    piece = piece.contiguous()
+    if axis == 0:
+        out = piece.new_empty((groups.tp * piece.shape[0], *piece.shape[1:]))
+        dist.all_gather_into_tensor(out, piece, group=groups.tp_group)
+        return out
+    rows, cols = piece.shape
+    staging = piece.new_empty((groups.tp * rows, cols))
+    dist.all_gather_into_tensor(staging, piece, group=groups.tp_group)
+    out = piece.new_empty((rows, groups.tp * cols))
+    out.view(rows, groups.tp, cols).copy_(staging.view(groups.tp, rows, cols).transpose(0, 1))
+    return out
 
 
-def _owner_stages(local_names: set[str]) -> dict[str, int]:
+def _owner_stages(local_names: set[str], groups: ParallelGroups) -> dict[str, int]:
     """Canonical Megatron name -> the pipeline stage that holds it (one all_gather_object over PP)."""
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if pp == 1:
+    if groups.pp == 1:
         return dict.fromkeys(local_names, 0)
-    per_stage: list[Any] = [None] * pp
-    dist.all_gather_object(per_stage, sorted(local_names), group=parallel_state.get_pipeline_model_parallel_group())
+    per_stage: list[Any] = [None] * groups.pp
+    dist.all_gather_object(per_stage, sorted(local_names), group=groups.pp_group)
     owners: dict[str, int] = {}
-    for stage in reversed(range(pp)):  # a tied output copy on the last stage must not shadow stage 0
+    for stage in reversed(range(groups.pp)):  # a tied output copy on the last stage must not shadow stage 0
         owners.update(dict.fromkeys(per_stage[stage], stage))
     return owners
 
@@ -144,26 +153,25 @@ def _skip_on_export(entry: TensorMap, hf_config: dict[str, Any]) -> bool:
 
 @torch.no_grad()
 def export_hf(
-    model_chunks: torch.nn.Module | Sequence[torch.nn.Module], hf_config: dict[str, Any]
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module], hf_config: dict[str, Any], groups: ParallelGroups
 ) -> Iterator[tuple[str, Tensor]]:
     """Stream ``(hf_name, tensor)`` pairs of the full model from a live TP/PP-sharded model.
 
     Every rank yields every tensor (full HF shape, unpadded vocabulary, the parameters' dtype and
-    device): TP shards are all-gathered within the owning stage, then broadcast over the PP group.
+    device): TP pieces are all-gathered within the owning stage, then broadcast over the PP group.
     All ranks of the model-parallel group must iterate the generator to the end, in step, because
-    each tensor involves collectives. Tensors are fresh buffers (safe to keep or move).
+    each tensor involves collectives.
+
+    A yielded tensor may share memory with a live parameter (no copy is made where none is needed):
+    read or copy it before the parameters change, and never write to it.
     """
     chunks = as_chunks(model_chunks)
     local = {entry.megatron: (entry, param) for model in chunks for entry, param in live_parameters(model, hf_config)}
     if not local:
         raise ConversionError("export_hf: the model chunks hold no parameters")
-    owners = _owner_stages(set(local))
+    owners = _owner_stages(set(local), groups)
     dims = ModelDims.from_hf(hf_config)
     shapes = expected_hf_shapes(hf_config)
-    tp, _, tp_group = _tp()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
     sample = next(iter(local.values()))[1]
     for entry in architecture_maps(hf_config):
         if _skip_on_export(entry, hf_config):
@@ -171,23 +179,14 @@ def export_hf(
         if entry.megatron not in owners:
             raise ConversionError(f"export_hf: no pipeline stage holds {entry.megatron}; model and config disagree")
         owner = owners[entry.megatron]
-        if owner == pp_rank:
-            _, param = local[entry.megatron]
-            pairs = [
-                (n, _detached_copy(t, param)) for n, t in to_hf(entry, _gather_tp(entry, param, tp, tp_group), dims)
-            ]
+        if owner == groups.pp_rank:
+            param = local[entry.megatron][1].detach()
+            pieces = hf_pieces(entry, param, dims, tp=groups.tp)
+            tensors = [hf_from_pieces(entry, [_gather_tp(entry, piece, groups)], dims) for piece in pieces]
         else:
-            pairs = [(n, torch.empty(shapes[n], dtype=sample.dtype, device=sample.device)) for n in entry.hf]
-        if pp > 1:
-            src = dist.get_global_rank(pp_group, owner)
-            for _, tensor in pairs:
-                dist.broadcast(tensor, src=src, group=pp_group)
-        yield from pairs
-
-
-def _detached_copy(tensor: Tensor, param: Tensor) -> Tensor:
-    """``tensor`` as a contiguous tensor that does not alias ``param`` (callers may keep or modify it)."""
-    tensor = tensor.contiguous()
-    if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
-        tensor = tensor.clone()
-    return tensor
+            tensors = [torch.empty(shapes[n], dtype=sample.dtype, device=sample.device) for n in entry.hf]
+        if groups.pp > 1:
+            src = dist.get_global_rank(groups.pp_group, owner)
+            for tensor in tensors:
+                dist.broadcast(tensor, src=src, group=groups.pp_group)
+        yield from zip(entry.hf, tensors)

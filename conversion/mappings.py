@@ -8,7 +8,12 @@ TE names (``canonical_megatron_name``), as in megatron-core's own ``sharded_stat
 
     maps = architecture_maps(hf_config)                  # [TensorMap, ...] for the whole model
     shard = to_megatron_shard(entry, hf_tensors, dims, tp=2, rank=1)
+    fill_megatron_shard(param, entry, hf_tensors, dims, tp=2, rank=1)   # the same, into a live tensor
     hf_tensors = to_hf(entry, shards, dims)
+
+Export works per rank: ``hf_pieces`` cuts this rank's part of each HF tensor out of its shard
+(views where the layout allows), and the HF tensor is the concatenation of every rank's piece
+along ``TP_AXIS[kind]`` (``hf_from_pieces``; vocabulary padding dropped).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from conversion import fused
@@ -178,39 +184,84 @@ def _qkv_dims(dims: ModelDims) -> dict[str, int]:
     return {"num_heads": dims.num_heads, "num_groups": dims.num_groups, "head_dim": dims.head_dim}
 
 
-_ShardFn = Callable[[list[Tensor], ModelDims, int, int], Tensor]
-_GatherFn = Callable[[list[Tensor], ModelDims], list[Tensor]]
+_FillFn = Callable[[Tensor, list[Tensor], ModelDims, int, int], Tensor]
+_PiecesFn = Callable[[Tensor, ModelDims, int], list[Tensor]]
 
-_SHARD: dict[str, _ShardFn] = {
-    "replicated": lambda ts, dims, tp, rank: ts[0],
-    "column": lambda ts, dims, tp, rank: fused.split_shard(ts[0], 0, tp, rank),
-    "row": lambda ts, dims, tp, rank: fused.split_shard(ts[0], 1, tp, rank),
-    "qkv": lambda ts, dims, tp, rank: fused.qkv_shard(*ts, **_qkv_dims(dims), tp=tp, rank=rank),
-    "gated_fc1": lambda ts, dims, tp, rank: fused.gated_fc1_shard(*ts, tp=tp, rank=rank),
-    "vocab": lambda ts, dims, tp, rank: fused.vocab_shard(
-        ts[0], padded_vocab=model_provider.padded_vocab_size(dims.vocab_size, tp), tp=tp, rank=rank
+
+def _fill_copy(axis: int | None) -> _FillFn:
+    return lambda out, ts, dims, tp, rank: out.copy_(fused.split_shard(ts[0], axis, tp, rank))
+
+
+_FILL: dict[str, _FillFn] = {
+    "replicated": _fill_copy(None),
+    "column": _fill_copy(0),
+    "row": _fill_copy(1),
+    "qkv": lambda out, ts, dims, tp, rank: fused.qkv_shard_into(out, *ts, **_qkv_dims(dims), tp=tp, rank=rank),
+    "gated_fc1": lambda out, ts, dims, tp, rank: fused.gated_fc1_shard_into(out, *ts, tp=tp, rank=rank),
+    "vocab": lambda out, ts, dims, tp, rank: fused.vocab_shard_into(
+        out, ts[0], padded_vocab=model_provider.padded_vocab_size(dims.vocab_size, tp), tp=tp, rank=rank
     ),
 }
-_GATHER: dict[str, _GatherFn] = {
-    "replicated": lambda shards, dims: [fused.concat_shards(shards, None)],
-    "column": lambda shards, dims: [fused.concat_shards(shards, 0)],
-    "row": lambda shards, dims: [fused.concat_shards(shards, 1)],
-    "qkv": lambda shards, dims: list(fused.qkv_gather(shards, **_qkv_dims(dims))),
-    "gated_fc1": lambda shards, dims: list(fused.gated_fc1_gather(shards)),
-    "vocab": lambda shards, dims: [fused.vocab_gather(shards, vocab_size=dims.vocab_size)],
+_PIECES: dict[str, _PiecesFn] = {
+    "replicated": lambda shard, dims, tp: [shard],
+    "column": lambda shard, dims, tp: [shard],
+    "row": lambda shard, dims, tp: [shard],
+    # A rank holds whole query groups: its shard is the fused QKV of heads / tp heads, groups / tp groups.
+    "qkv": lambda shard, dims, tp: list(
+        fused.qkv_unfuse(shard, dims.num_heads // tp, dims.num_groups // tp, dims.head_dim)
+    ),
+    "gated_fc1": lambda shard, dims, tp: list(torch.chunk(shard, 2, dim=0)),  # [gate_r; up_r]: views
+    "vocab": lambda shard, dims, tp: [shard],
 }
 TP_AXIS = {"replicated": None, "column": 0, "row": 1, "qkv": 0, "gated_fc1": 0, "vocab": 0}
 """Axis along which each kind is split over TP ranks (None: every rank holds the full tensor)."""
 
 
+def shard_shape(entry: TensorMap, hf_shapes: list[tuple[int, ...]], dims: ModelDims, *, tp: int) -> tuple[int, ...]:
+    """Shape of one TP rank's tensor for ``entry`` (computed on meta tensors: no data is touched)."""
+    meta = [torch.empty(shape, device="meta") for shape in hf_shapes]
+    return tuple(to_megatron_shard(entry, meta, dims, tp=tp, rank=0).shape)
+
+
+def fill_megatron_shard(
+    out: Tensor, entry: TensorMap, hf_tensors: list[Tensor], dims: ModelDims, *, tp: int, rank: int
+) -> Tensor:
+    """Write TP rank ``rank``'s tensor for ``entry`` into ``out`` (its dtype), each element copied once."""
+    return _FILL[entry.kind](out, hf_tensors, dims, tp, rank)
+
+
 def to_megatron_shard(entry: TensorMap, hf_tensors: list[Tensor], dims: ModelDims, *, tp: int, rank: int) -> Tensor:
     """TP rank ``rank``'s tensor for ``entry`` from its HF tensors (in ``entry.hf`` order)."""
-    return _SHARD[entry.kind](hf_tensors, dims, tp, rank)
+    if entry.kind in ("replicated", "column", "row"):
+        return fused.split_shard(hf_tensors[0], TP_AXIS[entry.kind], tp, rank)
+    first = hf_tensors[0]
+    if entry.kind == "qkv":
+        return fused.qkv_shard(*hf_tensors, **_qkv_dims(dims), tp=tp, rank=rank)
+    if entry.kind == "gated_fc1":
+        return fused.gated_fc1_shard(*hf_tensors, tp=tp, rank=rank)
+    padded = model_provider.padded_vocab_size(dims.vocab_size, tp)
+    return fused.vocab_shard(first, padded_vocab=padded, tp=tp, rank=rank)
+
+
+def hf_pieces(entry: TensorMap, shard: Tensor, dims: ModelDims, *, tp: int) -> list[Tensor]:
+    """This rank's piece of each HF tensor of ``entry`` (in ``entry.hf`` order), cut from its shard.
+
+    Views of ``shard`` except for QKV, whose per-head rows are interleaved (one copy). Concatenating
+    every rank's pieces along ``TP_AXIS[entry.kind]`` gives the HF tensors (``hf_from_pieces``).
+    """
+    return _PIECES[entry.kind](shard, dims, tp)
+
+
+def hf_from_pieces(entry: TensorMap, pieces: list[Tensor], dims: ModelDims) -> Tensor:
+    """One HF tensor from every TP rank's piece (rank order); one piece comes back uncopied."""
+    whole = fused.concat_shards(pieces, TP_AXIS[entry.kind])
+    return whole[: dims.vocab_size] if entry.kind == "vocab" else whole
 
 
 def to_hf(entry: TensorMap, shards: list[Tensor], dims: ModelDims) -> list[tuple[str, Tensor]]:
     """HF ``(name, tensor)`` pairs for ``entry`` from every TP rank's shard (in rank order)."""
-    return list(zip(entry.hf, _GATHER[entry.kind](shards, dims)))
+    per_rank = [hf_pieces(entry, shard, dims, tp=len(shards)) for shard in shards]
+    return [(name, hf_from_pieces(entry, [pieces[i] for pieces in per_rank], dims)) for i, name in enumerate(entry.hf)]
 
 
 def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

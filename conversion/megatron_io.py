@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 
 from conversion.errors import ConversionError
 from megatron_mugrpo.training import checkpoint as trainer_checkpoint
 from megatron_mugrpo.training.model import build_gpt_model
+from megatron_mugrpo.training.parallel import ParallelGroups
 
 TOKENIZER_SUBDIR = "tokenizer"
 CONVERTED_STEP = 0
@@ -61,7 +61,7 @@ def read_metadata(step_dir: str | Path) -> dict[str, Any]:
         raise ConversionError(str(err)) from err
 
 
-def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype) -> list[torch.nn.Module]:
+def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype, groups: ParallelGroups) -> list[torch.nn.Module]:
     """This rank's pipeline stage of the model (one chunk, eval mode), without random initialisation.
 
     Weights are about to be overwritten by a checkpoint or HF tensors, so Megatron's init is skipped.
@@ -69,8 +69,8 @@ def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype) -> list[to
     model = build_gpt_model(
         hf_config,
         dtype=dtype,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
         config_overrides={"perform_initialization": False},
     )
     if torch.cuda.is_available():
@@ -79,14 +79,23 @@ def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype) -> list[to
     return [model]
 
 
-def save_converted(root: str | Path, model_chunks: list[torch.nn.Module], hf_config: dict[str, Any]) -> Path:
+CONVERTED_FSYNC = False
+"""A converted checkpoint is not fsynced (like ``save_pretrained``): it can be regenerated, and its
+checksum manifest exposes any file a power loss truncated."""
+
+
+def save_converted(
+    root: str | Path, model_chunks: list[torch.nn.Module], hf_config: dict[str, Any], groups: ParallelGroups
+) -> Path:
     """Collective: write ``root/step_00000000`` (model only) and ``root/latest``; returns the step dir."""
-    return trainer_checkpoint.save_checkpoint(root, CONVERTED_STEP, model_chunks, hf_config=hf_config, save_rng=False)
+    return trainer_checkpoint.save_checkpoint(
+        root, CONVERTED_STEP, model_chunks, groups=groups, hf_config=hf_config, save_rng=False, fsync=CONVERTED_FSYNC
+    )
 
 
-def load_model(step_dir: str | Path, model_chunks: list[torch.nn.Module]) -> None:
-    """Collective: load the model of ``step_dir`` at the current TP × PP (resharding on load)."""
+def load_model(step_dir: str | Path, model_chunks: list[torch.nn.Module], groups: ParallelGroups) -> None:
+    """Collective: verify and load the model of ``step_dir`` at the current TP × PP (resharding on load)."""
     try:
-        trainer_checkpoint.load_checkpoint(step_dir, model_chunks, load_rng=False)
+        trainer_checkpoint.load_checkpoint(step_dir, model_chunks, groups=groups, load_rng=False)
     except trainer_checkpoint.CheckpointError as err:
         raise ConversionError(str(err)) from err

@@ -19,8 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
 from conversion.convert import check_convertible
@@ -29,6 +27,7 @@ from conversion.hf_io import load_hf_config
 from conversion.launch import run_on_ranks
 from conversion.live import as_chunks
 from conversion.megatron_io import build_model_chunks, load_model, read_metadata, resolve_step_dir
+from megatron_mugrpo.training.parallel import ParallelGroups
 
 DEFAULT_ATOL = 1e-3
 """Max |logit difference| accepted by ``mugrpo convert verify`` (float32; tiny models reach ~1e-6,
@@ -61,13 +60,14 @@ def random_tokens(vocab_size: int, batch: int, seq_len: int, seed: int) -> Tenso
     return torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
 
 
-def _pp_neighbour(offset: int) -> int:
-    group = parallel_state.get_pipeline_model_parallel_group()
-    return dist.get_global_rank(group, parallel_state.get_pipeline_model_parallel_rank() + offset)
+def _pp_neighbour(groups: ParallelGroups, offset: int) -> int:
+    return dist.get_global_rank(groups.pp_group, groups.pp_rank + offset)
 
 
 @torch.no_grad()
-def pipeline_forward_logits(model_chunks: Any, tokens: Tensor, vocab_size: int) -> Tensor | None:
+def pipeline_forward_logits(
+    model_chunks: Any, tokens: Tensor, vocab_size: int, groups: ParallelGroups
+) -> Tensor | None:
     """Forward-only pass through this rank's pipeline stage; full logits on the last stage.
 
     tokens: [B, S] on every rank. Hidden states [S, B, H] go stage to stage by point-to-point send /
@@ -79,16 +79,25 @@ def pipeline_forward_logits(model_chunks: Any, tokens: Tensor, vocab_size: int) 
     tokens = tokens.to(device)
     batch, seq_len = tokens.shape
     positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(batch, seq_len)
-    if not parallel_state.is_pipeline_first_stage():
+    if not groups.is_first_stage:
         hidden = torch.empty(seq_len, batch, model.config.hidden_size, dtype=model.config.params_dtype, device=device)
-        dist.recv(hidden, src=_pp_neighbour(-1))
+        dist.recv(hidden, src=_pp_neighbour(groups, -1))
         model.set_input_tensor(hidden)
     output = model(tokens, positions, attention_mask=None)
-    if not parallel_state.is_pipeline_last_stage():
-        dist.send(output.contiguous(), dst=_pp_neighbour(+1))
+    if not groups.is_last_stage:
+        dist.send(output.contiguous(), dst=_pp_neighbour(groups, +1))
         return None
-    logits = gather_from_tensor_model_parallel_region(output)  # [B, S, V_pad]
+    logits = _gather_vocab_shards(output, groups)  # [B, S, V_pad]
     return logits[..., :vocab_size].float()
+
+
+def _gather_vocab_shards(output: Tensor, groups: ParallelGroups) -> Tensor:
+    """[B, S, V_pad / tp] logits of every TP rank concatenated along the vocabulary (in rank order)."""
+    if groups.tp == 1:
+        return output
+    shards = [torch.empty_like(output) for _ in range(groups.tp)]
+    dist.all_gather(shards, output.contiguous(), group=groups.tp_group)
+    return torch.cat(shards, dim=-1)
 
 
 def hf_logits(hf_dir: str | Path, tokens: Tensor) -> Tensor:
@@ -112,17 +121,13 @@ def compare_logits(reference: Tensor, candidate: Tensor, *, atol: float, kl_tol:
     return VerifyResult(float(diff), max(float(kl), 0.0), atol, kl_tol)
 
 
-def megatron_logits_on_rank(step_dir: str, tokens: Tensor, out_file: str) -> None:
+def megatron_logits_on_rank(groups: ParallelGroups, step_dir: str, tokens: Tensor, out_file: str) -> None:
     """Rank body: load the step directory in float32, forward ``tokens``; rank 0 of the last stage saves logits."""
     hf_config = read_metadata(step_dir)["hf_config"]
-    chunks = build_model_chunks(hf_config, torch.float32)
-    load_model(step_dir, chunks)
-    logits = pipeline_forward_logits(chunks, tokens, hf_config["vocab_size"])
-    if (
-        logits is not None
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and (parallel_state.get_data_parallel_rank() == 0)
-    ):
+    chunks = build_model_chunks(hf_config, torch.float32, groups)
+    load_model(step_dir, chunks, groups)
+    logits = pipeline_forward_logits(chunks, tokens, hf_config["vocab_size"], groups)
+    if logits is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
         torch.save(logits.cpu(), out_file)
 
 

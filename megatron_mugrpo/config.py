@@ -376,6 +376,12 @@ class CheckpointConfig:
     every_stages: int = 1
     """Checkpoint at the end of every N-th stage (and always after the last). Standard GRPO's many tiny
     stages want a larger N; a resume redoes at most N stages of updates (stored rollouts are reused)."""
+    async_save: bool = True
+    """Write checkpoints in background threads while training continues (costs host memory for one
+    copy of the rank's model + optimizer state); a checkpoint becomes `latest` once complete."""
+    fsync: bool = True
+    """fsync every checkpoint file before publishing it (durable on power loss; off the training
+    path when async_save is on)."""
 
     def __post_init__(self) -> None:
         require(self.keep_last >= 2, f"checkpoint.keep_last={self.keep_last} must be >= 2")

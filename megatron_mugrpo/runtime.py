@@ -40,7 +40,13 @@ from megatron_mugrpo.rollout.quantization import behaviour_quantizer, load_behav
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 from megatron_mugrpo.rundir import CONFIG_FILE, RunLock, claim, record_config
 from megatron_mugrpo.state import TrainerState
-from megatron_mugrpo.training.checkpoint import latest_checkpoint, load_checkpoint, read_metadata
+from megatron_mugrpo.training.checkpoint import (
+    CheckpointSaver,
+    latest_checkpoint,
+    load_checkpoint,
+    load_latest_intact,
+    read_metadata,
+)
 from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy, resolve_dtype
 
@@ -67,6 +73,8 @@ class Run:
     reward_fn: RewardFn
     logger: MetricsLogger
     timer: Timer
+    checkpoints: CheckpointSaver
+    """Writes RUN_DIR/checkpoints (in the background with checkpoint.async_save)."""
     engine: RolloutEngine | None = None
     """Rank 0's rollout engine (None elsewhere, and before the first weight sync)."""
     resumed_from: Path | None = None
@@ -90,6 +98,7 @@ class Run:
         return self.run_dir / "checkpoints"
 
     def close(self) -> None:
+        self.checkpoints.close()  # publish a checkpoint still being written
         if self.engine is not None:
             self.engine.release()
         self.reward_fn.close()
@@ -193,6 +202,13 @@ def _set_up(
         sequence_parallel=cfg.parallel.sequence_parallel,
     )
     state, resumed_from = _initial_weights(policy, hf_dir, run_dir, resume=resume, checkpoint=checkpoint)
+    checkpoints = CheckpointSaver(
+        run_dir / "checkpoints",
+        groups=groups,
+        async_save=cfg.checkpoint.async_save,
+        fsync=cfg.checkpoint.fsync,
+        keep_last=cfg.checkpoint.keep_last,
+    )
     prompts = load_prompts(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens)
     benchmarks = [
         Benchmark(
@@ -222,6 +238,7 @@ def _set_up(
         groups=groups,
         policy=policy,
         state=state,
+        checkpoints=checkpoints,
         prompts=prompts,
         benchmarks=benchmarks,
         reward_fn=reward_fn,
@@ -294,14 +311,21 @@ def _base_model(cfg: RunConfig, run_dir: Path, *, is_writer: bool) -> Path:
 def _initial_weights(
     policy: Policy, hf_dir: Path, run_dir: Path, *, resume: bool, checkpoint: Path | None
 ) -> tuple[TrainerState, Path | None]:
-    """Load the latest checkpoint when resuming (or a given one); otherwise the base HF weights."""
-    step_dir = checkpoint or (latest_checkpoint(run_dir / "checkpoints") if resume else None)
-    if step_dir is not None:
-        loaded = load_checkpoint(step_dir, policy.model_chunks, policy.optimizer, policy.scheduler)
-        return loaded.trainer_state, step_dir
+    """Load the given checkpoint, or when resuming the newest intact one (damaged ones are skipped with
+    a warning); otherwise the base HF weights."""
+    if checkpoint is not None:
+        loaded = load_checkpoint(
+            checkpoint, policy.model_chunks, policy.optimizer, policy.scheduler, groups=policy.groups
+        )
+        return loaded.trainer_state, checkpoint
+    if resume:
+        args = (policy.model_chunks, policy.optimizer, policy.scheduler)
+        intact = load_latest_intact(run_dir / "checkpoints", *args, groups=policy.groups)
+        if intact is not None:
+            return intact.trainer_state, intact.step_dir
     from conversion import load_hf_into_model
 
-    load_hf_into_model(policy.unwrapped(), hf_dir)
+    load_hf_into_model(policy.unwrapped(), hf_dir, policy.groups)
     policy.weights_loaded()  # optimizers holding fp32 main copies re-read the loaded weights
     return TrainerState(), None
 
@@ -315,7 +339,7 @@ def sync_engine(run: Run) -> None:
     """
     from conversion import export_hf
 
-    tensors = export_hf(run.policy.unwrapped(), run.hf_config)
+    tensors = export_hf(run.policy.unwrapped(), run.hf_config, run.groups)
     if not run.is_writer:
         for _ in tensors:
             pass

@@ -24,7 +24,7 @@ from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
 from megatron_mugrpo.rollout.store import RolloutStore, is_complete
 from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
 from megatron_mugrpo.state import BestEval
-from megatron_mugrpo.training.checkpoint import save_checkpoint, step_dir_name
+from megatron_mugrpo.training.checkpoint import step_dir_name
 from megatron_mugrpo.training.stage_reference import OldLogprobs, ScoreSettings, minibatch, prepare_stage_reference
 from megatron_mugrpo.training.train_step import train_step
 
@@ -67,6 +67,7 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
             metrics = optimizer_update(run, store, stage, update, old_logprobs)
             run.logger.log(metrics, step=run.state.global_update)
             crash_point(f"update:{run.state.global_update}")
+            run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
             # Evaluate first: the checkpoint then holds the result, and a resume never loses the record.
             if _due(cfg.eval.every_updates, run.state.global_update):
                 run_evaluation(run)
@@ -221,8 +222,7 @@ def checkpoint(run: Run) -> None:
     run.state.timers = _timers(run)
     run.state.metrics_records = run.logger.records
     best = run.state.best
-    save_checkpoint(
-        run.checkpoint_root,
+    saved = run.checkpoints.save(
         run.state.global_update,
         run.policy.model_chunks,
         hf_config=run.hf_config,
@@ -230,13 +230,14 @@ def checkpoint(run: Run) -> None:
         scheduler=run.policy.scheduler,
         trainer_state=run.state,
         run_config=run.cfg.to_dict(),
-        keep_last=run.cfg.checkpoint.keep_last,
         keep=[best.global_update] if best else [],
     )
     if run.is_writer and best:
         step_dir = run.checkpoint_root / step_dir_name(best.global_update)
-        # The best may be the starting policy (update 0), which lives in the base HF directory.
-        where = step_dir if step_dir.is_dir() else (run.hf_dir if best.global_update == 0 else None)
+        # The best may be the starting policy (update 0), which lives in the base HF directory; the
+        # step just saved may still be being written in the background.
+        exists = step_dir.is_dir() or step_dir == saved
+        where = step_dir if exists else (run.hf_dir if best.global_update == 0 else None)
         record = {
             "avg_pass@1": best.avg_pass_at_1,
             "global_update": best.global_update,
@@ -252,7 +253,7 @@ def export_final(run: Run) -> None:
     from conversion import export_hf, save_hf_dir
 
     target = run.run_dir / FINAL_HF_DIR
-    tensors = export_hf(run.policy.unwrapped(), run.hf_config)
+    tensors = export_hf(run.policy.unwrapped(), run.hf_config, run.groups)
     if run.is_writer:
         shutil.rmtree(target, ignore_errors=True)
         save_hf_dir(((name, tensor.cpu()) for name, tensor in tensors), target, run.hf_config, run.hf_dir)

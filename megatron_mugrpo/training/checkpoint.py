@@ -1,18 +1,31 @@
-"""Checkpoints you can trust: one directory per step, written under a temporary name, ``latest`` last.
+"""Checkpoints you can trust: one directory per step, checksummed, written under a temporary name, ``latest`` last.
 
 Layout (``CKPT_ROOT``)::
 
     step_00000042/
         metadata.json     format tag, hf_config, tp, pp, world size, dtype, padded vocab, trainer
                           state, LR-scheduler state, versions, resolved run config (or null)
-        model/            megatron dist_checkpointing of the model's sharded_state_dict
+        model/            megatron dist_checkpointing (torch_dist) of the model's sharded_state_dict
         optimizer/        (optional) dist_checkpointing of the optimizer's sharded_state_dict
         rng/rank_00000.pt (optional) per-rank RNG states: python, numpy, torch CPU, CUDA, Megatron tracker
-    latest                text: the newest complete step directory's name, written last
+        manifest.json     SHA-256 and size of every other file of the directory, written last
+    latest                text: the newest complete step directory's name, written after the rename
 
 A step directory is written as ``step_XXXXXXXX.tmp`` and renamed once every rank has finished and
-``metadata.json`` is in place, so a crash leaves either the old set of checkpoints or the new one,
-never a directory that looks complete. The last ``keep_last`` (≥ 2) complete checkpoints are kept.
+``metadata.json`` and ``manifest.json`` are in place, so a crash leaves either the old set of
+checkpoints or the new one, never a directory that looks complete. The last ``keep_last`` (≥ 2)
+complete checkpoints are kept, plus any step passed in ``keep``.
+
+Integrity: the writer threads hash every file as they write it; ``load_checkpoint`` checks every file
+against the manifest before it touches the model (each rank hashes a share of the files), and names
+the damaged file (bit flip, truncation, missing). ``load_latest_intact`` is what resuming uses: it
+falls back, with a warning, to the newest checkpoint that passes, and raises ``CheckpointError``
+when none does.
+
+Speed: the bytes move through ``training.checkpoint_io`` (writer threads with SHA-256 and one fsync
+per file; reads straight into the parameters). ``CheckpointSaver(async_save=True)`` copies the state
+to host buffers and returns; threads write while training continues, and the directory is published
+(renamed, ``latest`` updated) at the first ``poll()`` / ``wait()`` after every rank has finished.
 
 Resharding on load: dist_checkpointing reassembles tensors for any TP / PP layout. One case needs
 help: Megatron pads the vocabulary to a multiple of 128 × TP, so the embedding / output weights (and
@@ -27,12 +40,13 @@ is bitwise identical to an uninterrupted one on CPU); otherwise they are left as
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import random
 import shutil
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,17 +54,25 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.state import TrainerState
+from megatron_mugrpo.training import checkpoint_io
+from megatron_mugrpo.training.checkpoint_io import FileDigest
+from megatron_mugrpo.training.model import unwrap_model
+from megatron_mugrpo.training.parallel import ParallelGroups
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "megatron_mugrpo.checkpoint.v1"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "megatron_mugrpo.checkpoint.manifest.v1"
 STEP_FORMAT = "step_{:08d}"
 TMP_SUFFIX = ".tmp"
 LATEST = "latest"
@@ -62,7 +84,7 @@ VOCAB_KEYS = ("word_embeddings.weight", "output_layer.weight")
 
 
 class CheckpointError(InputError, RuntimeError):
-    """A checkpoint is missing, truncated or incompatible; the message names the path and the fix."""
+    """A checkpoint is missing, damaged or incompatible; the message names the path and the fix."""
 
 
 @dataclass(kw_only=True)
@@ -84,11 +106,14 @@ def step_dir_name(step: int) -> str:
 
 
 def _is_complete(step_dir: Path) -> bool:
+    """Cheap structural check (no hashing): metadata, the dist_checkpointing metadata and the manifest exist."""
     try:
         meta = json.loads((step_dir / "metadata.json").read_text())
     except (OSError, ValueError):
         return False
     if meta.get("format") != FORMAT or not (step_dir / "model" / "metadata.json").is_file():
+        return False
+    if meta.get("manifest") and not (step_dir / MANIFEST).is_file():
         return False
     return not meta.get("has_optimizer") or (step_dir / "optimizer" / "metadata.json").is_file()
 
@@ -105,7 +130,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete step directory under ``root`` (None when there is none).
 
     Follows the ``latest`` pointer; if it is missing or names a broken directory (a crash, a
-    half-deleted copy), falls back to the newest complete step directory with a warning.
+    half-deleted copy), falls back to the newest complete step directory with a warning. Checks
+    structure only; ``load_latest_intact`` also verifies the checksums.
     """
     root = Path(root)
     pointer = root / LATEST
@@ -140,25 +166,49 @@ def read_metadata(step_dir: str | Path) -> dict[str, Any]:
         )
     if not _is_complete(step_dir):
         raise CheckpointError(
-            f"{step_dir} is truncated: model/ or optimizer/ lacks its metadata.json; delete it and resume "
+            f"{step_dir} is truncated: model/, optimizer/ or {MANIFEST} is missing; delete it and resume "
             f"from an older checkpoint (latest_checkpoint({step_dir.parent}))"
         )
     return meta
 
 
+# ---------------------------------------------------------------------------- collectives
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _all_gather(value: Any) -> list[Any]:
+    """``value`` from every rank (in rank order); just ``[value]`` without torch.distributed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _agreed(problem: str | None) -> str | None:
+    """Every rank's view of a per-rank failure: the first rank's message, or None when all succeeded.
+
+    Per-rank steps (reading an RNG file, a writer thread) fail on one rank only; ranks must still
+    take the same branch afterwards, or the next collective would hang.
+    """
+    return next((p for p in _all_gather(problem) if p), None)
+
+
 # -------------------------------------------------------------------------------------- save
-
-
-def _bare(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict[str, Any]:
     if len(model_chunks) != 1:
         raise ValueError(f"checkpointing supports one model chunk per rank, got {len(model_chunks)} (no virtual PP)")
-    return _bare(model_chunks[0]).sharded_state_dict(prefix="")
+    return unwrap_model(model_chunks[0]).sharded_state_dict(prefix="")
 
 
 def _versions() -> dict[str, str]:
@@ -194,148 +244,20 @@ def _restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _padded_vocab(model_chunks: list[torch.nn.Module]) -> int | None:
-    model = _bare(model_chunks[0])
+def _padded_vocab(model_chunks: list[torch.nn.Module], groups: ParallelGroups) -> int | None:
+    model = unwrap_model(model_chunks[0])
     for module_name in ("embedding", "output_layer"):
         module = getattr(model, module_name, None)
         if module is None:
             continue
         weight = module.word_embeddings.weight if module_name == "embedding" else module.weight
         if weight is not None:
-            return int(weight.shape[0]) * parallel_state.get_tensor_model_parallel_world_size()
+            return int(weight.shape[0]) * groups.tp
     return None
 
 
 def _param_dtype(model_chunks: list[torch.nn.Module]) -> str:
-    return str(next(_bare(model_chunks[0]).parameters()).dtype).removeprefix("torch.")
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-_WRITER_MANAGER: Any = None
-PR_SET_PDEATHSIG = 1
-"""prctl option: the kernel sends a signal to this process when its parent dies (Linux)."""
-
-
-def _die_with_parent() -> None:
-    """Initializer of the results-queue server: SIGKILL it when the training process dies."""
-    import contextlib
-    import ctypes
-    import signal
-
-    # Not Linux (no prctl): the server outlives a killed trainer, as it does in plain Megatron.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _writer_queue_dies_with_this_process() -> None:
-    """Give Megatron's checkpoint writer a results queue whose server process dies with us.
-
-    megatron-core's torch_dist writer lazily starts a ``multiprocessing.Manager`` server for its
-    results queue. When the trainer is SIGKILLed that server is orphaned and lives on, holding the
-    trainer's stdout/stderr open (a launcher reading them never sees EOF). We start the same kind of
-    server ourselves with a parent-death signal and hand its queue to Megatron's module slot.
-    """
-    global _WRITER_MANAGER
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-    except ImportError:
-        return
-    if _WRITER_MANAGER is not None or getattr(filesystem_async, "_results_queue", "absent") is not None:
-        return  # already installed, or this megatron-core version manages the queue differently
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_die_with_parent)
-    _WRITER_MANAGER = manager  # the server lives as long as this reference
-    filesystem_async._results_queue = manager.Queue()
-
-
-def save_checkpoint(
-    root: str | Path,
-    step: int,
-    model_chunks: list[torch.nn.Module],
-    *,
-    hf_config: dict[str, Any],
-    optimizer: MegatronOptimizer | None = None,
-    scheduler: OptimizerParamScheduler | None = None,
-    trainer_state: TrainerState | None = None,
-    run_config: dict[str, Any] | None = None,
-    save_rng: bool = True,
-    keep_last: int = MIN_KEEP_LAST,
-    keep: Collection[int] = (),
-) -> Path:
-    """Write ``root/step_XXXXXXXX`` (collective: every rank calls it) and return its path.
-
-    The newest ``keep_last`` complete checkpoints survive pruning, and so do the steps in ``keep``
-    (e.g. the best one by evaluation).
-
-    ``model_chunks`` may be DDP-wrapped or bare GPTModels. Without ``optimizer`` the directory is
-    model-only (what ``mugrpo convert hf-to-megatron`` writes). Synchronous: dist_checkpointing's
-    async writer is not used, so nothing is left running when this returns.
-    """
-    if keep_last < MIN_KEEP_LAST:
-        raise ValueError(f"keep_last={keep_last} must be >= {MIN_KEEP_LAST} so a crash while writing leaves a good one")
-    root = Path(root)
-    final, tmp = root / step_dir_name(step), root / (step_dir_name(step) + TMP_SUFFIX)
-    if _is_rank0():
-        if tmp.exists():
-            shutil.rmtree(tmp)  # leftover of an interrupted save of the same step
-        for sub in ("model", "optimizer" if optimizer is not None else None, "rng" if save_rng else None):
-            if sub:
-                (tmp / sub).mkdir(parents=True)
-    _barrier()
-    _writer_queue_dies_with_this_process()
-    dist_checkpointing.save(_model_sharded_state_dict(model_chunks), str(tmp / "model"))
-    if optimizer is not None:
-        opt_sd = optimizer.sharded_state_dict(
-            _model_sharded_state_dict(model_chunks), is_loading=False, metadata=OPTIMIZER_METADATA
-        )
-        dist_checkpointing.save(opt_sd, str(tmp / "optimizer"))
-    if save_rng:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-    _barrier()
-    if _is_rank0():
-        metadata = _metadata(model_chunks, hf_config, optimizer, scheduler, trainer_state, run_config)
-        (tmp / "metadata.json").write_text(json.dumps(metadata, indent=2, default=str))
-        _publish(root, tmp, final, keep_last, keep)
-    _barrier()
-    return final
-
-
-def _metadata(
-    model_chunks: list[torch.nn.Module],
-    hf_config: dict[str, Any],
-    optimizer: MegatronOptimizer | None,
-    scheduler: OptimizerParamScheduler | None,
-    trainer_state: TrainerState | None,
-    run_config: dict[str, Any] | None,
-) -> dict[str, Any]:
-    return {
-        "format": FORMAT,
-        "hf_config": hf_config,
-        "tp": parallel_state.get_tensor_model_parallel_world_size(),
-        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "dtype": _param_dtype(model_chunks),
-        "padded_vocab_size": _padded_vocab(model_chunks),
-        "has_optimizer": optimizer is not None,
-        "distributed_optimizer": _is_distributed(optimizer),
-        "optimizer_metadata": OPTIMIZER_METADATA,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "trainer_state": (trainer_state or TrainerState()).to_dict(),
-        "versions": _versions(),
-        "run_config": run_config,
-    }
+    return str(next(unwrap_model(model_chunks[0]).parameters()).dtype).removeprefix("torch.")
 
 
 def _is_distributed(optimizer: MegatronOptimizer | None) -> bool:
@@ -345,18 +267,350 @@ def _is_distributed(optimizer: MegatronOptimizer | None) -> bool:
     return any(isinstance(part, DistributedOptimizer) for part in parts)
 
 
-def _publish(root: Path, tmp: Path, final: Path, keep_last: int, keep: Collection[int] = ()) -> None:
-    """Rank 0: rename tmp → final, point ``latest`` at it (atomic replace), prune old ones."""
+def _metadata(
+    model_chunks: list[torch.nn.Module],
+    groups: ParallelGroups,
+    hf_config: dict[str, Any],
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    trainer_state: TrainerState | None,
+    run_config: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "hf_config": hf_config,
+        "tp": groups.tp,
+        "pp": groups.pp,
+        "world_size": groups.world_size,
+        "dtype": _param_dtype(model_chunks),
+        "padded_vocab_size": _padded_vocab(model_chunks, groups),
+        "has_optimizer": optimizer is not None,
+        "distributed_optimizer": _is_distributed(optimizer),
+        "optimizer_metadata": OPTIMIZER_METADATA,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "trainer_state": (trainer_state or TrainerState()).to_dict(),
+        "versions": _versions(),
+        "run_config": run_config,
+        "manifest": MANIFEST,
+    }
+
+
+class CheckpointSaver:
+    """Writes step directories under ``root``, one at a time, synchronously or in the background.
+
+    With ``async_save`` the state is copied to host buffers (kept between saves: host memory of one
+    copy of this rank's model and optimizer state) and ``save`` returns; writer threads write and
+    hash the files while training continues. The directory is published (manifest, rename,
+    ``latest``, pruning) by the first ``poll()`` or ``wait()`` after every rank has finished: call
+    ``poll()`` regularly (it costs one small all-reduce while a save is pending) and ``close()`` at
+    the end. A crash before publication leaves the previous checkpoint as ``latest``.
+
+    Every method is collective: all ranks call it, in the same order.
+
+    Args:
+        root: checkpoint root (step directories and ``latest``).
+        groups: this rank's process groups (TP / PP sizes go into metadata.json).
+        async_save: write in the background (see above); otherwise ``save`` returns once published.
+        fsync: fsync every file once, and the directories, before publishing (durable on power loss).
+        thread_count: writer threads, and files, per rank and state dict.
+        keep_last: complete checkpoints kept (≥ 2, so a crash while writing leaves a good one).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        groups: ParallelGroups,
+        async_save: bool = False,
+        fsync: bool = True,
+        thread_count: int = checkpoint_io.DEFAULT_THREADS,
+        keep_last: int = MIN_KEEP_LAST,
+    ) -> None:
+        if keep_last < MIN_KEEP_LAST:
+            raise ValueError(
+                f"keep_last={keep_last} must be >= {MIN_KEEP_LAST} so a crash while writing leaves a good one"
+            )
+        if thread_count < 1:
+            raise ValueError(f"thread_count={thread_count} must be >= 1")
+        self.root = Path(root)
+        self.groups = groups
+        self.async_save = async_save
+        self.fsync = fsync
+        self.keep_last = keep_last
+        strategy = lambda: checkpoint_io.ThreadedSaveStrategy(  # noqa: E731 - two identical strategies
+            thread_count=thread_count, fsync=fsync, snapshot=async_save
+        )
+        # One strategy per state dict: each keeps its own host buffers (async) between saves.
+        self._model_strategy, self._optimizer_strategy = strategy(), strategy()
+        self._queue = checkpoint_io.ThreadAsyncCallsQueue()
+        self._pending: dict[int, Path] = {}
+
+    @property
+    def pending(self) -> list[Path]:
+        """Step directories written (or being written) but not yet published."""
+        return list(self._pending.values())
+
+    def save(
+        self,
+        step: int,
+        model_chunks: list[torch.nn.Module],
+        *,
+        hf_config: dict[str, Any],
+        optimizer: MegatronOptimizer | None = None,
+        scheduler: OptimizerParamScheduler | None = None,
+        trainer_state: TrainerState | None = None,
+        run_config: dict[str, Any] | None = None,
+        save_rng: bool = True,
+        keep: Collection[int] = (),
+    ) -> Path:
+        """Start writing ``root/step_XXXXXXXX`` (finishing any earlier save first); returns its final path.
+
+        Everything that describes the state (trainer state, scheduler, RNG) is captured now, so the
+        caller may change it right after. ``keep``: steps pruning must spare (e.g. the best one).
+        """
+        self.wait()
+        final, tmp = self.root / step_dir_name(step), self.root / (step_dir_name(step) + TMP_SUFFIX)
+        if self.groups.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # leftover of an interrupted save of the same step
+            for sub in ("model", "optimizer" if optimizer is not None else None, "rng" if save_rng else None):
+                if sub:
+                    (tmp / sub).mkdir(parents=True)
+        _barrier()
+        metadata = _metadata(model_chunks, self.groups, hf_config, optimizer, scheduler, trainer_state, run_config)
+        parts = [(self._model_strategy, "model", _model_sharded_state_dict(model_chunks))]
+        if optimizer is not None:
+            opt_sd = optimizer.sharded_state_dict(
+                _model_sharded_state_dict(model_chunks), is_loading=False, metadata=OPTIMIZER_METADATA
+            )
+            parts.append((self._optimizer_strategy, "optimizer", opt_sd))
+        requests = [
+            dist_checkpointing.save(sd, str(tmp / sub), sharded_strategy=strategy, async_sharded_save=True)
+            for strategy, sub, sd in parts
+        ]
+        own = [self._save_rng(tmp)] if save_rng else []
+        publish = _Publication(
+            saver=self, tmp=tmp, final=final, metadata=metadata, parts=parts, own=own, keep=tuple(keep)
+        )
+        call = self._queue.schedule_async_request(_combined(requests, publish))
+        self._pending[call] = final
+        if not self.async_save:
+            self.wait()
+        return final
+
+    def _save_rng(self, tmp: Path) -> FileDigest:
+        buffer = io.BytesIO()
+        torch.save(_rng_state(), buffer)
+        relative = f"rng/rank_{self.groups.rank:05d}.pt"
+        checkpoint_io.write_file(tmp / relative, buffer.getvalue(), fsync=self.fsync)
+        return checkpoint_io.bytes_digest(relative, buffer.getvalue())
+
+    def poll(self) -> list[Path]:
+        """Publish the saves every rank has finished writing; returns their step directories."""
+        return [self._pending.pop(i) for i in self._queue.maybe_finalize_async_calls(blocking=False)]
+
+    def wait(self) -> list[Path]:
+        """Wait for every pending save and publish it; returns the published step directories."""
+        return [self._pending.pop(i) for i in self._queue.maybe_finalize_async_calls(blocking=True)]
+
+    def close(self) -> None:
+        """Finish pending saves (publishing them); the saver can still be used afterwards."""
+        self.wait()
+
+
+def _combined(requests: list[AsyncRequest], publish: _Publication) -> AsyncRequest:
+    """One request writing every state dict of a step; snapshots (async) are taken here, in the caller."""
+    calls = []
+    for request in requests:
+        args = list(request.async_fn_args)
+        if request.preload_fn:
+            args[1] = request.preload_fn()
+        if request.async_fn is not None:
+            calls.append((request.async_fn, args, request.async_fn_kwargs))
+
+    def write_all() -> None:
+        try:
+            for fn, args, kwargs in calls:
+                fn(*args, **kwargs)
+        except BaseException as err:  # reported on every rank by publish.check_writes
+            publish.write_error = f"{type(err).__name__}: {err}"
+
+    finalize = [publish.check_writes, *(fn for request in requests for fn in request.finalize_fns), publish]
+    return AsyncRequest(write_all, (), finalize)
+
+
+@dataclass
+class _Publication:
+    """The last act of a save, run by every rank once all have written: manifest, rename, ``latest``."""
+
+    saver: CheckpointSaver
+    tmp: Path
+    final: Path
+    metadata: dict[str, Any]
+    parts: list[tuple[checkpoint_io.ThreadedSaveStrategy, str, Any]]
+    own: list[FileDigest]
+    """Files this rank wrote outside the strategies (its RNG file)."""
+    keep: tuple[int, ...]
+    write_error: str | None = None
+
+    def check_writes(self) -> None:
+        problem = _agreed(self.write_error and f"rank {_rank()}: {self.write_error}")
+        if problem:
+            raise CheckpointError(f"writing checkpoint {self.tmp} failed ({problem}); {self.final} was not published")
+
+    def __call__(self) -> None:
+        digests = list(self.own)
+        for strategy, sub, _ in self.parts:
+            digests += [FileDigest(f"{sub}/{d.path}", d.sha256, d.nbytes) for d in strategy.digests()]
+        gathered = [d for rank_digests in _all_gather(digests) for d in rank_digests]
+        if self.saver.groups.rank == 0:
+            fsync = self.saver.fsync
+            checkpoint_io.write_file(
+                self.tmp / "metadata.json", json.dumps(self.metadata, indent=2, default=str).encode(), fsync=fsync
+            )
+            write_manifest(self.tmp, gathered, fsync=fsync)
+            _publish(self.saver.root, self.tmp, self.final, self.saver.keep_last, self.keep, fsync=fsync)
+        _barrier()
+
+
+def write_manifest(step_dir: Path, known: list[FileDigest], *, fsync: bool) -> None:
+    """Write ``step_dir/manifest.json``: SHA-256 and size of every file under ``step_dir``.
+
+    ``known`` digests (computed by the writer threads) are trusted; the remaining files — small
+    metadata files that megatron-core writes itself — are hashed here (and fsynced when asked).
+    """
+    files = {d.path: {"sha256": d.sha256, "bytes": d.nbytes} for d in known}
+    others = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.relative_to(step_dir).as_posix() not in files)
+    for path, result in checkpoint_io.hash_files(others).items():
+        if isinstance(result, OSError):
+            raise CheckpointError(f"cannot read {path} to checksum it: {result}")
+        files[path.relative_to(step_dir).as_posix()] = {"sha256": result[0], "bytes": result[1]}
+        if fsync:
+            _fsync_file(path)
+    manifest = {"format": MANIFEST_FORMAT, "algorithm": "sha256", "files": dict(sorted(files.items()))}
+    checkpoint_io.write_file(step_dir / MANIFEST, json.dumps(manifest, indent=1).encode(), fsync=fsync)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as stream:
+        os.fsync(stream.fileno())
+
+
+def _publish(root: Path, tmp: Path, final: Path, keep_last: int, keep: Collection[int], *, fsync: bool) -> None:
+    """Rank 0: rename tmp → final, point ``latest`` at it (atomic replace), prune old and stale ones."""
+    if fsync:
+        for directory in (tmp, *(p for p in tmp.iterdir() if p.is_dir())):
+            checkpoint_io.fsync_dir(directory)
     if final.exists():  # re-saving a step: the new copy replaces the old one
         shutil.rmtree(final)
     os.replace(tmp, final)
     pointer_tmp = root / (LATEST + TMP_SUFFIX)
-    pointer_tmp.write_text(final.name + "\n")
+    checkpoint_io.write_file(pointer_tmp, (final.name + "\n").encode(), fsync=fsync)
     os.replace(pointer_tmp, root / LATEST)
+    if fsync:
+        checkpoint_io.fsync_dir(root)
     protected = {step_dir_name(step) for step in keep}
     for old in _complete_steps(root)[:-keep_last]:
         if old.name not in protected:
             shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(f"step_*{TMP_SUFFIX}"):  # saves killed before publication (one runs at a time)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model_chunks: list[torch.nn.Module],
+    *,
+    groups: ParallelGroups,
+    hf_config: dict[str, Any],
+    optimizer: MegatronOptimizer | None = None,
+    scheduler: OptimizerParamScheduler | None = None,
+    trainer_state: TrainerState | None = None,
+    run_config: dict[str, Any] | None = None,
+    save_rng: bool = True,
+    keep_last: int = MIN_KEEP_LAST,
+    keep: Collection[int] = (),
+    fsync: bool = True,
+) -> Path:
+    """Write ``root/step_XXXXXXXX`` synchronously (collective: every rank calls it) and return its path.
+
+    ``model_chunks`` may be DDP-wrapped or bare GPTModels. Without ``optimizer`` the directory is
+    model-only (what ``mugrpo convert hf-to-megatron`` writes). See ``CheckpointSaver`` for the
+    background variant; nothing is left running when this returns.
+    """
+    saver = CheckpointSaver(root, groups=groups, fsync=fsync, keep_last=keep_last)
+    return saver.save(
+        step,
+        model_chunks,
+        hf_config=hf_config,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        trainer_state=trainer_state,
+        run_config=run_config,
+        save_rng=save_rng,
+        keep=keep,
+    )
+
+
+# ------------------------------------------------------------------------------ integrity
+
+
+def _read_manifest(step_dir: Path) -> dict[str, dict[str, Any]]:
+    path = step_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is missing or unreadable ({exc}); {step_dir} cannot be verified") from exc
+    return files
+
+
+def _file_problems(step_dir: Path, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """What is wrong with each listed file (missing, wrong size, wrong SHA-256); empty when all are intact."""
+    problems, to_hash = [], []
+    for relative, expected in entries:
+        path = step_dir / relative
+        try:
+            size = path.stat().st_size
+        except OSError:
+            problems.append(f"{relative} is missing")
+            continue
+        if size != expected["bytes"]:
+            kind = "truncated" if size < expected["bytes"] else "too long"
+            problems.append(f"{relative} is {kind} ({size} of {expected['bytes']} bytes)")
+        else:
+            to_hash.append((relative, path, expected["sha256"]))
+    results = checkpoint_io.hash_files([path for _, path, _ in to_hash])
+    for relative, path, sha in to_hash:
+        result = results[path]
+        if isinstance(result, OSError):
+            problems.append(f"{relative} is unreadable ({result})")
+        elif result[0] != sha:
+            problems.append(f"{relative} fails its SHA-256 check (corrupted)")
+    return problems
+
+
+def verify_checkpoint(step_dir: str | Path, *, groups: ParallelGroups | None = None) -> None:
+    """Check every file of ``step_dir`` against its manifest; CheckpointError naming the bad files.
+
+    Collective when ``groups`` is given: rank r hashes files r, r + world, ... and the ranks share
+    their findings, so all raise (or pass) together. A directory written before checksums existed
+    (no manifest in metadata.json) passes with a warning.
+    """
+    step_dir = Path(step_dir)
+    meta = read_metadata(step_dir)
+    if not meta.get("manifest"):
+        logger.warning("%s was written without a checksum manifest; its files are not verified", step_dir)
+        return
+    entries = sorted(_read_manifest(step_dir).items())
+    rank, world = (groups.rank, groups.world_size) if groups is not None else (0, 1)
+    mine = _file_problems(step_dir, entries[rank::world])
+    problems = [p for rank_problems in (_all_gather(mine) if groups is not None else [mine]) for p in rank_problems]
+    if problems:
+        raise CheckpointError(f"checkpoint {step_dir} is damaged: {'; '.join(problems)}")
 
 
 # -------------------------------------------------------------------------------------- load
@@ -385,7 +639,7 @@ def _get_path(tree: Any, path: tuple) -> Any:
     return tree
 
 
-def _reshape_vocab_tensors(sharded_sd: dict[str, Any], ckpt_dir: Path) -> dict[tuple, ShardedTensor]:
+def _reshape_vocab_tensors(sharded_sd: dict[str, Any], ckpt_dir: Path, rank: int) -> dict[tuple, ShardedTensor]:
     """Swap vocab-parallel ShardedTensors whose padded size differs from the saved one for whole-tensor loads.
 
     Returns {path in the state dict: the original ShardedTensor} for ``_cut_vocab_rows``.
@@ -409,8 +663,7 @@ def _reshape_vocab_tensors(sharded_sd: dict[str, Any], ckpt_dir: Path) -> dict[t
             )
         whole = torch.empty(saved_shape, dtype=value.data.dtype, device=value.data.device)
         # Every rank reads the whole tensor; exactly one of them counts as the main replica.
-        replica = dist.get_rank() if dist.is_initialized() else 0
-        _set_path(sharded_sd, path, ShardedTensor.from_rank_offsets(value.key, whole, replica_id=replica))
+        _set_path(sharded_sd, path, ShardedTensor.from_rank_offsets(value.key, whole, replica_id=rank))
         replaced[path] = value
     return replaced
 
@@ -426,15 +679,17 @@ def _cut_vocab_rows(loaded: dict[str, Any], replaced: dict[tuple, ShardedTensor]
         _set_path(loaded, path, local)
 
 
-def _load_tree(sharded_sd: dict[str, Any], ckpt_dir: Path) -> dict[str, Any]:
-    replaced = _reshape_vocab_tensors(sharded_sd, ckpt_dir)
+def _load_tree(sharded_sd: dict[str, Any], ckpt_dir: Path, rank: int) -> dict[str, Any]:
+    replaced = _reshape_vocab_tensors(sharded_sd, ckpt_dir, rank)
     try:
-        loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir))
+        loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), sharded_strategy=checkpoint_io.DirectLoadStrategy())
     except CheckpointError:
         raise
-    except Exception as exc:  # dist_checkpointing raises many types; name the directory and the fix
+    # dist_checkpointing raises many types, and torch's CheckpointException derives from BaseException
+    # (not Exception): catch both, name the directory and the fix.
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(
-            f"failed to load {ckpt_dir} ({type(exc).__name__}: {exc}); the directory may be truncated or "
+            f"failed to load {ckpt_dir} ({type(exc).__name__}: {exc}); the directory may be damaged or "
             "the model architecture differs from the saved one (compare metadata.json's hf_config)"
         ) from exc
     _cut_vocab_rows(loaded, replaced)
@@ -447,18 +702,24 @@ def load_checkpoint(
     optimizer: MegatronOptimizer | None = None,
     scheduler: OptimizerParamScheduler | None = None,
     *,
+    groups: ParallelGroups,
     load_rng: bool = True,
+    verify: bool = True,
 ) -> LoadedCheckpoint:
     """Load a step directory into the (DDP-wrapped or bare) model chunks, resharding as needed.
 
-    With ``optimizer``: its state is loaded when the checkpoint has one; for a model-only checkpoint
-    (e.g. a converted Hugging Face model) the optimizer keeps fresh moments and re-reads its main
+    With ``verify`` (default) every file is checked against the manifest first, so a damaged
+    checkpoint raises CheckpointError naming the file before anything is overwritten. With
+    ``optimizer``: its state is loaded when the checkpoint has one; for a model-only checkpoint (e.g.
+    a converted Hugging Face model) the optimizer keeps fresh moments and re-reads its main
     parameters from the loaded weights. Collective: every rank calls it.
     """
     step_dir = Path(step_dir)
     meta = read_metadata(step_dir)
-    model = _bare(model_chunks[0])
-    loaded = _load_tree(_model_sharded_state_dict(model_chunks), step_dir / "model")
+    if verify:
+        verify_checkpoint(step_dir, groups=groups)
+    model = unwrap_model(model_chunks[0])
+    loaded = _load_tree(_model_sharded_state_dict(model_chunks), step_dir / "model", groups.rank)
     model.load_state_dict(loaded, strict=True)
     loaded_optimizer = False
     if optimizer is not None:
@@ -466,13 +727,13 @@ def load_checkpoint(
             opt_sd = optimizer.sharded_state_dict(
                 _model_sharded_state_dict(model_chunks), is_loading=True, metadata=meta["optimizer_metadata"]
             )
-            optimizer.load_state_dict(_load_tree(opt_sd, step_dir / "optimizer"))
+            optimizer.load_state_dict(_load_tree(opt_sd, step_dir / "optimizer", groups.rank))
             loaded_optimizer = True
         else:
             optimizer.reload_model_params()
     if scheduler is not None and meta.get("scheduler"):
         scheduler.load_state_dict(meta["scheduler"])
-    restored_rng = load_rng and _maybe_restore_rng(step_dir, meta)
+    restored_rng = load_rng and _maybe_restore_rng(step_dir, meta, groups)
     _barrier()
     return LoadedCheckpoint(
         step_dir=step_dir,
@@ -483,16 +744,59 @@ def load_checkpoint(
     )
 
 
-def _maybe_restore_rng(step_dir: Path, meta: dict[str, Any]) -> bool:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    same_layout = (meta["world_size"], meta["tp"], meta["pp"]) == (
-        world,
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-    )
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = step_dir / "rng" / f"rank_{rank:05d}.pt"
+def _maybe_restore_rng(step_dir: Path, meta: dict[str, Any], groups: ParallelGroups) -> bool:
+    """Restore this rank's RNG states when the layout matches; CheckpointError (on every rank) if unreadable."""
+    same_layout = (meta["world_size"], meta["tp"], meta["pp"]) == (groups.world_size, groups.tp, groups.pp)
+    path = step_dir / "rng" / f"rank_{groups.rank:05d}.pt"
     if not same_layout or not path.is_file():
         return False
-    _restore_rng(torch.load(path, weights_only=False))
+    state, problem = None, None
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as exc:  # a damaged pickle raises almost anything
+        problem = f"{path} is unreadable ({type(exc).__name__}: {exc})"
+    problem = _agreed(problem)
+    if problem:
+        raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}")
+    _restore_rng(state)
     return True
+
+
+def load_latest_intact(
+    root: str | Path,
+    model_chunks: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None = None,
+    scheduler: OptimizerParamScheduler | None = None,
+    *,
+    groups: ParallelGroups,
+    load_rng: bool = True,
+    warn: Callable[[str], None] | None = None,
+) -> LoadedCheckpoint | None:
+    """Load the newest checkpoint under ``root`` that passes verification (None when there is none).
+
+    Starts from the ``latest`` pointer and walks back through older complete step directories; each
+    damaged one is reported through ``warn`` (default: a logged warning) with the bad file named.
+    Raises CheckpointError listing every problem when checkpoints exist but none is intact.
+    """
+    warn = warn or logger.warning
+    root = Path(root)
+    newest = latest_checkpoint(root)
+    if newest is None:
+        return None
+    candidates = [newest, *reversed([p for p in _complete_steps(root) if p.name < newest.name])]
+    failures = []
+    for step_dir in candidates:
+        try:
+            loaded = load_checkpoint(step_dir, model_chunks, optimizer, scheduler, groups=groups, load_rng=load_rng)
+        except CheckpointError as err:
+            failures.append(str(err))
+            if groups.rank == 0:
+                warn(f"{err}; falling back to an older checkpoint")
+            continue
+        if failures and groups.rank == 0:
+            warn(f"resumed from {step_dir}: {len(failures)} newer checkpoint(s) are damaged")
+        return loaded
+    raise CheckpointError(
+        f"no intact checkpoint under {root}: {' | '.join(failures)}. Restore the damaged files from a copy, "
+        "or remove the checkpoints directory to restart from the base model"
+    )

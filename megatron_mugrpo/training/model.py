@@ -258,6 +258,16 @@ def _apply_llama3_rope(model: GPTModel, hf_config: dict[str, Any], rope: dict[st
     model.rotary_pos_emb.inv_freq = inv_freq.to(device=old.device, dtype=old.dtype)
 
 
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The bare ``GPTModel`` inside Megatron's wrappers (DDP, Float16Module: each exposes ``.module``).
+
+    The one unwrap helper of the package: training, checkpointing and conversion all use it.
+    """
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module
+    return module
+
+
 def build_gpt_model(
     hf_config: dict[str, Any],
     *,

@@ -87,3 +87,38 @@ def test_directory_without_weights_is_an_error(tmp_path: Path) -> None:
         HfCheckpoint(tmp_path)
     with pytest.raises(ConversionError, match=r"config\.json does not exist"):
         HfCheckpoint(tmp_path / "nowhere")
+
+
+def test_streamed_shards_have_a_padded_header_and_load_everywhere(hf_dir: Path, tmp_path: Path) -> None:
+    """The header is written last into reserved space (padded with spaces); safetensors and transformers read it."""
+    from transformers import AutoModelForCausalLM
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    config = json.loads((hf_dir / "config.json").read_text())
+    out = save_hf_dir(iter(tensors.items()), tmp_path / "out", config)
+    raw = (out / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    assert header_len % 8 == 0 and raw[8 : 8 + header_len].endswith(b" ")
+    assert load_file(str(out / "model.safetensors")).keys() == tensors.keys()
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for name, value in model.state_dict().items():
+        if name in tensors:
+            assert torch.equal(value, tensors[name]), name
+
+
+def test_a_header_larger_than_reserved_moves_the_data_once(tmp_path: Path) -> None:
+    from conversion.hf_io import _write_shards
+
+    tensors = {f"a.very.long.tensor.name.{i}": torch.arange(i + 1, dtype=torch.bfloat16) for i in range(40)}
+    (tmp_path / "out").mkdir()
+    weight_map = _write_shards(iter(tensors.items()), tmp_path / "out", 1 << 30, header_bytes=16, fsync=True)
+    assert set(weight_map.values()) == {"model.safetensors"}
+    reread = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(torch.equal(reread[name], value) for name, value in tensors.items())
+
+
+def test_mapped_tensors_view_the_file_and_equal_the_stored_ones(hf_dir: Path) -> None:
+    ckpt = HfCheckpoint(hf_dir)
+    for name in sorted(ckpt.names()):
+        mapped = ckpt.mapped(name)
+        assert mapped.dtype == ckpt.tensor(name).dtype and torch.equal(mapped, ckpt.tensor(name)), name

@@ -18,6 +18,8 @@ from conversion_helpers import make_hf_dir
 from dist_utils import run_distributed
 from safetensors.torch import load_file
 
+from megatron_mugrpo.training.parallel import ParallelGroups
+
 LOGIT_ATOL = 1e-5
 """float32 logits: Megatron and transformers differ only in summation order (measured ~2e-6)."""
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -52,39 +54,35 @@ def _assert_bitwise_equal(expected: dict[str, torch.Tensor], actual: dict[str, t
         assert torch.equal(other.view(torch.uint8), tensor.view(torch.uint8)), f"{what}: {name} differs"
 
 
-def _check_live(hf_dir: Path, reference: torch.Tensor, tokens: torch.Tensor) -> None:
+def _check_live(groups: ParallelGroups, hf_dir: Path, reference: torch.Tensor, tokens: torch.Tensor) -> None:
     """One model at the current TP × PP: logits against transformers, export bit for bit."""
-    from megatron.core import parallel_state as ps
-
     from conversion.hf_io import load_hf_config
     from conversion.live import export_hf, load_hf_into_model
     from conversion.megatron_io import build_model_chunks
     from conversion.verify import pipeline_forward_logits
 
-    where = (
-        f"{hf_dir.name} tp={ps.get_tensor_model_parallel_world_size()} pp={ps.get_pipeline_model_parallel_world_size()}"
-    )
+    where = f"{hf_dir.name} tp={groups.tp} pp={groups.pp}"
     config = load_hf_config(hf_dir)
-    chunks = build_model_chunks(config, torch.float32)
-    load_hf_into_model(chunks, hf_dir)
-    logits = pipeline_forward_logits(chunks, tokens, config["vocab_size"])
+    chunks = build_model_chunks(config, torch.float32, groups)
+    load_hf_into_model(chunks, hf_dir, groups)
+    logits = pipeline_forward_logits(chunks, tokens, config["vocab_size"], groups)
     if logits is not None:
         diff = (logits - reference).abs().max().item()
         assert diff <= LOGIT_ATOL, f"{where}: max |logit diff| {diff:.2e} > {LOGIT_ATOL}"
-    _assert_bitwise_equal(_hf_tensors(hf_dir), dict(export_hf(chunks, config)), where)
+    _assert_bitwise_equal(_hf_tensors(hf_dir), dict(export_hf(chunks, config, groups)), where)
 
 
-def _check_bfloat16_export(hf_dir: Path) -> None:
+def _check_bfloat16_export(groups: ParallelGroups, hf_dir: Path) -> None:
     """A bfloat16 model (the GPU training dtype) holds and exports exactly the bf16-cast HF tensors."""
     from conversion.hf_io import load_hf_config
     from conversion.live import export_hf, load_hf_into_model
     from conversion.megatron_io import build_model_chunks
 
     config = load_hf_config(hf_dir)
-    chunks = build_model_chunks(config, torch.bfloat16)
-    load_hf_into_model(chunks, hf_dir)
+    chunks = build_model_chunks(config, torch.bfloat16, groups)
+    load_hf_into_model(chunks, hf_dir, groups)
     expected = {name: t.to(torch.bfloat16) for name, t in _hf_tensors(hf_dir).items()}
-    _assert_bitwise_equal(expected, dict(export_hf(chunks, config)), f"{hf_dir.name} bfloat16")
+    _assert_bitwise_equal(expected, dict(export_hf(chunks, config, groups)), f"{hf_dir.name} bfloat16")
 
 
 def _check_checkpoint(hf_dir: Path, reference: torch.Tensor, tokens: torch.Tensor, work: Path) -> None:
@@ -97,20 +95,20 @@ def _check_checkpoint(hf_dir: Path, reference: torch.Tensor, tokens: torch.Tenso
     from megatron_mugrpo.training import parallel
 
     step_dir, out_dir = work / "ckpt" / "step_00000000", work / "hf_out"
-    parallel.initialize_parallel(2, 2, seed=0)
-    hf_to_megatron_on_rank(str(hf_dir), str(work / "ckpt"), "float32")
+    groups = parallel.initialize_parallel(2, 2, seed=0)
+    hf_to_megatron_on_rank(groups, str(hf_dir), str(work / "ckpt"), "float32")
     parallel.destroy_parallel()
 
-    parallel.initialize_parallel(1, 2, seed=0)  # resharding on load
-    chunks = build_model_chunks(load_hf_config(hf_dir), torch.float32)
-    load_model(step_dir, chunks)  # training.checkpoint.load_checkpoint
-    logits = pipeline_forward_logits(chunks, tokens, reference.shape[-1])
+    groups = parallel.initialize_parallel(1, 2, seed=0)  # resharding on load
+    chunks = build_model_chunks(load_hf_config(hf_dir), torch.float32, groups)
+    load_model(step_dir, chunks, groups)  # training.checkpoint.load_checkpoint
+    logits = pipeline_forward_logits(chunks, tokens, reference.shape[-1], groups)
     if logits is not None:
         assert (logits - reference).abs().max().item() <= LOGIT_ATOL, f"{hf_dir.name}: checkpoint at tp=1 pp=2"
     parallel.destroy_parallel()
 
-    parallel.initialize_parallel(1, 1, seed=0)
-    megatron_to_hf_on_rank(str(step_dir), str(out_dir), "float32", None)
+    groups = parallel.initialize_parallel(1, 1, seed=0)
+    megatron_to_hf_on_rank(groups, str(step_dir), str(out_dir), "float32", None)
     parallel.destroy_parallel()
     dist.barrier()
     _assert_bitwise_equal(_hf_tensors(hf_dir), _hf_tensors(out_dir), f"{hf_dir.name} HF -> Megatron -> HF")
@@ -122,10 +120,10 @@ def _body(rank: int, world_size: int, root: str, tokens: torch.Tensor) -> None:
     root_path = Path(root)
     references = {name: torch.load(root_path / f"{name}.logits.pt") for name in VARIANTS}
     for tp, pp in LAYOUTS:  # layouts outside: creating Megatron's gloo groups is the slow part
-        parallel.initialize_parallel(tp, pp, seed=0)
+        groups = parallel.initialize_parallel(tp, pp, seed=0)
         for name in VARIANTS:
-            _check_live(root_path / name, references[name], tokens)
-        _check_bfloat16_export(root_path / "qwen2_untied")
+            _check_live(groups, root_path / name, references[name], tokens)
+        _check_bfloat16_export(groups, root_path / "qwen2_untied")
         parallel.destroy_parallel()
     for name in CHECKPOINT_VARIANTS:
         _check_checkpoint(root_path / name, references[name], tokens, root_path / f"work_{name}")

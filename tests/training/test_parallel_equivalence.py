@@ -85,7 +85,7 @@ def _record_grads(policy: Policy, into: dict[str, Any]) -> None:
 
 def _reference(rank: int, world_size: int, root: str) -> None:
     policy = _policy(1, 1, seed=0, distributed=False)
-    checkpoint.save_checkpoint(Path(root) / "init", 0, policy.model_chunks, hf_config=CONFIG)
+    checkpoint.save_checkpoint(Path(root) / "init", 0, policy.model_chunks, groups=policy.groups, hf_config=CONFIG)
     logprobs = forward_logprobs(policy, make_batch(10), temperature=1.0, micro_batch_size=MICRO_BATCH)
     grads: dict[str, Any] = {}
     metrics = _updates(policy, on_first=partial(_record_grads, policy, grads))
@@ -98,7 +98,7 @@ def _layouts(rank: int, world_size: int, root: str) -> None:
     init = checkpoint.latest_checkpoint(Path(root) / "init")
     for name, (tp, pp, distributed) in LAYOUTS.items():
         policy = _policy(tp, pp, seed=1234, distributed=distributed)  # other seed: weights must come from init
-        checkpoint.load_checkpoint(init, policy.model_chunks, policy.optimizer, policy.scheduler)
+        checkpoint.load_checkpoint(init, policy.model_chunks, policy.optimizer, policy.scheduler, groups=policy.groups)
         logprobs = forward_logprobs(policy, make_batch(10), temperature=1.0, micro_batch_size=MICRO_BATCH)
         grads: dict[str, Any] = {}
         on_first = partial(_record_grads, policy, grads) if tp > 1 else None
@@ -108,6 +108,7 @@ def _layouts(rank: int, world_size: int, root: str) -> None:
             Path(root) / name,
             UPDATES,
             policy.model_chunks,
+            groups=policy.groups,
             hf_config=CONFIG,
             optimizer=policy.optimizer,
             scheduler=policy.scheduler,
@@ -120,7 +121,9 @@ def _layouts(rank: int, world_size: int, root: str) -> None:
 
 def _load_at_tp1(rank: int, world_size: int, root: str, name: str) -> None:
     policy = _policy(1, 1, seed=99, distributed=False)
-    checkpoint.load_checkpoint(checkpoint.latest_checkpoint(Path(root) / name), policy.model_chunks)
+    checkpoint.load_checkpoint(
+        checkpoint.latest_checkpoint(Path(root) / name), policy.model_chunks, groups=policy.groups
+    )
     params = {n: p.detach().clone() for n, p in policy.unwrapped()[0].named_parameters()}
     logprobs = forward_logprobs(policy, make_batch(10), temperature=1.0, micro_batch_size=MICRO_BATCH)
     torch.save({"params": params, "final_logprobs": logprobs}, Path(root) / f"{name}_at_tp1.pt")
