@@ -120,6 +120,7 @@ def optimizer_update(run: Run, store: RolloutStore, stage: int, update: int) -> 
         temperature=cfg.rollout.temperature,
         micro_batch_size=cfg.parallel.micro_batch_size,
         impl=cfg.kernels.logprob_impl,
+        logits_budget_mib=cfg.kernels.logits_budget_mib,
     )
     if update == 0:
         check_first_update(run, metrics, stage)

@@ -206,6 +206,8 @@ def fused_linear_logprobs(
     _check_common(targets, n_tokens, n_local, temperature, vocab_start, vocab_size, tp_group)
     if keep_bytes < 0:
         raise ValueError(f"keep_bytes={keep_bytes} must be >= 0 (bytes of block logits kept for backward)")
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        keep_bytes = 0  # no backward will read them
     backend = resolve_impl(impl, hidden.device)
     chunk = block_columns(n_tokens, n_local, chunk_size)
     logprob, entropy = FusedLinearLogprob.apply(

@@ -220,34 +220,96 @@ class FusedLinearLogprob(torch.autograd.Function):
         temperature, vocab_start, n_valid, blocks, chunk, backend, tp_group, reduce_hidden_grad = ctx.params
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_lp, g_ent = _upstream(ctx, grad_logprob, grad_entropy)
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        rows = _rows_with_gradient(g_lp, g_ent)
+        active = _TokenRows(hidden, targets, logz, mean_z if ctx.with_entropy else None, g_lp, g_ent, rows)
         grad_weight = None
         if need_weight:
             # Contiguous whatever weight's layout, so each block's rows can be the matmul's `out`.
             grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
             grad_weight[n_valid:].zero_()
-        grads = _BlockBuffer(hidden.shape[0], chunk, hidden.dtype, hidden.device)
+        grad_hidden = None
+        if need_hidden:
+            grad_hidden = torch.zeros(active.hidden.shape, dtype=torch.float32, device=hidden.device)
+        n_active = active.hidden.shape[0]
+        grads = _BlockBuffer(n_active, chunk, hidden.dtype, hidden.device)
         # A float32 gradient block is its own scratch; bf16 / fp16 ones are computed in float32 first.
-        scratch = _float_scratch(hidden.shape[0], chunk, hidden.device, backend, hidden.dtype != torch.float32)
+        scratch = _float_scratch(n_active, chunk, hidden.device, backend, hidden.dtype != torch.float32)
         for i, (v0, v1) in enumerate(blocks):
             w_block = weight[v0:v1]
-            grad_block = grads.view(v1 - v0)  # d logits of the block, written over the recomputed logits
+            grad_block = grads.view(v1 - v0)  # d logits of the block, written over the block's logits
             if i < len(kept):
-                logits = kept[i]  # read only: the graph may be run backward again (retain_graph)
+                # Read, never overwritten: the graph may be run backward again (retain_graph).
+                logits = active.select(kept[i], out=grad_block)
             else:
-                logits = torch.mm(hidden, w_block.t(), out=grad_block)
-            work = _view(scratch, v1 - v0)
-            target_cols = targets - (vocab_start + v0)
-            backend.block_grad(logits, target_cols, temperature, logz, mean_z, g_lp, g_ent, grad_block, work=work)
+                logits = torch.mm(active.hidden, w_block.t(), out=grad_block)
+            backend.block_grad(
+                logits,
+                active.targets - (vocab_start + v0),
+                temperature,
+                active.logz,
+                active.mean_z,
+                active.g_lp,
+                active.g_ent,
+                grad_block,
+                work=_view(scratch, v1 - v0),
+            )
             if grad_weight is not None:
-                torch.mm(grad_block.t(), hidden, out=grad_weight[v0:v1])
+                torch.mm(grad_block.t(), active.hidden, out=grad_weight[v0:v1])
             if grad_hidden is not None:
                 _accumulate_hidden_grad(grad_hidden, grad_block, w_block)
         if grad_hidden is not None:
+            grad_hidden = active.scatter(grad_hidden)
             if reduce_hidden_grad and tp_group is not None and dist.get_world_size(tp_group) > 1:
                 dist.all_reduce(grad_hidden, group=tp_group)
             grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, None
+
+
+def _rows_with_gradient(g_lp: torch.Tensor, g_ent: torch.Tensor | None) -> torch.Tensor | None:
+    """Indices of the tokens with a non-zero upstream gradient, or None when that is every token.
+
+    A token whose upstream gradients are both zero has an exactly zero logit gradient, so it takes
+    no part in any backward matmul. In RL batches these are many: prompt and padding positions
+    (loss mask 0), groups whose rewards are all equal (advantage 0), vetoed or clipped tokens.
+    Finding them costs one device synchronisation per backward.
+    """
+    live = g_lp != 0
+    if g_ent is not None:
+        live |= g_ent != 0
+    rows = torch.nonzero(live).squeeze(1)
+    return None if rows.numel() == live.numel() else rows
+
+
+class _TokenRows:
+    """The per-token backward inputs restricted to ``rows`` (all of them when ``rows`` is None)."""
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        logz: torch.Tensor,
+        mean_z: torch.Tensor | None,
+        g_lp: torch.Tensor,
+        g_ent: torch.Tensor | None,
+        rows: torch.Tensor | None,
+    ) -> None:
+        self.rows, self.n_tokens = rows, hidden.shape[0]
+        pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t.index_select(0, rows))
+        self.hidden, self.targets, self.logz = pick(hidden), pick(targets), pick(logz)
+        self.mean_z, self.g_lp, self.g_ent = pick(mean_z), pick(g_lp), pick(g_ent)
+
+    def select(self, block: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The active rows of a kept [N, Vb] block: the block itself, or its rows copied into ``out``."""
+        if self.rows is None:
+            return block
+        return torch.index_select(block, 0, self.rows, out=out)
+
+    def scatter(self, grad_rows: torch.Tensor) -> torch.Tensor:
+        """[N, H] from the active rows' [n_active, H] (zero elsewhere)."""
+        if self.rows is None:
+            return grad_rows
+        full = grad_rows.new_zeros((self.n_tokens, grad_rows.shape[1]))
+        return full.index_copy_(0, self.rows, grad_rows)
 
 
 def _accumulate_hidden_grad(acc: torch.Tensor, grad_block: torch.Tensor, w_block: torch.Tensor) -> None:
