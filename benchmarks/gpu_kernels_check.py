@@ -9,14 +9,19 @@ runs on a bare GPU machine from a clone. Checks, in bf16 at Qwen2.5-7B's output-
 1. fused_linear_logprobs: Triton vs torch path (log-prob, entropy, d hidden, d W);
 2. the same against a float64 log_softmax + gather reference on a slice of tokens;
 3. vocab_parallel_logprobs on materialised logits: Triton vs torch (log-prob, entropy, d logits);
-4. forward + backward times of Triton-fused, torch-fused and naive;
+4. forward + backward times of Triton-fused, torch-fused and naive (``time_ratio`` = naive / Triton);
 5. which FP8 recipes this machine can run (a ConfigError names the reason when it cannot);
 
-then runs benchmarks/logprob_loss.py at 4096 and 16384 tokens. Last line: ``checks=<passed>/<total>``.
+then runs ``benchmarks/logprob_loss.py --impl triton`` at 4096 and 16384 tokens and repeats each
+run's ``memory_ratio`` and ``time_ratio`` (Triton-fused vs naive) on one line,
+``triton_vs_naive tokens=<n> memory_ratio=<x> time_ratio=<y>``. Last line: ``checks=<passed>/<total>``.
+Without CUDA it only says so and exits 0 (``--help`` works anywhere).
 """
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 import time
@@ -45,6 +50,7 @@ GRAD_RTOL = 2e-2
 REFERENCE_ATOL = 0.05
 """vs float64 logits: the bf16 rounding of each logit (|z| <~ 6, eps 2^-8) bounds the difference."""
 REFERENCE_ROWS = 64
+BENCH_TOKENS = (4096, 16384)
 CHECKS: list[tuple[str, bool]] = []
 Upstream = tuple[Tensor, Tensor]
 
@@ -91,6 +97,28 @@ def timed(fn: Callable[[], object], repeats: int = 5) -> float:
     return best
 
 
+def benchmark_ratios(stdout: str) -> dict[str, float]:
+    """``memory_ratio`` and ``time_ratio`` from the last line of benchmarks/logprob_loss.py's output."""
+    lines = stdout.strip().splitlines()
+    found = dict(re.findall(r"(memory_ratio|time_ratio)=(\d+(?:\.\d+)?)", lines[-1] if lines else ""))
+    if set(found) != {"memory_ratio", "time_ratio"}:
+        raise ValueError(f"no 'memory_ratio=... time_ratio=...' last line in the benchmark output: {lines[-1:]}")
+    return {key: float(value) for key, value in found.items()}
+
+
+def run_benchmark(tokens: int) -> dict[str, float] | None:
+    """benchmarks/logprob_loss.py with the Triton path at ``tokens``; its ratios, or None if it failed."""
+    bench = Path(__file__).resolve().parent / "logprob_loss.py"
+    print(f"--- benchmarks/logprob_loss.py --impl triton --tokens {tokens}", flush=True)
+    cmd = [sys.executable, str(bench), "--impl", "triton", "--tokens", str(tokens)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    print(done.stdout, end="")
+    if done.returncode != 0:
+        print(done.stderr[-4000:], end="")
+        return None
+    return benchmark_ratios(done.stdout)
+
+
 def naive_step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor) -> None:
     h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
     logits = (h @ w.T)[:, :VOCAB].float() / TEMPERATURE
@@ -99,6 +127,7 @@ def naive_step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tenso
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check (the CPU tests cover the interpreter path)")
         return 0
@@ -148,6 +177,7 @@ def main() -> int:
         "naive": timed(lambda: naive_step(big, w, big_t, big_g[0])),
     }
     print(f"fwd+bwd at {2 * TOKENS} tokens (s): " + " ".join(f"{k}={v:.4f}" for k, v in times.items()))
+    print(f"in-process time_ratio naive/fused_triton={times['naive'] / times['fused_triton']:.2f}")
 
     for recipe in FP8_RECIPES:
         try:
@@ -156,11 +186,14 @@ def main() -> int:
         except ValueError as exc:
             print(f"fp8 recipe {recipe!r}: {exc}")
 
-    bench = Path(__file__).resolve().parent / "logprob_loss.py"
-    for tokens in (4096, 16384):
-        print(f"--- benchmarks/logprob_loss.py --tokens {tokens}", flush=True)
-        done = subprocess.run([sys.executable, str(bench), "--tokens", str(tokens)], check=False)
-        CHECKS.append((f"benchmark at {tokens} tokens ran", done.returncode == 0))
+    ratios = {tokens: run_benchmark(tokens) for tokens in BENCH_TOKENS}
+    for tokens, found in ratios.items():
+        CHECKS.append((f"benchmark at {tokens} tokens ran", found is not None))
+        if found is not None:
+            print(
+                f"triton_vs_naive tokens={tokens} memory_ratio={found['memory_ratio']:.2f} "
+                f"time_ratio={found['time_ratio']:.2f}"
+            )
 
     passed = sum(ok for _, ok in CHECKS)
     print(f"checks={passed}/{len(CHECKS)}")

@@ -6,8 +6,15 @@
 Shapes are Qwen2.5-7B's output layer: hidden 3584, vocabulary 151,936 (TP=1, the worst case).
 
 * naive: logits = hidden @ W^T → float32 log_softmax(logits / T) → gather → μ-GRPO loss → backward.
-* fused: ``megatron_mugrpo.kernels.fused_linear_logprobs`` (block-wise matmul + float32 statistics,
-  backward recomputes each block) → the same loss → backward.
+* fused: ``megatron_mugrpo.kernels.fused_linear_logprobs`` (block-wise matmul + float32 statistics;
+  the forward keeps the leading blocks' logits up to ``--keep-mib``, default
+  ``kernels.logits_budget_mib``, and the backward recomputes the others) → the same loss → backward.
+
+Where the time goes: naive costs three ``N × H × V`` matmuls (logits, d hidden, d W) plus a few
+passes over [N, V] float32 buffers; fused costs the same three plus the recomputation of every
+block it did not keep (a fourth matmul at ``--keep-mib 0``). On CPU both are matmul-bound, so the
+time ratio follows roughly 3 / (4 - kept fraction); ``--profile`` prints each method's top
+operators to check.
 
 Each method runs in its own fresh process (``--worker``) and measures two peaks above the inputs
 (hidden, weight, targets, behaviour log-probs):
@@ -45,6 +52,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
 from megatron_mugrpo.kernels import fused_linear_logprobs
+from megatron_mugrpo.kernels.autograd import block_columns, kept_blocks
+from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
+from megatron_mugrpo.kernels.policy import choose_logprob_path
 
 RESPONSE_LEN = 256
 """Tokens per response: the loss averages per response, so the batch is tokens / 256 responses."""
@@ -143,6 +153,7 @@ def _step(method: str, x: dict[str, torch.Tensor], args: argparse.Namespace) -> 
             vocab_start=0,
             vocab_size=args.vocab,
             impl=args.impl,
+            keep_bytes=int(args.keep_mib * MiB),
         )
     loss = mu_grpo_loss(logprobs.view_as(x["behaviour"]), x["behaviour"], x["advantages"])
     loss.backward()
@@ -204,7 +215,22 @@ def worker(args: argparse.Namespace) -> None:
         cpu_times.append(time.process_time() - cpu_begin)
         total = max(total, meter.peak())
     result = {"working": working, "total": total, "time": min(times), "cpu_time": min(cpu_times), "loss": loss}
+    if args.profile:
+        _print_profile(args.worker, x, args)
     print(json.dumps(result | {"hidden_grad_norm": hidden_norm, "weight_grad_norm": weight_norm}))
+
+
+def _print_profile(method: str, x: dict[str, torch.Tensor], args: argparse.Namespace) -> None:
+    """One more full step under torch.profiler; its top operators by self time go to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    x["weight"].grad = None
+    with profile(activities=activities) as prof:
+        _step(method, x, args)
+    key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    print(f"--- {method}: top operators of one full step", file=sys.stderr)
+    print(prof.key_averages().table(sort_by=key, row_limit=12), file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,12 +240,15 @@ def worker(args: argparse.Namespace) -> None:
 
 def _run_worker(method: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--worker", method]
-    for key in ("tokens", "hidden", "vocab", "dtype", "repeats", "device", "impl", "threads"):
-        cmd += [f"--{key}", str(getattr(args, key))]
+    for key in ("tokens", "hidden", "vocab", "dtype", "repeats", "device", "impl", "threads", "keep_mib"):
+        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    cmd += ["--profile"] if args.profile else []
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{method} worker failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    if args.profile:
+        print(done.stderr, end="")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -234,11 +263,34 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--impl", default="auto", choices=["auto", "triton", "torch"], help="fused implementation")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument(
+        "--keep-mib",
+        type=float,
+        default=DEFAULT_LOGITS_BUDGET_MIB,
+        help="block logits (MiB) the fused forward keeps for backward (kernels.logits_budget_mib)",
+    )
+    p.add_argument("--profile", action="store_true", help="print each method's top operators of one more step")
     p.add_argument("--worker", choices=["naive", "fused"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.tokens % RESPONSE_LEN:
         p.error(f"--tokens must be a multiple of {RESPONSE_LEN} (tokens per response)")
     return args
+
+
+def _keep_summary(args: argparse.Namespace) -> str:
+    """What the fused path keeps at this shape, and which path kernels.logprob_impl=auto would take."""
+    width = block_columns(args.tokens, args.vocab, None)
+    blocks = [(v0, min(v0 + width, args.vocab)) for v0 in range(0, args.vocab, width)]
+    itemsize = getattr(torch, args.dtype).itemsize
+    kept = sum(v1 - v0 for v0, v1 in blocks[: kept_blocks(args.tokens, blocks, itemsize, int(args.keep_mib * MiB))])
+    device = torch.device(args.device)
+    auto = choose_logprob_path(
+        "auto", n_tokens=args.tokens, n_columns=args.vocab, device=device, budget_bytes=int(args.keep_mib * MiB)
+    )
+    return (
+        f"fused keeps {kept}/{args.vocab} columns ({kept / args.vocab:.0%}) in {len(blocks)} blocks of {width}; "
+        f"float32 logits are {args.tokens * args.vocab * 4 / MiB:.1f} MiB; kernels.logprob_impl=auto would run {auto}"
+    )
 
 
 def main() -> None:
@@ -249,8 +301,9 @@ def main() -> None:
         return
     print(
         f"device={args.device} dtype={args.dtype} tokens={args.tokens} hidden={args.hidden} "
-        f"vocab={args.vocab} fused_impl={args.impl} threads={args.threads}"
+        f"vocab={args.vocab} fused_impl={args.impl} threads={args.threads} keep_mib={args.keep_mib:g}"
     )
+    print(_keep_summary(args))
     results = {method: _run_worker(method, args) for method in ("naive", "fused")}
     print(f"{'method':<8}{'working MiB':>13}{'full step MiB':>15}{'wall s':>9}{'cpu s':>9}{'loss':>12}")
     for method, r in results.items():

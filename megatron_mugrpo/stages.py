@@ -127,6 +127,7 @@ def optimizer_update(
         micro_batch_size=cfg.parallel.micro_batch_size,
         impl=cfg.kernels.logprob_impl,
         rollout_correction=cfg.algo.rollout_correction,
+        logits_budget_mib=cfg.kernels.logits_budget_mib,
     )
     if update == 0:
         check_first_update(run, metrics, stage)
@@ -168,6 +169,7 @@ def stage_reference(run: Run, store: RolloutStore) -> OldLogprobs | None:
         temperature=cfg.rollout.temperature,
         micro_batch_size=cfg.parallel.micro_batch_size,
         impl=cfg.kernels.logprob_impl,
+        logits_budget_mib=cfg.kernels.logits_budget_mib,
         pad_id=run.tokenizer.pad_token_id or 0,
         chunk_groups=cfg.stages.mini_groups,
     )

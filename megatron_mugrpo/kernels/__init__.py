@@ -10,7 +10,8 @@ reduced across ``tp_group`` in float32; the target logit comes from the rank tha
 Two entry points, both autograd-capable, one interface for two implementations:
 
 * :func:`fused_linear_logprobs` (the train step's default): hidden [N, H] × weight shard
-  [V/tp, H] → log-probs, block by block of vocabulary columns; backward recomputes each block.
+  [V/tp, H] → log-probs, block by block of vocabulary columns; backward recomputes each block
+  except the leading ones whose logits fit in ``keep_bytes``.
 * :func:`vocab_parallel_logprobs`: the same from already materialised logits [N, V/tp].
 
 ``impl``: ``"triton"`` (CUDA kernels; CPU tensors only under ``TRITON_INTERPRET=1``), ``"torch"``
@@ -163,6 +164,7 @@ def fused_linear_logprobs(
     with_entropy: bool = False,
     impl: str = "auto",
     reduce_hidden_grad: bool = True,
+    keep_bytes: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (and entropy) of ``hidden @ weight^T`` without materialising [N, V/tp] logits.
 
@@ -181,6 +183,11 @@ def fused_linear_logprobs(
             op whose backward reduces (``copy_to_tensor_model_parallel_region``, or
             ``gather_from_sequence_parallel_region`` with sequence parallelism), or the gradient is
             counted tp times.
+        keep_bytes: memory the forward may spend keeping block logits (input dtype) for the
+            backward, which then recomputes only the blocks that did not fit. Each kept block saves
+            one of the four ``N × H × Vb`` block matmuls; 0 keeps none (the least memory).
+            ``N · V/tp · itemsize`` or more keeps every block (no recompute, the materialised path's
+            matmul count at a third of its working memory).
 
     Returns:
         logprob [N] float32, or (logprob, entropy) [N] float32. Backward gives d hidden [N, H] in
@@ -197,6 +204,10 @@ def fused_linear_logprobs(
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     n_tokens, n_local = hidden.shape[0], weight.shape[0]
     _check_common(targets, n_tokens, n_local, temperature, vocab_start, vocab_size, tp_group)
+    if keep_bytes < 0:
+        raise ValueError(f"keep_bytes={keep_bytes} must be >= 0 (bytes of block logits kept for backward)")
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        keep_bytes = 0  # no backward will read them
     backend = resolve_impl(impl, hidden.device)
     chunk = block_columns(n_tokens, n_local, chunk_size)
     logprob, entropy = FusedLinearLogprob.apply(
@@ -211,6 +222,7 @@ def fused_linear_logprobs(
         chunk,
         backend,
         reduce_hidden_grad,
+        int(keep_bytes),
     )
     return (logprob, entropy) if with_entropy else logprob
 

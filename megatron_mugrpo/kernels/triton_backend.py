@@ -28,6 +28,8 @@ from megatron_mugrpo.kernels.stats import SoftmaxStats
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when the kernels were decorated under the Triton interpreter (CPU tensors allowed)."""
 
+NEEDS_WORKSPACE = False
+"""The kernels keep float32 values in registers: callers need not lend float32 scratch blocks."""
 MAX_BLOCK_V = 2048
 """Columns per tile: large enough to amortise the per-tile reductions, small enough for registers."""
 STATS_NUM_WARPS = 8
@@ -127,11 +129,11 @@ def update_stats(
     block: torch.Tensor,
     target_cols: torch.Tensor,
     temperature: float,
-    scratch: bool = False,
+    work: torch.Tensor | None = None,
 ) -> None:
     """Fold a [N, Vb] block of real-vocabulary logits into ``stats`` in place (see torch_backend).
 
-    ``scratch`` is accepted for interface parity: the kernel never copies the block anyway.
+    ``work`` is accepted for interface parity: the kernel never copies the block anyway.
     """
     _check_rows(block)
     n, n_cols = block.shape
@@ -163,8 +165,12 @@ def block_grad(
     grad_logprob: torch.Tensor,
     grad_entropy: torch.Tensor | None,
     out: torch.Tensor,
+    work: torch.Tensor | None = None,
 ) -> None:
-    """Write d(loss)/d(logits) of a [N, Vb] block into ``out`` (may alias ``block``; see torch_backend)."""
+    """Write d(loss)/d(logits) of a [N, Vb] block into ``out`` (may alias ``block``; see torch_backend).
+
+    ``work`` is accepted for interface parity and ignored.
+    """
     _check_rows(block)
     _check_rows(out)
     n, n_cols = block.shape

@@ -71,11 +71,13 @@ def logprobs_from_hidden(
     temperature: float,
     vocab_size: int,
     tp_group: dist.ProcessGroup | None,
+    keep_bytes: int = 0,
 ) -> Tensor:
     """The "fused" path: hidden [B, L, H] after the final norm, weight [V/tp, H] → [B, L] float32.
 
     The kernel all-reduces d hidden over TP in backward, the job Megatron's
     ``copy_to_tensor_model_parallel_region`` does in front of the bypassed output layer.
+    ``keep_bytes``: block logits the forward may keep for the backward (``kernels.logits_budget_mib``).
     """
     from megatron_mugrpo.kernels import fused_linear_logprobs
 
@@ -89,6 +91,7 @@ def logprobs_from_hidden(
         vocab_start=start,
         vocab_size=vocab_size,
         tp_group=tp_group,
+        keep_bytes=keep_bytes,
     )
     return flat.view(batch, length)
 

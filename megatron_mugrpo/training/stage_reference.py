@@ -33,6 +33,7 @@ import torch
 
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig, mismatch_metrics
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
 from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.rollout.store import RolloutStore
 
@@ -61,6 +62,8 @@ class ScoreSettings:
     pad_id: int
     chunk_groups: int
     """Groups per ``forward_logprobs`` call (bounds memory like one update's minibatch)."""
+    logits_budget_mib: float = DEFAULT_LOGITS_BUDGET_MIB
+    """``kernels.logits_budget_mib``: with ``impl='auto'`` it decides fused vs unfused per micro-batch."""
 
 
 @dataclass
@@ -103,6 +106,7 @@ def score_groups(policy: Policy, groups: list[RolloutGroup], settings: ScoreSett
             temperature=settings.temperature,
             micro_batch_size=settings.micro_batch_size,
             impl=settings.impl,
+            logits_budget_mib=settings.logits_budget_mib,
         )
         row = 0
         for group in chunk:

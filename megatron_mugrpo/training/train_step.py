@@ -2,7 +2,8 @@
 
     metrics = train_step(policy, batch, loss_name="mu_grpo", loss_options=cfg.algo.loss_options(),
                          temperature=cfg.rollout.temperature,
-                         micro_batch_size=cfg.parallel.micro_batch_size, impl=cfg.kernels.logprob_impl)
+                         micro_batch_size=cfg.parallel.micro_batch_size, impl=cfg.kernels.logprob_impl,
+                         logits_budget_mib=cfg.kernels.logits_budget_mib)
 
 The whole update's ``TrainBatch`` is passed identically to every rank. Each data-parallel rank takes
 a contiguous slice of rows, splits it into micro-batches of ``micro_batch_size`` sequences and runs
@@ -37,6 +38,8 @@ from megatron_mugrpo.algorithms.rollout_correction import (
     corrected_policy_loss,
     correction_inputs,
 )
+from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
+from megatron_mugrpo.kernels.policy import choose_logprob_path
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.logprobs import (
     check_impl,
@@ -108,19 +111,31 @@ def _bare(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _forward_step_func(
-    impl: str, temperature: float, vocab_size: int, groups: ParallelGroups, loss_fn: LossFn
+    impl: str,
+    temperature: float,
+    vocab_size: int,
+    groups: ParallelGroups,
+    loss_fn: LossFn,
+    logits_budget_mib: float = DEFAULT_LOGITS_BUDGET_MIB,
 ) -> Callable[[Any, torch.nn.Module], tuple[Tensor, Callable[[Tensor], Any]]]:
     """The ``forward_step_func`` Megatron's schedules call once per micro-batch.
 
     On the last stage the returned loss function turns the model output into [B, L] log-probs
     (fused: from hidden states and the output weight; unfused: from the logits shard) and hands
-    them to ``loss_fn``. Other stages' outputs are activations sent down the pipeline.
+    them to ``loss_fn``. Other stages' outputs are activations sent down the pipeline. ``impl``
+    "auto" picks the path per micro-batch (``kernels.policy``); ``logits_budget_mib`` is
+    ``kernels.logits_budget_mib``.
     """
     check_impl(impl)
+    budget = int(logits_budget_mib * 2**20)
 
     def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Callable[[Tensor], Any]]:
         mb: TrainBatch = next(data_iterator)
-        if impl == "fused":
+        n_columns = _bare(model).vocab_size // groups.tp  # the padded vocabulary's rows on this TP rank
+        path = choose_logprob_path(
+            impl, n_tokens=mb.tokens.numel(), n_columns=n_columns, device=mb.tokens.device, budget_bytes=budget
+        )
+        if path == "fused":
             with hidden_states_instead_of_logits(_bare(model)) as head:
                 output = model(mb.tokens, _position_ids(mb.tokens), None)
         else:
@@ -131,7 +146,7 @@ def _forward_step_func(
             targets = torch.where(mb.response_mask.bool(), mb.targets, 0)  # pad ids need not be real ids
             kwargs = {"temperature": temperature, "vocab_size": vocab_size, "tp_group": groups.tp_group}
             if head is not None:
-                logprobs = logprobs_from_hidden(model_output, head.weight, targets, **kwargs)
+                logprobs = logprobs_from_hidden(model_output, head.weight, targets, keep_bytes=budget, **kwargs)
             else:
                 logprobs = logprobs_from_logits(model_output, targets, **kwargs)
             return loss_fn(mb, logprobs)
@@ -236,6 +251,7 @@ def train_step(
     micro_batch_size: int,
     impl: str = "fused",
     rollout_correction: RolloutCorrectionConfig | None = None,
+    logits_budget_mib: float = DEFAULT_LOGITS_BUDGET_MIB,
 ) -> dict[str, float]:
     """One optimizer update on ``batch`` (the whole update's rows, identical on every rank).
 
@@ -255,7 +271,14 @@ def train_step(
     groups = policy.groups
     caps = rollout_correction.loss_options() if rollout_correction is not None else {}
     if has_update_pass(loss_name):  # e.g. M2PO's mask over the whole update, before any backward
-        scores = forward_logprobs(policy, batch, temperature=temperature, micro_batch_size=micro_batch_size, impl=impl)
+        scores = forward_logprobs(
+            policy,
+            batch,
+            temperature=temperature,
+            micro_batch_size=micro_batch_size,
+            impl=impl,
+            logits_budget_mib=logits_budget_mib,
+        )
         # The pass sees what the loss will see: under the rollout correction, π_old and w·A.
         anchor, advantages, _ = correction_inputs(
             batch.behaviour_logprobs, batch.advantages, batch.response_mask, old_logprobs=batch.old_logprobs, **caps
@@ -268,7 +291,12 @@ def train_step(
         chunk.zero_grad_buffer()
     policy.optimizer.zero_grad()
     forward_step = _forward_step_func(
-        impl, temperature, policy.vocab_size, groups, _policy_loss_fn(loss_name, loss_options, caps)
+        impl,
+        temperature,
+        policy.vocab_size,
+        groups,
+        _policy_loss_fn(loss_name, loss_options, caps),
+        logits_budget_mib,
     )
     records = _run_schedule(policy, micro_batches, forward_step, forward_only=False)
     update_successful, grad_norm, _ = policy.optimizer.step()
@@ -296,6 +324,7 @@ def forward_logprobs(
     temperature: float,
     micro_batch_size: int,
     impl: str = "fused",
+    logits_budget_mib: float = DEFAULT_LOGITS_BUDGET_MIB,
 ) -> Tensor:
     """Per-token log-probs [B, L] float32 of ``batch.targets`` (0 where the response mask is 0).
 
@@ -306,7 +335,7 @@ def forward_logprobs(
     micro_batches = local_micro_batches(batch, groups, micro_batch_size, sequence_parallel=_sequence_parallel(policy))
     for chunk in policy.model_chunks:
         chunk.eval()
-    forward_step = _forward_step_func(impl, temperature, policy.vocab_size, groups, _logprob_only_fn)
+    forward_step = _forward_step_func(impl, temperature, policy.vocab_size, groups, _logprob_only_fn, logits_budget_mib)
     records = _run_schedule(policy, micro_batches, forward_step, forward_only=True)
     rows = sum(mb.num_sequences for mb in micro_batches)
     length = micro_batches[0].tokens.shape[1]  # sequence parallelism may have padded the columns

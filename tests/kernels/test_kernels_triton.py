@@ -128,3 +128,31 @@ def test_triton_online_softmax_across_tiles(monkeypatch: pytest.MonkeyPatch) -> 
     assert_values_close(logprob, ref["logprob"], torch.float32, ref["zmax"])
     assert_values_close(entropy, ref["entropy"], torch.float32, ref["zmax"])
     assert_grads_close(d_logits, ref["logits"], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_triton_kept_blocks_and_zero_gradient_rows_match_float64(dtype: torch.dtype) -> None:
+    """Kept block logits (gradient written beside them, not over them) and skipped zero-gradient rows."""
+    h, w, g_lp, g_ent = make_case(N, H, PADDED, dtype, seed=7)
+    targets = make_targets(N, VOCAB, seed=7)
+    g_lp[::4] = 0.0
+    g_ent[::4] = 0.0
+    ref = reference_linear(h, w, targets, TEMPERATURE, VOCAB, g_lp, g_ent)
+    logprob, entropy, (d_hidden, d_weight) = _run(
+        fused_linear_logprobs,
+        [h, w],
+        g_lp,
+        g_ent,
+        targets=targets.to(DEVICE),
+        temperature=TEMPERATURE,
+        vocab_start=0,
+        vocab_size=VOCAB,
+        chunk_size=200,
+        impl="triton",
+        keep_bytes=N * 200 * h.element_size(),  # the first of three blocks
+    )
+    assert_values_close(logprob, ref["logprob"], dtype, ref["zmax"])
+    assert_values_close(entropy, ref["entropy"], dtype, ref["zmax"])
+    assert_grads_close(d_hidden, ref["hidden"], dtype)
+    assert_grads_close(d_weight, ref["weight"], dtype)
+    assert torch.count_nonzero(d_hidden[::4]) == 0

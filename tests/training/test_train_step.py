@@ -32,7 +32,9 @@ def _policy(seed: int = 0, **optim: Any) -> Policy:
     return build_policy(hf_config(), groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR, **optim))
 
 
-def _step(policy: Policy, batch: TrainBatch, micro_batch_size: int = 4, impl: str = "fused") -> dict:
+def _step(
+    policy: Policy, batch: TrainBatch, micro_batch_size: int = 4, impl: str = "fused", logits_budget_mib: float = 0
+) -> dict:
     options = AlgoConfig().loss_options()
     return train_step(
         policy,
@@ -42,6 +44,7 @@ def _step(policy: Policy, batch: TrainBatch, micro_batch_size: int = 4, impl: st
         temperature=1.0,
         micro_batch_size=micro_batch_size,
         impl=impl,
+        logits_budget_mib=logits_budget_mib,
     )
 
 
@@ -164,18 +167,23 @@ def _micro_batch_invariance(rank: int, world_size: int) -> None:
 
 
 def _fused_equals_unfused(rank: int, world_size: int) -> None:
+    """Every log-prob policy gives the same update: unfused, fused keeping no / every block's logits,
+    and auto with a budget below (→ fused) and above (→ unfused) the micro-batch's logits."""
     batch = make_batch(2)
     results = []
-    for impl in ("fused", "unfused"):
+    for impl, budget_mib in (("unfused", 0), ("fused", 0), ("fused", 64), ("auto", 0), ("auto", 64)):
         policy = _policy(seed=0)
-        logprobs = forward_logprobs(policy, batch, temperature=0.7, micro_batch_size=4, impl=impl)
-        metrics = _step(policy, batch, impl=impl)
+        logprobs = forward_logprobs(
+            policy, batch, temperature=0.7, micro_batch_size=4, impl=impl, logits_budget_mib=budget_mib
+        )
+        metrics = _step(policy, batch, impl=impl, logits_budget_mib=budget_mib)
         results.append((logprobs, metrics, _params(policy)))
-    (lf, mf, pf), (lu, mu, pu) = results
-    torch.testing.assert_close(lf, lu, atol=ATOL, rtol=0)
-    for key in ("train/loss", "train/grad_norm", "train/rollout_logprob_abs_diff_max"):
-        assert mf[key] == pytest.approx(mu[key], abs=ATOL), key
-    _assert_close(pf, pu)
+    (lu, mu, pu), *others = results
+    for lf, mf, pf in others:
+        torch.testing.assert_close(lf, lu, atol=ATOL, rtol=0)
+        for key in ("train/loss", "train/grad_norm", "train/rollout_logprob_abs_diff_max"):
+            assert mf[key] == pytest.approx(mu[key], abs=ATOL), key
+        _assert_close(pf, pu)
 
 
 def _first_update_gap_is_zero(rank: int, world_size: int) -> None:
