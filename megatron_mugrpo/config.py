@@ -166,6 +166,13 @@ class RolloutConfig:
     """Processes in the verification pool."""
     sglang_mem_fraction: float = 0.7
     """SGLang static memory fraction on GPU."""
+    tensor_parallel: int = 1
+    """Ranks per rollout engine group. The group's first rank hosts one engine (SGLang ``tp_size``), so
+    the world runs world_size / tensor_parallel engines; it must divide the world size and the ranks
+    per node (checked at start-up, see rollout/placement.py)."""
+    cpu_threads: int = 0
+    """torch threads of each engine host on CPU while it generates or evaluates; 0 splits the node's
+    cores evenly among the hosts on it."""
 
     def __post_init__(self) -> None:
         _require(self.engine in ENGINES, f"rollout.engine={self.engine!r} is not one of {ENGINES}")
@@ -180,6 +187,11 @@ class RolloutConfig:
         for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_groups", "reward_workers"):
             _require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         _require(self.reward_timeout_s > 0, f"rollout.reward_timeout_s={self.reward_timeout_s} must be > 0")
+        _require(
+            self.tensor_parallel >= 1,
+            f"rollout.tensor_parallel={self.tensor_parallel} must be >= 1 (ranks per rollout engine group)",
+        )
+        _require(self.cpu_threads >= 0, f"rollout.cpu_threads={self.cpu_threads} must be >= 0 (0: share the cores)")
 
 
 @dataclass(kw_only=True)
