@@ -367,9 +367,14 @@ class EvalConfig:
     benchmarks: list[BenchmarkConfig] = field(default_factory=list)
     temperature: float = 1.0
     max_new_tokens: int = 512
+    chunk_problems: int = 32
+    """Problems per unit of evaluation work (one engine call with its own derived seed). Chunks are
+    spread over the engine hosts; smaller ones spread a small benchmark over more engines, larger ones
+    give each engine bigger batches. Results do not depend on the engine count."""
 
     def __post_init__(self) -> None:
         _require(self.every_updates >= 0, f"eval.every_updates={self.every_updates} must be >= 0")
+        _require(self.chunk_problems >= 1, f"eval.chunk_problems={self.chunk_problems} must be >= 1")
         _require(self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")
 
 

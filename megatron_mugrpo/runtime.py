@@ -3,8 +3,11 @@
 ``open_run`` builds, in order: the process groups, the base Hugging Face model (the user's, or the
 demo's locally built and warm-started one), the Megatron policy with its optimizer, the weights
 (from the latest checkpoint when resuming, else from the Hugging Face directory), the prompts,
-benchmarks, verifier and metrics logger. The rollout engine is created lazily on rank 0 at the
-first weight sync and lives for the whole run (released between phases).
+benchmarks, verifier and metrics logger, and places the rollout engines: every rank belongs to an
+engine group of ``rollout.tensor_parallel`` ranks whose first rank hosts one engine (see
+``rollout/placement.py``). Each host's engine is created at the first weight sync and lives for the
+whole run, released between phases; every host generates, evaluates and scores rewards with its
+own verifier pool.
 
 Run directory layout::
 
@@ -17,8 +20,11 @@ Run directory layout::
 
 from __future__ import annotations
 
+import logging
 import random
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +37,14 @@ from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.metrics import MetricsLogger, Timer
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
+from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
-from megatron_mugrpo.training.checkpoint import TrainerState, latest_checkpoint, load_checkpoint
+from megatron_mugrpo.training.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, step_dir_name
 from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy, resolve_dtype
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 
@@ -55,6 +64,8 @@ class Run:
     hf_config: dict[str, Any]
     tokenizer: Any
     groups: ParallelGroups
+    hosts: HostGroup
+    """This rank's place among the rollout engine groups, and the group the hosts coordinate on."""
     policy: Policy
     state: TrainerState
     prompts: list[PromptRecord]
@@ -63,7 +74,7 @@ class Run:
     logger: MetricsLogger
     timer: Timer
     engine: RolloutEngine | None = None
-    """Rank 0's rollout engine (None elsewhere, and before the first weight sync)."""
+    """This rank's rollout engine when it hosts one (None elsewhere, and before the first weight sync)."""
     resumed_from: Path | None = None
     extra_timers: dict[str, float] = field(default_factory=dict)
     """perf/ seconds accumulated by earlier processes of this run (restored from the checkpoint)."""
@@ -72,8 +83,12 @@ class Run:
 
     @property
     def is_writer(self) -> bool:
-        """Rank 0 owns the rollout engine, the rollout store and the console."""
+        """Rank 0 seals the rollout stores, writes metrics and checkpoints' metadata, owns the console."""
         return self.groups.rank == 0
+
+    @property
+    def placement(self) -> EnginePlacement:
+        return self.hosts.placement
 
     def rollout_dir(self, stage: int) -> Path:
         return self.run_dir / "rollouts" / f"stage_{stage:03d}"
@@ -114,6 +129,10 @@ def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | 
     """Build this rank's Run. ``resume`` loads the latest checkpoint (or ``checkpoint``) when one exists."""
     set_determinism(cfg)
     groups = initialize_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.seed)
+    placement = EnginePlacement.from_env(
+        tensor_parallel=cfg.rollout.tensor_parallel, cpu_threads=cfg.rollout.cpu_threads
+    )
+    hosts = HostGroup.create(placement)
     if groups.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (run_dir / CONFIG_FILE).exists():
@@ -169,6 +188,7 @@ def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | 
         hf_config=hf_config,
         tokenizer=tokenizer,
         groups=groups,
+        hosts=hosts,
         policy=policy,
         state=state,
         prompts=prompts,
@@ -207,22 +227,83 @@ def _initial_weights(
     return TrainerState(), None
 
 
-def sync_engine(run: Run) -> None:
-    """Push the current policy weights to rank 0's rollout engine (built on first use).
+def sync_engine(run: Run) -> dict[str, float]:
+    """Push the current policy weights to every engine host's engine (each built on first use).
 
-    Every model-parallel rank iterates ``export_hf`` (its tensors are gathered collectively); only
-    rank 0 hands them to the engine. Weights travel in memory, never through disk.
+    ``export_hf`` is collective within each model-parallel group and yields full Hugging Face
+    tensors on every rank; each host hands them to its engine in memory (SGLang: in buckets through
+    ``update_weights_from_tensor``), the other ranks drain them. Returns, and logs, rank 0's
+    ``perf/weight_sync_s`` and ``perf/weight_sync_gb_per_s`` (export + load, bytes as exported).
     """
     from conversion import export_hf
 
+    started = time.perf_counter()
     tensors = export_hf(run.policy.unwrapped(), run.hf_config)
-    if not run.is_writer:
+    if not run.placement.is_host:
         for _ in tensors:
             pass
-        return
+        return {}
     if run.engine is None:
-        run.engine = build_engine_from_config(run.cfg.rollout, str(run.hf_dir), seed=run.cfg.seed)
-    run.engine.load_weights(tensors)
+        run.engine = build_engine_from_config(
+            run.cfg.rollout, str(run.hf_dir), seed=run.cfg.seed, placement=run.placement
+        )
+    counted = _CountedBytes(tensors)
+    run.engine.load_weights(counted)
+    seconds = time.perf_counter() - started
+    metrics = {"perf/weight_sync_s": seconds, "perf/weight_sync_gb_per_s": counted.bytes / 1e9 / max(seconds, 1e-9)}
+    run.logger.log(metrics, step=run.state.global_update)
+    return metrics
+
+
+class _CountedBytes:
+    """Passes (name, tensor) pairs through, adding up their bytes."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]]):
+        self.tensors, self.bytes = tensors, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.tensors:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def release_engine(run: Run) -> None:
+    """Free this host's engine memory for the optimizer phase (the next sync brings the weights back)."""
+    if run.engine is not None:
+        run.engine.release()
+
+
+@contextmanager
+def behaviour_policy(run: Run, version: int) -> Iterator[None]:
+    """Inside the block the policy holds the weights of update ``version``.
+
+    That is the current policy, except when a rollout store made by an older policy must be
+    completed: a damaged shard of the stage a run resumed in the middle of, or ``mugrpo generate
+    --stage K`` for a stage trained past. Its missing shards must come from the policy that made
+    the others, so its weights are loaded from that update's checkpoint (the base model for update
+    0), and the trainer's state is reloaded afterwards from the checkpoint this process resumed from.
+    """
+    if version == run.state.global_update:
+        yield
+        return
+    step_dir = run.checkpoint_root / step_dir_name(version)
+    if run.resumed_from is None or not (step_dir.is_dir() or version == 0):
+        raise RunError(
+            f"a rollout store of this run was generated by the policy of update {version}, and completing it needs "
+            f"that policy, but {step_dir} does not exist (checkpoint.keep_last pruned it?). Delete the stage's "
+            "directory under rollouts/ to generate the stage afresh with the current policy"
+        )
+    log.warning("loading the policy of update %d (%s) to complete its rollout store", version, step_dir)
+    if step_dir.is_dir():
+        load_checkpoint(step_dir, run.policy.model_chunks, load_rng=False)
+    else:
+        from conversion import load_hf_into_model
+
+        load_hf_into_model(run.policy.unwrapped(), run.hf_dir)
+    try:
+        yield
+    finally:
+        load_checkpoint(run.resumed_from, run.policy.model_chunks, run.policy.optimizer, run.policy.scheduler)
 
 
 def stage_prompts(prompts: list[PromptRecord], stage: int, count: int, seed: int) -> list[PromptRecord]:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from megatron_mugrpo.config import RolloutConfig
+    from megatron_mugrpo.rollout.placement import EnginePlacement
 
 FINISH_REASONS = ("stop", "length")
 """'stop': the response ends with a sampled EOS token; 'length': it hit max_new_tokens."""
@@ -208,18 +209,36 @@ def build_engine(name: str, hf_dir: str, **kwargs: Any) -> RolloutEngine:
     return factory(hf_dir, **kwargs)
 
 
-def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0) -> dict[str, Any]:
-    """Engine construction knobs taken from the rollout config, per engine."""
+def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0, placement: EnginePlacement | None = None) -> dict[str, Any]:
+    """Engine construction knobs taken from the rollout config, per engine.
+
+    With a ``placement`` (this rank hosts an engine group), SGLang runs ``tp_size`` workers from the
+    host's local GPU (``base_gpu_id``) and each engine gets its own sampling seed.
+    """
     if rollout.engine == "transformers":
         return {"batch_size": rollout.batch_size}
     if rollout.engine == "sglang":
-        return {"mem_fraction_static": rollout.sglang_mem_fraction, "seed": seed}
+        kwargs: dict[str, Any] = {"mem_fraction_static": rollout.sglang_mem_fraction, "seed": seed}
+        if placement is not None:
+            kwargs |= {
+                "tp_size": placement.tensor_parallel,
+                "base_gpu_id": placement.base_gpu_id,
+                "seed": seed + placement.engine_index,
+            }
+        return kwargs
     return {}
 
 
-def build_engine_from_config(rollout: RolloutConfig, hf_dir: str, *, seed: int = 0, **overrides: Any) -> RolloutEngine:
+def build_engine_from_config(
+    rollout: RolloutConfig,
+    hf_dir: str,
+    *,
+    seed: int = 0,
+    placement: EnginePlacement | None = None,
+    **overrides: Any,
+) -> RolloutEngine:
     """``build_engine(rollout.engine, hf_dir, ...)`` with the config's knobs (overrides win)."""
-    return build_engine(rollout.engine, hf_dir, **(engine_kwargs(rollout, seed=seed) | overrides))
+    return build_engine(rollout.engine, hf_dir, **(engine_kwargs(rollout, seed=seed, placement=placement) | overrides))
 
 
 def sampling_params(rollout: RolloutConfig, *, seed: int) -> SamplingParams:

@@ -15,9 +15,11 @@ from megatron_mugrpo.rollout.engine import (
     SamplingParams,
     build_engine,
     build_engine_from_config,
+    engine_kwargs,
     sampling_params,
     validate_generations,
 )
+from megatron_mugrpo.rollout.placement import EnginePlacement
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, teacher_forced_logprobs
 
 LOGPROB_TOLERANCE = 1e-5
@@ -249,3 +251,17 @@ def test_sglang_output_parsing_without_sglang():
     _check_ok((True, "ok", 0), "update")
     with pytest.raises(RuntimeError, match="bad shapes"):
         _check_ok((False, "bad shapes"), "update_weights_from_disk")
+
+
+def test_sglang_engine_is_placed_on_its_groups_first_gpu():
+    """Engine group 1 of TP 2 on a 4-GPU node: its host (rank 2) runs SGLang from local GPU 2 with
+    tp_size 2 and a sampling seed of its own; the transformers engine needs no placement knobs."""
+    placement = EnginePlacement(rank=2, world_size=4, local_rank=2, local_world_size=4, tensor_parallel=2, cores=8)
+    cfg = RolloutConfig(engine="sglang", tensor_parallel=2, sglang_mem_fraction=0.6)
+    assert engine_kwargs(cfg, seed=10, placement=placement) == {
+        "mem_fraction_static": 0.6,
+        "seed": 11,
+        "tp_size": 2,
+        "base_gpu_id": 2,
+    }
+    assert engine_kwargs(RolloutConfig(batch_size=3), seed=10, placement=placement) == {"batch_size": 3}
