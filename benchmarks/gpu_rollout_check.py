@@ -169,6 +169,7 @@ def main() -> int:
     from megatron_mugrpo.records import collate
     from megatron_mugrpo.rollout.engine import SamplingParams, build_engine_from_config
     from megatron_mugrpo.rollout.placement import EnginePlacement
+    from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
     from megatron_mugrpo.training.parallel import initialize_parallel
     from megatron_mugrpo.training.setup import build_policy
     from megatron_mugrpo.training.train_step import train_step
@@ -189,7 +190,7 @@ def main() -> int:
         print(f"placement: engine {placement.engine_index} on base_gpu_id={placement.base_gpu_id} tp_size=1")
         free_start = free_gib()
         engine = build_engine_from_config(
-            RolloutConfig(engine="sglang", sglang_mem_fraction=args.mem_fraction),
+            RolloutConfig(engine="sglang", sglang=SGLangEngineConfig(mem_fraction_static=args.mem_fraction)),
             str(model_dir),
             seed=0,
             placement=placement,

@@ -97,7 +97,6 @@ def engine_process(rank: int, world: int, port: int, model_dir: str, store_dir: 
         group_size=args.group_size,
         max_new_tokens=args.max_new_tokens,
         shard_groups=args.shard_groups,
-        batch_size=256,
         reward_workers=1,
     )
     hosts.barrier()

@@ -20,7 +20,9 @@ Engines are built by name through a small registry (``build_engine``); the heavy
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -200,33 +202,38 @@ def available_engines() -> tuple[str, ...]:
 
 def build_engine(name: str, hf_dir: str, **kwargs: Any) -> RolloutEngine:
     """Build the engine registered as ``name`` on the Hugging Face directory ``hf_dir``."""
+    return engine_factory(name)(hf_dir, **kwargs)
+
+
+def engine_factory(name: str) -> EngineFactory:
+    """The factory registered as ``name`` (imported on first use)."""
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; choose one of {available_engines()} (rollout.engine)")
     factory = _ENGINES[name]
     if isinstance(factory, str):
         module_name, attr = factory.split(":")
         factory = getattr(importlib.import_module(module_name), attr)
-    return factory(hf_dir, **kwargs)
+        _ENGINES[name] = factory
+    return factory
 
 
 def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0, placement: EnginePlacement | None = None) -> dict[str, Any]:
-    """Engine construction knobs taken from the rollout config, per engine.
+    """Constructor keywords of the configured engine: its own section ``rollout.<engine>.*``, plus the
+    run seed for an engine that seeds its sampler at construction (SGLang's ``random_seed``; the
+    transformers engine takes a seed with every call instead).
 
-    With a ``placement`` (this rank hosts an engine group), SGLang runs ``tp_size`` workers from the
-    host's local GPU (``base_gpu_id``) and each engine gets its own sampling seed.
+    With a ``placement`` (this rank hosts an engine group), an engine that takes them gets the group's
+    layout: ``tp_size`` workers from the host's local GPU ``base_gpu_id`` (SGLang), and a seed of its
+    own per engine so that engines do not draw the same random stream.
     """
-    if rollout.engine == "transformers":
-        return {"batch_size": rollout.batch_size}
-    if rollout.engine == "sglang":
-        kwargs: dict[str, Any] = {"mem_fraction_static": rollout.sglang_mem_fraction, "seed": seed}
-        if placement is not None:
-            kwargs |= {
-                "tp_size": placement.tensor_parallel,
-                "base_gpu_id": placement.base_gpu_id,
-                "seed": seed + placement.engine_index,
-            }
-        return kwargs
-    return {}
+    kwargs = dataclasses.asdict(getattr(rollout, rollout.engine))
+    accepted = inspect.signature(engine_factory(rollout.engine)).parameters
+    if "seed" in accepted:
+        kwargs["seed"] = seed + (placement.engine_index if placement is not None else 0)
+    if placement is not None:
+        layout = {"tp_size": placement.tensor_parallel, "base_gpu_id": placement.base_gpu_id}
+        kwargs |= {key: value for key, value in layout.items() if key in accepted}
+    return kwargs
 
 
 def build_engine_from_config(

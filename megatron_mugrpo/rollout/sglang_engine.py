@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_mugrpo.errors import MissingInputError
+from megatron_mugrpo.errors import MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
     ProgressCallback,
@@ -39,6 +40,22 @@ WEIGHT_BUCKET_BYTES = 512 * 1024**2
 """Tensors sent per ``update_weights_from_tensor`` call: bounds the serialised copy in flight."""
 REQUEST_CHUNK = 4096
 """Rows submitted per ``generate`` call: SGLang batches them internally; the chunk paces progress."""
+
+
+@dataclass(kw_only=True)
+class SGLangEngineConfig:
+    """``rollout.sglang.*``: knobs of the SGLang engine (GPU)."""
+
+    mem_fraction_static: float = 0.7
+    """GPU memory fraction SGLang takes for weights + KV cache."""
+    enable_memory_saver: bool = True
+    """Let ``release()`` hand the GPU memory back for the optimizer phase (needs torch_memory_saver)."""
+
+    def __post_init__(self) -> None:
+        require(
+            0.0 < self.mem_fraction_static < 1.0,
+            f"rollout.sglang.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)",
+        )
 
 
 class SGLangNotInstalledError(ImportError):
@@ -59,9 +76,10 @@ class SGLangEngine:
 
     Args:
         hf_dir: local Hugging Face directory (config.json, weights, tokenizer).
-        mem_fraction_static: GPU memory fraction for weights + KV cache (rollout.sglang_mem_fraction).
+        mem_fraction_static: GPU memory fraction for weights + KV cache (rollout.sglang.mem_fraction_static).
         seed: SGLang's ``random_seed``.
-        tp_size: SGLang tensor parallelism.
+        tp_size: SGLang tensor parallelism (rollout.tensor_parallel: the ranks of this engine's group).
+        base_gpu_id: first local GPU of the engine's workers (its host rank's GPU; they use tp_size GPUs).
         dtype: 'auto', 'bfloat16', 'float16' or 'float32'.
         enable_memory_saver: let ``release()`` free GPU memory (needs the ``torch_memory_saver``
             package SGLang uses); when False, release() only flushes the KV cache.
@@ -77,6 +95,7 @@ class SGLangEngine:
         mem_fraction_static: float = 0.7,
         seed: int = 0,
         tp_size: int = 1,
+        base_gpu_id: int = 0,
         dtype: str = "auto",
         enable_memory_saver: bool = True,
         **server_kwargs: Any,
@@ -90,6 +109,7 @@ class SGLangEngine:
             mem_fraction_static=mem_fraction_static,
             random_seed=seed,
             tp_size=tp_size,
+            base_gpu_id=base_gpu_id,
             dtype=dtype,
             enable_memory_saver=enable_memory_saver,
             **server_kwargs,

@@ -20,7 +20,12 @@ from megatron_mugrpo.rollout.engine import (
     validate_generations,
 )
 from megatron_mugrpo.rollout.placement import EnginePlacement
-from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, teacher_forced_logprobs
+from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
+from megatron_mugrpo.rollout.transformers_engine import (
+    TransformersEngine,
+    TransformersEngineConfig,
+    teacher_forced_logprobs,
+)
 
 LOGPROB_TOLERANCE = 1e-5
 """float32 engine log-probs vs one unpadded forward pass per sequence (measured ≈ 5e-7)."""
@@ -194,7 +199,7 @@ def test_bad_engine_output_rejected(generation, message):
 def test_registry_builds_engines(model_dirs):
     engine = build_engine("transformers", model_dirs[0], dtype="float32", batch_size=2)
     assert isinstance(engine, RolloutEngine) and isinstance(engine, TransformersEngine)
-    cfg = RolloutConfig(batch_size=5, temperature=0.5, max_new_tokens=7)
+    cfg = RolloutConfig(transformers=TransformersEngineConfig(batch_size=5), temperature=0.5, max_new_tokens=7)
     assert build_engine_from_config(cfg, model_dirs[0], dtype="float32").batch_size == 5
     assert sampling_params(cfg, seed=4) == SamplingParams(temperature=0.5, max_new_tokens=7, seed=4)
     with pytest.raises(ValueError, match="unknown rollout engine"):
@@ -257,11 +262,13 @@ def test_sglang_engine_is_placed_on_its_groups_first_gpu():
     """Engine group 1 of TP 2 on a 4-GPU node: its host (rank 2) runs SGLang from local GPU 2 with
     tp_size 2 and a sampling seed of its own; the transformers engine needs no placement knobs."""
     placement = EnginePlacement(rank=2, world_size=4, local_rank=2, local_world_size=4, tensor_parallel=2, cores=8)
-    cfg = RolloutConfig(engine="sglang", tensor_parallel=2, sglang_mem_fraction=0.6)
+    cfg = RolloutConfig(engine="sglang", tensor_parallel=2, sglang=SGLangEngineConfig(mem_fraction_static=0.6))
     assert engine_kwargs(cfg, seed=10, placement=placement) == {
         "mem_fraction_static": 0.6,
+        "enable_memory_saver": True,
         "seed": 11,
         "tp_size": 2,
         "base_gpu_id": 2,
     }
-    assert engine_kwargs(RolloutConfig(batch_size=3), seed=10, placement=placement) == {"batch_size": 3}
+    cfg = RolloutConfig(transformers=TransformersEngineConfig(batch_size=3))
+    assert engine_kwargs(cfg, seed=10, placement=placement) == {"batch_size": 3}
