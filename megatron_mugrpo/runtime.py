@@ -15,6 +15,7 @@ Run directory layout::
     RUN_DIR/base_model/          the demo's built model (absent with model.hf_dir)
     RUN_DIR/rollouts/stage_K/    rollout dataset D_k (sharded, checksummed manifest)
     RUN_DIR/checkpoints/         step_XXXXXXXX/ directories and the `latest` pointer
+    RUN_DIR/behaviour_policy/    engine_E/: engine E's quantized checkpoint (rollout.quantization with SGLang only)
     RUN_DIR/metrics.jsonl, RUN_DIR/tensorboard/, RUN_DIR/report/
 """
 
@@ -39,6 +40,7 @@ from megatron_mugrpo.metrics import MetricsLogger, Timer
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
+from megatron_mugrpo.rollout.quantization import behaviour_quantizer, load_behaviour_policy
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training.checkpoint import latest_checkpoint, load_checkpoint, step_dir_name
@@ -236,6 +238,8 @@ def sync_engine(run: Run) -> dict[str, float]:
     tensors on every rank; each host hands them to its engine in memory (SGLang: in buckets through
     ``update_weights_from_tensor``), the other ranks drain them. Returns, and logs, rank 0's
     ``perf/weight_sync_s`` and ``perf/weight_sync_gb_per_s`` (export + load, bytes as exported).
+    With ``rollout.quantization`` the hosts load the quantized behaviour policy instead (SGLang
+    through a quantized checkpoint in RUN_DIR/behaviour_policy/engine_E; see ``rollout.quantization``).
     """
     from conversion import export_hf
 
@@ -245,12 +249,17 @@ def sync_engine(run: Run) -> dict[str, float]:
         for _ in tensors:
             pass
         return {}
-    if run.engine is None:
-        run.engine = build_engine_from_config(
-            run.cfg.rollout, str(run.hf_dir), seed=run.cfg.seed, placement=run.placement
-        )
-    counted = _CountedBytes(tensors)
-    run.engine.load_weights(counted)
+    cfg, counted = run.cfg, _CountedBytes(tensors)
+    calibration = stage_prompts(run.prompts, run.state.stage, cfg.stages.train_groups, cfg.data.seed)
+    export_dir = run.run_dir / "behaviour_policy" / f"engine_{run.placement.engine_index:03d}"  # one per host
+    run.engine = load_behaviour_policy(
+        run.engine,
+        counted,
+        engine_name=cfg.rollout.engine,
+        hf_dir=run.hf_dir,
+        build=lambda hf_dir: build_engine_from_config(cfg.rollout, hf_dir, seed=cfg.seed, placement=run.placement),
+        quantizer=behaviour_quantizer(cfg.rollout, calibration, export_dir),
+    )
     seconds = time.perf_counter() - started
     metrics = {"perf/weight_sync_s": seconds, "perf/weight_sync_gb_per_s": counted.bytes / 1e9 / max(seconds, 1e-9)}
     run.logger.log(metrics, step=run.state.global_update)
