@@ -2,7 +2,7 @@
 
     mugrpo train --config configs/demo_cpu.yaml --run-dir runs/demo [section.key=value ...]
     mugrpo train --resume runs/demo
-    mugrpo generate --run-dir runs/demo --stage 1          # phase 1 of one stage only
+    mugrpo generate --run-dir runs/demo --stage 1          # phase 1 of one stage only (also under torchrun)
     mugrpo optimize --run-dir runs/demo --stage 1          # phase 2 only, on the stored D_1
     mugrpo eval --run-dir runs/demo [--checkpoint STEP_DIR]
     mugrpo report runs/mu_grpo runs/grpo --out reports/cmp
@@ -191,7 +191,8 @@ def cmd_phase(args: argparse.Namespace) -> int:
     try:
         if args.verb == "generate":
             stages.rollout_phase(run, args.stage)
-            print(f"rollout dataset complete: {run.rollout_dir(args.stage)}")
+            if run.is_writer:
+                print(f"rollout dataset complete: {run.rollout_dir(args.stage)}")
             return 0
         if not is_complete(run.rollout_dir(args.stage)):
             raise _UsageError(

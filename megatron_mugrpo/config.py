@@ -156,6 +156,13 @@ class RolloutConfig:
     """Wall-clock bound on verifying one answer; a timeout scores 0 with reason 'timeout'."""
     reward_workers: int = 2
     """Processes in the verification pool."""
+    tensor_parallel: int = 1
+    """Ranks per rollout engine group. The group's first rank hosts one engine (SGLang ``tp_size``), so
+    the world runs world_size / tensor_parallel engines; it must divide the world size and the ranks
+    per node (checked at start-up, see rollout/placement.py)."""
+    cpu_threads: int = 0
+    """torch threads of each engine host on CPU while it generates or evaluates; 0 splits the node's
+    cores evenly among the hosts on it."""
     quantization: str = "none"
     """Behaviour policy precision: 'none' (the trainer's weights as they are), 'fp8', 'fp8_per_channel'
     or 'nvfp4' (GPU only), quantized with NVIDIA Model Optimizer each stage (rollout.quantization module)."""
@@ -181,6 +188,11 @@ class RolloutConfig:
             self.quantization in available_schemes(),
             f"rollout.quantization={self.quantization!r} is unknown; choose one of {available_schemes()}",
         )
+        require(
+            self.tensor_parallel >= 1,
+            f"rollout.tensor_parallel={self.tensor_parallel} must be >= 1 (ranks per rollout engine group)",
+        )
+        require(self.cpu_threads >= 0, f"rollout.cpu_threads={self.cpu_threads} must be >= 0 (0: share the cores)")
 
 
 @dataclass(kw_only=True)
@@ -336,9 +348,14 @@ class EvalConfig:
     benchmarks: list[BenchmarkConfig] = field(default_factory=list)
     temperature: float = 1.0
     max_new_tokens: int = 512
+    chunk_problems: int = 32
+    """Problems per unit of evaluation work (one engine call with its own derived seed). Chunks are
+    spread over the engine hosts; smaller ones spread a small benchmark over more engines, larger ones
+    give each engine bigger batches. Results do not depend on the engine count."""
 
     def __post_init__(self) -> None:
         require(self.every_updates >= 0, f"eval.every_updates={self.every_updates} must be >= 0")
+        require(self.chunk_problems >= 1, f"eval.chunk_problems={self.chunk_problems} must be >= 1")
         require(self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")
 
 

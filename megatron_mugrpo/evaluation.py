@@ -1,10 +1,15 @@
-"""Held-out evaluation: pass@1 averaged over k samples per problem.
+"""Held-out evaluation: pass@1 averaged over k samples per problem, spread over every engine host.
 
 For each benchmark, every problem is sampled k times at the evaluation temperature and scored by
 the same verifier as training; pass@1 is the mean reward over the k samples, averaged over
 problems (the paper: k = 16 for AIME, 4 for AMC and MATH-500). Results are logged as
 ``eval/<benchmark>/pass@1`` and ``eval/avg_pass@1`` (the average over benchmarks, used to pick
 the best checkpoint).
+
+The work is cut into fixed chunks of ``eval.chunk_problems`` problems, each sampled with a seed
+derived from (seed, benchmark, chunk); hosts take chunks round-robin, score them with their own
+reward pool, and rank 0 gathers the per-problem rewards. The result does not depend on how many
+engines took part (bitwise with the seeded transformers engine on CPU at equal threads per engine).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import dataclass
 
 from megatron_mugrpo.config import BenchmarkConfig, EvalConfig
 from megatron_mugrpo.rollout.engine import RolloutEngine, SamplingParams
+from megatron_mugrpo.rollout.generate import derive_seed
+from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.rewards import RewardFn
 
@@ -28,6 +35,24 @@ class Benchmark:
     problems: list[PromptRecord]
 
 
+@dataclass(frozen=True)
+class EvalChunk:
+    """A unit of evaluation work: problems [start, stop) of benchmark ``bench``."""
+
+    bench: int
+    start: int
+    stop: int
+
+
+@dataclass(kw_only=True)
+class ChunkResult:
+    """What a host sends rank 0 for one chunk: rewards per problem (k each) and response lengths."""
+
+    chunk: EvalChunk
+    rewards: list[list[float]]
+    lengths: list[int]
+
+
 def pass_at_1(rewards_per_problem: Sequence[Sequence[float]]) -> float:
     """Mean over problems of the mean reward of that problem's samples."""
     if not rewards_per_problem:
@@ -35,49 +60,86 @@ def pass_at_1(rewards_per_problem: Sequence[Sequence[float]]) -> float:
     return sum(sum(r) / len(r) for r in rewards_per_problem) / len(rewards_per_problem)
 
 
-def evaluate_benchmark(
+def eval_chunks(benchmarks: Sequence[Benchmark], chunk_problems: int) -> list[EvalChunk]:
+    """Every benchmark's problems in consecutive chunks of ``chunk_problems`` (the last may be shorter)."""
+    return [
+        EvalChunk(b, start, min(start + chunk_problems, len(bench.problems)))
+        for b, bench in enumerate(benchmarks)
+        for start in range(0, len(bench.problems), chunk_problems)
+    ]
+
+
+def evaluate_chunk(
     engine: RolloutEngine,
     bench: Benchmark,
+    chunk: EvalChunk,
     *,
     tokenizer,
     reward_fn: RewardFn,
     eval_cfg: EvalConfig,
     seed: int,
-) -> dict[str, float]:
-    """pass@1 and mean response length of one benchmark under the engine's current weights."""
-    params = SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature, seed=seed)
-    generations = engine.generate([p.prompt_ids for p in bench.problems], bench.config.k, params)
+) -> ChunkResult:
+    """Sample k responses for each problem of ``chunk`` and score them."""
+    params = SamplingParams(
+        max_new_tokens=eval_cfg.max_new_tokens,
+        temperature=eval_cfg.temperature,
+        seed=derive_seed(seed, chunk.bench, chunk.start),
+    )
+    problems = bench.problems[chunk.start : chunk.stop]
+    k = bench.config.k
+    generations = engine.generate([p.prompt_ids for p in problems], k, params)
     texts, answers, lengths = [], [], []
-    for problem, gens in zip(bench.problems, generations, strict=True):
+    for problem, gens in zip(problems, generations, strict=True):
         for gen in gens:
             texts.append(tokenizer.decode(gen.response_ids, skip_special_tokens=True))
             answers.append(problem.answer)
             lengths.append(len(gen.response_ids))
     scores = [reward for reward, _ in reward_fn.score(texts, answers)]
-    k = bench.config.k
-    per_problem = [scores[i * k : (i + 1) * k] for i in range(len(bench.problems))]
-    name = bench.config.name
-    return {
-        f"eval/{name}/pass@1": pass_at_1(per_problem),
-        f"eval/{name}/response_len_mean": sum(lengths) / len(lengths),
-    }
+    rewards = [scores[i * k : (i + 1) * k] for i in range(len(problems))]
+    return ChunkResult(chunk=chunk, rewards=rewards, lengths=lengths)
 
 
 def evaluate(
-    engine: RolloutEngine,
+    engine: RolloutEngine | None,
     benchmarks: Sequence[Benchmark],
     *,
     tokenizer,
     reward_fn: RewardFn,
     eval_cfg: EvalConfig,
     seed: int,
+    hosts: HostGroup | None = None,
 ) -> dict[str, float]:
-    """Every benchmark's metrics plus ``eval/avg_pass@1``; empty when there are no benchmarks."""
+    """Every benchmark's metrics plus ``eval/avg_pass@1`` on rank 0 (``{}`` elsewhere and without
+    benchmarks). Collective over ``hosts``: hosts pass their engine, other ranks ``engine=None``."""
+    hosts = hosts or HostGroup(EnginePlacement.single())
+    placement = hosts.placement
+    results: list[ChunkResult] = []
+    if placement.is_host and engine is not None:
+        chunks = eval_chunks(benchmarks, eval_cfg.chunk_problems)[placement.engine_index :: placement.num_engines]
+        results = [
+            evaluate_chunk(
+                engine, benchmarks[c.bench], c, tokenizer=tokenizer, reward_fn=reward_fn, eval_cfg=eval_cfg, seed=seed
+            )
+            for c in chunks
+        ]
+    gathered = hosts.gather(results)
+    if gathered is None or not benchmarks:
+        return {}
+    return benchmark_metrics(benchmarks, [r for per_rank in gathered for r in per_rank])
+
+
+def benchmark_metrics(benchmarks: Sequence[Benchmark], results: Sequence[ChunkResult]) -> dict[str, float]:
+    """pass@1 and mean response length per benchmark, and their average pass@1, from every chunk."""
+    ordered = sorted(results, key=lambda r: (r.chunk.bench, r.chunk.start))
     metrics: dict[str, float] = {}
-    for index, bench in enumerate(benchmarks):
-        metrics |= evaluate_benchmark(
-            engine, bench, tokenizer=tokenizer, reward_fn=reward_fn, eval_cfg=eval_cfg, seed=seed + index
-        )
-    if benchmarks:
-        metrics[AVG_KEY] = sum(metrics[f"eval/{b.config.name}/pass@1"] for b in benchmarks) / len(benchmarks)
+    for b, bench in enumerate(benchmarks):
+        mine = [r for r in ordered if r.chunk.bench == b]
+        rewards = [problem for r in mine for problem in r.rewards]
+        lengths = [n for r in mine for n in r.lengths]
+        if len(rewards) != len(bench.problems):
+            raise RuntimeError(f"evaluation of {bench.config.name!r} returned {len(rewards)} of {len(bench.problems)}")
+        name = bench.config.name
+        metrics[f"eval/{name}/pass@1"] = pass_at_1(rewards)
+        metrics[f"eval/{name}/response_len_mean"] = sum(lengths) / len(lengths)
+    metrics[AVG_KEY] = sum(metrics[f"eval/{b.config.name}/pass@1"] for b in benchmarks) / len(benchmarks)
     return metrics

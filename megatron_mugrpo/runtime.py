@@ -3,8 +3,11 @@
 ``open_run`` builds, in order: the process groups, the base Hugging Face model (the user's, or the
 demo's locally built and warm-started one), the Megatron policy with its optimizer, the weights
 (from the latest checkpoint when resuming, else from the Hugging Face directory), the prompts,
-benchmarks, verifier and metrics logger. The rollout engine is created lazily on rank 0 at the
-first weight sync and lives for the whole run (released between phases).
+benchmarks, verifier and metrics logger, and places the rollout engines: every rank belongs to an
+engine group of ``rollout.tensor_parallel`` ranks whose first rank hosts one engine (see
+``rollout/placement.py``). Each host's engine is created at the first weight sync and lives for the
+whole run, released between phases; every host generates, evaluates and scores rewards with its
+own verifier pool.
 
 Run directory layout (its guarantees, lock and config written last, are in ``rundir.py``)::
 
@@ -15,14 +18,17 @@ Run directory layout (its guarantees, lock and config written last, are in ``run
     RUN_DIR/base_model/          the demo's built model (absent with model.hf_dir)
     RUN_DIR/rollouts/stage_K/    rollout dataset D_k (sharded, checksummed manifest)
     RUN_DIR/checkpoints/         step_XXXXXXXX/ directories and the `latest` pointer
-    RUN_DIR/behaviour_policy/    the stage's quantized checkpoint (rollout.quantization with SGLang only)
+    RUN_DIR/behaviour_policy/    engine_E/: engine E's quantized checkpoint (rollout.quantization with SGLang only)
     RUN_DIR/metrics.jsonl, RUN_DIR/tensorboard/, RUN_DIR/report/
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,7 @@ from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.metrics import TENSORBOARD_DIR, MetricsLogger, Timer
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
+from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
 from megatron_mugrpo.rollout.quantization import behaviour_quantizer, load_behaviour_policy
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
@@ -46,9 +53,12 @@ from megatron_mugrpo.training.checkpoint import (
     load_checkpoint,
     load_latest_intact,
     read_metadata,
+    step_dir_name,
 )
 from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy, resolve_dtype
+
+log = logging.getLogger(__name__)
 
 
 class RunError(InputError, RuntimeError):
@@ -66,6 +76,8 @@ class Run:
     hf_config: dict[str, Any]
     tokenizer: Any
     groups: ParallelGroups
+    hosts: HostGroup
+    """This rank's place among the rollout engine groups, and the group the hosts coordinate on."""
     policy: Policy
     state: TrainerState
     prompts: list[PromptRecord]
@@ -76,7 +88,7 @@ class Run:
     checkpoints: CheckpointSaver
     """Writes RUN_DIR/checkpoints (in the background with checkpoint.async_save)."""
     engine: RolloutEngine | None = None
-    """Rank 0's rollout engine (None elsewhere, and before the first weight sync)."""
+    """This rank's rollout engine when it hosts one (None elsewhere, and before the first weight sync)."""
     resumed_from: Path | None = None
     extra_timers: dict[str, float] = field(default_factory=dict)
     """perf/ seconds accumulated by earlier processes of this run (restored from the checkpoint)."""
@@ -87,8 +99,12 @@ class Run:
 
     @property
     def is_writer(self) -> bool:
-        """Rank 0 owns the rollout engine, the rollout store and the console."""
+        """Rank 0 seals the rollout stores, writes metrics and checkpoints' metadata, owns the console."""
         return self.groups.rank == 0
+
+    @property
+    def placement(self) -> EnginePlacement:
+        return self.hosts.placement
 
     def rollout_dir(self, stage: int) -> Path:
         return self.run_dir / "rollouts" / f"stage_{stage:03d}"
@@ -183,6 +199,10 @@ def _set_up(
     standalone: str | None,
 ) -> Run:
     """Base model, policy, weights, prompts, benchmarks, verifier and metrics logger of one rank."""
+    placement = EnginePlacement.from_env(
+        tensor_parallel=cfg.rollout.tensor_parallel, cpu_threads=cfg.rollout.cpu_threads
+    )
+    hosts = HostGroup.create(placement)
     hf_dir = _base_model(cfg, run_dir, is_writer=groups.rank == 0)
     check_hf_model_parallelism(hf_dir, cfg.parallel)
     from transformers import AutoTokenizer
@@ -236,6 +256,7 @@ def _set_up(
         hf_config=hf_config,
         tokenizer=tokenizer,
         groups=groups,
+        hosts=hosts,
         policy=policy,
         state=state,
         checkpoints=checkpoints,
@@ -330,30 +351,96 @@ def _initial_weights(
     return TrainerState(), None
 
 
-def sync_engine(run: Run) -> None:
-    """Push the current policy weights to rank 0's rollout engine (built on first use).
+def sync_engine(run: Run) -> dict[str, float]:
+    """Push the current policy weights to every engine host's engine (each built on first use).
 
-    Every model-parallel rank iterates ``export_hf`` (its tensors are gathered collectively); only
-    rank 0 hands them to the engine. Weights travel in memory, never through disk, unless
-    ``rollout.quantization`` needs a quantized checkpoint (SGLang; see ``rollout.quantization``).
+    ``export_hf`` is collective within each model-parallel group and yields full Hugging Face
+    tensors on every rank; each host hands them to its engine in memory (SGLang: in buckets through
+    ``update_weights_from_tensor``), the other ranks drain them. Returns, and logs, rank 0's
+    ``perf/weight_sync_s`` and ``perf/weight_sync_gb_per_s`` (export + load, bytes as exported).
+    With ``rollout.quantization`` the hosts load the quantized behaviour policy instead (SGLang
+    through a quantized checkpoint in RUN_DIR/behaviour_policy/engine_E; see ``rollout.quantization``).
     """
     from conversion import export_hf
 
+    started = time.perf_counter()
     tensors = export_hf(run.policy.unwrapped(), run.hf_config, run.groups)
-    if not run.is_writer:
+    if not run.placement.is_host:
         for _ in tensors:
             pass
-        return
-    cfg = run.cfg
+        return {}
+    cfg, counted = run.cfg, _CountedBytes(tensors)
     calibration = stage_prompts(run.prompts, run.state.stage, cfg.stages.train_groups, cfg.data.seed)
+    export_dir = run.run_dir / "behaviour_policy" / f"engine_{run.placement.engine_index:03d}"  # one per host
     run.engine = load_behaviour_policy(
         run.engine,
-        tensors,
+        counted,
         engine_name=cfg.rollout.engine,
         hf_dir=run.hf_dir,
-        build=lambda hf_dir: build_engine_from_config(cfg.rollout, hf_dir, seed=cfg.seed),
-        quantizer=behaviour_quantizer(cfg.rollout, calibration, run.run_dir / "behaviour_policy"),
+        build=lambda hf_dir: build_engine_from_config(cfg.rollout, hf_dir, seed=cfg.seed, placement=run.placement),
+        quantizer=behaviour_quantizer(cfg.rollout, calibration, export_dir),
     )
+    seconds = time.perf_counter() - started
+    metrics = {"perf/weight_sync_s": seconds, "perf/weight_sync_gb_per_s": counted.bytes / 1e9 / max(seconds, 1e-9)}
+    run.logger.log(metrics, step=run.state.global_update)
+    return metrics
+
+
+class _CountedBytes:
+    """Passes (name, tensor) pairs through, adding up their bytes."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]]):
+        self.tensors, self.bytes = tensors, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.tensors:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def release_engine(run: Run) -> None:
+    """Free this host's engine memory for the optimizer phase (the next sync brings the weights back)."""
+    if run.engine is not None:
+        run.engine.release()
+
+
+@contextmanager
+def behaviour_policy(run: Run, version: int) -> Iterator[None]:
+    """Inside the block the policy holds the weights of update ``version``.
+
+    That is the current policy, except when a rollout store made by an older policy must be
+    completed: a damaged shard of the stage a run resumed in the middle of, or ``mugrpo generate
+    --stage K`` for a stage trained past. Its missing shards must come from the policy that made
+    the others, so its weights are loaded from that update's checkpoint (the base model for update
+    0), and the trainer's state is reloaded afterwards from the checkpoint this process resumed from.
+    """
+    if version == run.state.global_update:
+        yield
+        return
+    step_dir = run.checkpoint_root / step_dir_name(version)
+    if run.resumed_from is None or not (step_dir.is_dir() or version == 0):
+        raise RunError(
+            f"a rollout store of this run was generated by the policy of update {version}, and completing it needs "
+            f"that policy, but {step_dir} does not exist (checkpoint.keep_last pruned it?). Delete the stage's "
+            "directory under rollouts/ to generate the stage afresh with the current policy"
+        )
+    log.warning("loading the policy of update %d (%s) to complete its rollout store", version, step_dir)
+    if step_dir.is_dir():
+        load_checkpoint(step_dir, run.policy.model_chunks, groups=run.policy.groups, load_rng=False)
+    else:
+        from conversion import load_hf_into_model
+
+        load_hf_into_model(run.policy.unwrapped(), run.hf_dir, run.policy.groups)
+    try:
+        yield
+    finally:
+        load_checkpoint(
+            run.resumed_from,
+            run.policy.model_chunks,
+            run.policy.optimizer,
+            run.policy.scheduler,
+            groups=run.policy.groups,
+        )
 
 
 def stage_prompts(prompts: list[PromptRecord], stage: int, count: int, seed: int) -> list[PromptRecord]:

@@ -1,8 +1,9 @@
 """The staged μ-GRPO loop: the whole method in one function, ``train``.
 
-Each stage k freezes the policy π_k, pushes its weights to the rollout engine, bulk-generates the
-static dataset D_k (B_train prompt groups with stored behaviour log-probs) to disk, releases the
-engine, then makes μ = B_train / B_mini optimizer updates on D_k. Standard GRPO (μ = 4), the
+Each stage k freezes the policy π_k, pushes its weights to every rollout engine (one per engine
+group), bulk-generates the static dataset D_k (B_train prompt groups with stored behaviour
+log-probs) to disk on all of them, releases the engines, then makes μ = B_train / B_mini optimizer
+updates on D_k. Standard GRPO (μ = 4), the
 high-staleness baseline and M2PO are the same loop with other configs.
 
     mugrpo train --config configs/demo_cpu.yaml --run-dir runs/demo
@@ -16,17 +17,24 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.records import collate
-from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
-from megatron_mugrpo.rollout.store import RolloutStore, is_complete
-from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
+from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity, stage_store_metrics
+from megatron_mugrpo.rollout.placement import engine_threads
+from megatron_mugrpo.rollout.store import RolloutStore, StorePlan
+from megatron_mugrpo.runtime import Run, barrier, behaviour_policy, release_engine, stage_prompts, sync_engine
 from megatron_mugrpo.state import BestEval
 from megatron_mugrpo.training.checkpoint import step_dir_name
 from megatron_mugrpo.training.stage_reference import OldLogprobs, ScoreSettings, minibatch, prepare_stage_reference
 from megatron_mugrpo.training.train_step import train_step
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from megatron_mugrpo.rollout.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
 
@@ -82,32 +90,52 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
 
 
 def rollout_phase(run: Run, stage: int) -> RolloutStore:
-    """Generate D_k unless a complete one is on disk; every rank then opens it."""
-    store_dir = run.rollout_dir(stage)
-    if not is_complete(store_dir):
-        sync_engine(run)
-        if run.is_writer:
-            cfg = run.cfg
-            prompts = stage_prompts(run.prompts, stage, cfg.stages.train_groups, cfg.data.seed)
-            rows = len(prompts) * cfg.rollout.group_size
-            with progress(rows, f"stage {stage} rollout", enabled=cfg.logging.progress_bars) as bar:
-                generate_stage(
-                    engine=run.engine,
-                    prompts=prompts,
-                    tokenizer=run.tokenizer,
-                    reward_fn=run.reward_fn,
-                    cfg=cfg.rollout,
-                    adv_eps=cfg.algo.adv_eps,
-                    store_dir=store_dir,
-                    stage=stage,
-                    policy_version=run.state.global_update,
-                    seed=cfg.stages.seed,
-                    vocab_size=int(run.hf_config["vocab_size"]),
-                    progress=bar.update,
-                )
-            run.engine.release()  # free the engine's memory for the optimizer phase
-    barrier()
-    return RolloutStore.open(store_dir)
+    """Generate D_k on every engine host, unless a complete, intact one is on disk; every rank opens it."""
+    cfg = run.cfg
+    prompts = stage_prompts(run.prompts, stage, cfg.stages.train_groups, cfg.data.seed)
+    plan = plan_rollout(run, stage, prompts)  # rank 0 verifies or repairs the store; every rank gets the plan
+    if plan.missing:
+        with behaviour_policy(run, plan.manifest.policy_version):  # β_k (an older policy only when repairing)
+            sync_engine(run)
+        with engine_threads(run.placement.cpu_threads), stage_progress(run, plan, stage) as bar:
+            metrics = generate_planned(
+                plan,
+                engine=run.engine,
+                prompts=prompts,
+                tokenizer=run.tokenizer,
+                reward_fn=run.reward_fn,
+                cfg=cfg.rollout,
+                adv_eps=cfg.algo.adv_eps,
+                store_dir=run.rollout_dir(stage),
+                seed=cfg.stages.seed,
+                hosts=run.hosts,
+                progress=bar.update,
+                on_shard_written=lambda index: crash_point(f"shard:{stage}:{index}"),
+            )
+        release_engine(run)  # free every engine's memory for the optimizer phase
+        run.logger.log({k: v for k, v in metrics.items() if k.startswith("perf/")}, step=run.state.global_update)
+    return RolloutStore.open(run.rollout_dir(stage), verify=False)  # rank 0 verified every shard
+
+
+def plan_rollout(run: Run, stage: int, prompts: list[PromptRecord]) -> StorePlan:
+    """What stage ``stage``'s store needs (collective); a store made by an older policy keeps its version."""
+    identity = stage_identity(
+        cfg=run.cfg.rollout,
+        prompts=prompts,
+        stage=stage,
+        policy_version=run.state.global_update,
+        seed=run.cfg.stages.seed,
+        vocab_size=int(run.hf_config["vocab_size"]),
+        engine_name=run.cfg.rollout.engine,
+    )
+    return plan_stage(run.rollout_dir(stage), identity, run.hosts, keep_policy_version=True)
+
+
+def stage_progress(run: Run, plan: StorePlan, stage: int) -> tqdm:
+    """Rank 0's progress bar over the rows its own engine generates (a total only with one engine)."""
+    rows = sum(len(plan.manifest.shard_range(i)) for i in plan.missing) * run.cfg.rollout.group_size
+    total = rows if run.placement.num_engines == 1 else None
+    return progress(total, f"stage {stage} rollout", enabled=run.is_writer and run.cfg.logging.progress_bars)
 
 
 def optimizer_update(
@@ -189,13 +217,12 @@ def stage_reference(run: Run, store: RolloutStore) -> OldLogprobs | None:
 
 
 def run_evaluation(run: Run) -> dict[str, float]:
-    """Evaluate the current policy on every benchmark; records the best checkpoint by average."""
+    """Evaluate the current policy on every benchmark over every engine host; records the best by average."""
     if not run.benchmarks:
         return {}
     with run.timer("perf/t_eval_s"):
         sync_engine(run)
-        metrics: dict[str, float] = {}
-        if run.is_writer:
+        with engine_threads(run.placement.cpu_threads):
             metrics = evaluate(
                 run.engine,
                 run.benchmarks,
@@ -203,8 +230,9 @@ def run_evaluation(run: Run) -> dict[str, float]:
                 reward_fn=run.reward_fn,
                 eval_cfg=run.cfg.eval,
                 seed=run.cfg.seed + 7919 * run.state.global_update,
+                hosts=run.hosts,
             )
-            run.engine.release()
+        release_engine(run)
         barrier()
     if run.is_writer:
         run.state.acc_last = metrics[AVG_KEY]
@@ -298,13 +326,14 @@ def _timers(run: Run) -> dict[str, float]:
 
 
 def crash_point(name: str) -> None:
-    """Fault injection for the resume tests: SIGKILL this process at the point named by $MUGRPO_CRASH_AT.
+    """Fault injection for the resume tests: SIGKILL this process at a point named in $MUGRPO_CRASH_AT
+    (one name, or several separated by commas).
 
-    Points are ``rollout:K`` (after stage K's dataset is complete) and ``update:N`` (after global
-    update N is applied and logged). SIGKILL, not an exception: nothing gets to clean up, exactly as
-    when a node dies.
+    Points are ``shard:K:I`` (on the host that just wrote shard I of stage K's dataset), ``rollout:K``
+    (after stage K's dataset is complete) and ``update:N`` (after global update N is applied and
+    logged). SIGKILL, not an exception: nothing gets to clean up, exactly as when a node dies.
     """
-    if os.environ.get(CRASH_ENV) == name:
+    if name in os.environ.get(CRASH_ENV, "").split(","):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

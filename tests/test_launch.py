@@ -86,3 +86,14 @@ def test_slurm_outside_a_job_says_so(fake_bin: Path) -> None:
     done = _run(LAUNCH / "slurm.sbatch", fake_bin, {})
     assert done.returncode != 0
     assert "run this script through sbatch" in done.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_other_verbs_run_on_every_rank(script: Path, fake_bin: Path) -> None:
+    """`mugrpo generate` (D_k on every GPU) goes through the same launchers; a typo is refused."""
+    env = {"SLURM_JOB_NODELIST": "node-a", "SLURM_NNODES": "1", "MUGRPO_VERB": "generate"}
+    done = _run(script, fake_bin, env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-len(USER_ARGS) - 3 :] == ["-m", "megatron_mugrpo.cli", "generate", *USER_ARGS]
+    refused = _run(script, fake_bin, env | {"MUGRPO_VERB": "generat"})
+    assert refused.returncode == 2 and "expected train, generate" in refused.stderr

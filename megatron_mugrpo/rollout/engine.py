@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from megatron_mugrpo.config import RolloutConfig
+    from megatron_mugrpo.rollout.placement import EnginePlacement
 
 FINISH_REASONS = ("stop", "length")
 """'stop': the response ends with a sampled EOS token; 'length': it hit max_new_tokens."""
@@ -216,19 +217,35 @@ def engine_factory(name: str) -> EngineFactory:
     return factory
 
 
-def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0) -> dict[str, Any]:
+def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0, placement: EnginePlacement | None = None) -> dict[str, Any]:
     """Constructor keywords of the configured engine: its own section ``rollout.<engine>.*``, plus the
     run seed for an engine that seeds its sampler at construction (SGLang's ``random_seed``; the
-    transformers engine takes a seed with every call instead)."""
+    transformers engine takes a seed with every call instead).
+
+    With a ``placement`` (this rank hosts an engine group), an engine that takes them gets the group's
+    layout: ``tp_size`` workers from the host's local GPU ``base_gpu_id`` (SGLang), and a seed of its
+    own per engine so that engines do not draw the same random stream.
+    """
     kwargs = dataclasses.asdict(getattr(rollout, rollout.engine))
-    if "seed" in inspect.signature(engine_factory(rollout.engine)).parameters:
-        kwargs["seed"] = seed
+    accepted = inspect.signature(engine_factory(rollout.engine)).parameters
+    if "seed" in accepted:
+        kwargs["seed"] = seed + (placement.engine_index if placement is not None else 0)
+    if placement is not None:
+        layout = {"tp_size": placement.tensor_parallel, "base_gpu_id": placement.base_gpu_id}
+        kwargs |= {key: value for key, value in layout.items() if key in accepted}
     return kwargs
 
 
-def build_engine_from_config(rollout: RolloutConfig, hf_dir: str, *, seed: int = 0, **overrides: Any) -> RolloutEngine:
+def build_engine_from_config(
+    rollout: RolloutConfig,
+    hf_dir: str,
+    *,
+    seed: int = 0,
+    placement: EnginePlacement | None = None,
+    **overrides: Any,
+) -> RolloutEngine:
     """``build_engine(rollout.engine, hf_dir, ...)`` with the config's knobs (overrides win)."""
-    return build_engine(rollout.engine, hf_dir, **(engine_kwargs(rollout, seed=seed) | overrides))
+    return build_engine(rollout.engine, hf_dir, **(engine_kwargs(rollout, seed=seed, placement=placement) | overrides))
 
 
 def sampling_params(rollout: RolloutConfig, *, seed: int) -> SamplingParams:

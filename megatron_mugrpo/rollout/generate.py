@@ -1,21 +1,29 @@
-"""Phase 1 of a stage: the frozen behaviour policy generates the static rollout dataset D_k.
+"""Phase 1 of a stage: the frozen behaviour policy generates the static rollout dataset D_k, on
+every engine host at once.
 
-``generate_stage`` walks the stage's prompts shard by shard. For each shard it samples responses
-(G per prompt, or VIGOR rounds), decodes and scores them, normalises advantages per group after the
-allocation is final, validates everything and writes the shard to the rollout store. A rerun after
-a crash resumes at the first missing shard: the prompts of shard i are ``prompts[i·S:(i+1)·S]`` and
-every engine call's seed is derived from (seed, stage, shard, round), so the regenerated shards
-are those an uninterrupted run would have written (bitwise with the seeded transformers engine).
+The unit of work is one shard of the rollout store: shard i holds the stage's prompts
+``prompts[i·S:(i+1)·S]`` and every engine call for it is seeded from (seed, stage, i, round). For
+each shard a host samples responses (G per prompt, or VIGOR rounds), decodes and scores them with
+its own reward pool, normalises advantages per group once the allocation is final, validates
+everything and writes the shard. Nothing about a shard depends on which host made it or how many
+hosts there are, so D_k is the same from 1 engine or from 32 (bitwise with the seeded transformers
+engine on CPU, at equal threads per engine).
+
+The hosts share the work through the store (see ``rollout/store.py``): rank 0 prepares the store
+(``plan_stage``: resume, verify, repair), every host claims missing shards until none is left
+(``generate_planned``: a faster engine takes more), and rank 0 seals the manifest after a barrier.
+A rerun after a crash generates only the missing shards, on however many engines it has.
 
     metrics = generate_stage(engine=engine, prompts=records, tokenizer=tok, reward_fn=reward,
-                             cfg=cfg.rollout, adv_eps=cfg.algo.adv_eps, store_dir=run / "rollouts/stage_0000",
+                             cfg=cfg.rollout, adv_eps=cfg.algo.adv_eps, store_dir=run / "rollouts/stage_000",
                              stage=0, policy_version=0, seed=cfg.stages.seed, vocab_size=hf_vocab)
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,17 +47,24 @@ from megatron_mugrpo.rollout.engine import (
     SamplingParams,
     validate_generations,
 )
+from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.rewards import RewardFn
 from megatron_mugrpo.rollout.store import (
-    RolloutStoreWriter,
+    ShardWriter,
     StoreManifest,
+    StorePlan,
+    prepare_store,
     prompts_fingerprint,
     read_manifest,
+    seal_store,
+    store_identity,
     store_metrics,
 )
 
 if TYPE_CHECKING:
     from megatron_mugrpo.rollout.prompts import PromptRecord
+
+log = logging.getLogger(__name__)
 
 
 class Decoder(Protocol):
@@ -68,7 +83,7 @@ class _Pending:
 
 def generate_stage(
     *,
-    engine: RolloutEngine,
+    engine: RolloutEngine | None,
     prompts: Sequence[PromptRecord],
     tokenizer: Decoder,
     reward_fn: RewardFn,
@@ -80,52 +95,182 @@ def generate_stage(
     seed: int,
     vocab_size: int,
     progress: ProgressCallback | None = None,
+    hosts: HostGroup | None = None,
 ) -> dict[str, float]:
-    """Generate (or finish generating) the rollout store of one stage.
+    """Generate (or finish generating) the rollout store of one stage on the engine(s) as they are.
+
+    Collective over ``hosts`` (default: this process alone): every rank calls it, hosts with their
+    engine, other ranks with ``engine=None``. The caller has loaded the stage's policy into every
+    engine (``rollout_phase`` in stages.py also repairs older stores with their own policy).
 
     Args:
         prompts: the stage's B_train prompts; shard i holds ``prompts[i·S:(i+1)·S]``, S = cfg.shard_groups.
         vocab_size: the TRUE vocabulary size (token ids must be below it).
-        progress: forwarded to ``engine.generate`` (sequences finished).
+        progress: forwarded to ``engine.generate`` (sequences finished by this host).
 
-    Returns:
+    Returns (on rank 0; other ranks get ``{}``):
         ``rollout/*`` metrics of the whole store (reward mean, solve-all/none fractions, response
         length, length-finish fraction, reason counts, ...) and ``perf/*`` metrics of this call
-        (generated tokens, seconds, shards written and resumed).
+        (generated tokens over all hosts, seconds, shards written and resumed, engines).
     """
+    hosts = hosts or HostGroup(EnginePlacement.single())
     if not prompts:
         raise ValueError("generate_stage() got no prompts; the stage needs at least one prompt group")
-    writer = RolloutStoreWriter.create_or_resume(
-        store_dir,
+    engine_name = getattr(engine, "name", type(engine).__name__) if engine is not None else cfg.engine
+    identity = stage_identity(
+        cfg=cfg,
+        prompts=prompts,
         stage=stage,
         policy_version=policy_version,
-        engine=getattr(engine, "name", type(engine).__name__),
+        seed=seed,
+        vocab_size=vocab_size,
+        engine_name=engine_name,
+    )
+    plan = plan_stage(store_dir, identity, hosts)
+    return generate_planned(
+        plan,
+        engine=engine,
+        prompts=prompts,
+        tokenizer=tokenizer,
+        reward_fn=reward_fn,
+        cfg=cfg,
+        adv_eps=adv_eps,
+        store_dir=store_dir,
+        seed=seed,
+        hosts=hosts,
+        progress=progress,
+    )
+
+
+def stage_identity(
+    *,
+    cfg: RolloutConfig,
+    prompts: Sequence[PromptRecord],
+    stage: int,
+    policy_version: int,
+    seed: int,
+    vocab_size: int,
+    engine_name: str,
+) -> StoreManifest:
+    """The manifest a stage's store must have: what a resumed store is checked against."""
+    return store_identity(
+        stage=stage,
+        policy_version=policy_version,
+        engine=engine_name,
         sampling=_sampling_record(cfg, seed),
         num_groups=len(prompts),
         shard_groups=cfg.shard_groups,
         vocab_size=vocab_size,
         prompts_sha256=prompts_fingerprint((p.prompt_id, p.prompt_ids, p.answer) for p in prompts),
     )
-    resumed, tokens, started = writer.next_shard_index, 0, time.perf_counter()
-    for shard in range(writer.next_shard_index, writer.num_shards):
-        records = [prompts[i] for i in writer.manifest.shard_range(shard)]
-        groups = generate_groups(
-            engine=engine,
-            records=records,
-            tokenizer=tokenizer,
-            reward_fn=reward_fn,
-            cfg=cfg,
-            seeds=(seed, stage, shard),
-            vocab_size=vocab_size,
-            progress=progress,
-        )
-        for group in groups:
-            group.stage, group.policy_version = stage, policy_version
-        assign_advantages(groups, adv_eps)
-        writer.write_shard(shard, groups)
-        tokens += sum(len(s.response_ids) for g in groups for s in g.samples)
+
+
+def plan_stage(
+    store_dir: str | Path, identity: StoreManifest, hosts: HostGroup, *, keep_policy_version: bool = False
+) -> StorePlan:
+    """Rank 0 prepares the store (creates it, or verifies and repairs an existing one); every rank
+    gets the plan. Collective. A damaged shard of a sealed store is dropped with a warning saying so."""
+    plan = None
+    if hosts.placement.rank == 0:
+        plan = prepare_store(store_dir, identity, keep_policy_version=keep_policy_version)
+        total = plan.manifest.num_shards
+        for index, problem in plan.dropped.items():
+            log.warning(
+                "%s. Regenerating shard %d only: %s is marked incomplete until the shard is rewritten, and its "
+                "other %d shards are kept (the result is the same shard bitwise on CPU).",
+                problem,
+                index,
+                Path(store_dir) / "manifest.json",
+                total - len(plan.missing),
+            )
+        if plan.missing and len(plan.missing) < total and not plan.dropped:
+            log.info("resuming %s: %d of %d shards already written", store_dir, total - len(plan.missing), total)
+    return hosts.broadcast(plan)
+
+
+def generate_planned(
+    plan: StorePlan,
+    *,
+    engine: RolloutEngine | None,
+    prompts: Sequence[PromptRecord],
+    tokenizer: Decoder,
+    reward_fn: RewardFn,
+    cfg: RolloutConfig,
+    adv_eps: float,
+    store_dir: str | Path,
+    seed: int,
+    hosts: HostGroup,
+    progress: ProgressCallback | None = None,
+    on_shard_written: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """Every host claims and writes the plan's missing shards; rank 0 then seals the store. Collective.
+
+    ``on_shard_written(index)`` runs on the writing host after each shard (fault injection in tests).
+    Returns the metrics of ``generate_stage`` on rank 0, ``{}`` elsewhere.
+    """
+    started, tokens, written = time.perf_counter(), 0, 0
+    if hosts.placement.is_host:
+        if engine is None:
+            raise ValueError(f"rank {hosts.placement.rank} hosts an engine but generate_planned() got engine=None")
+        writer = ShardWriter(store_dir, plan.manifest)
+        for index in plan.missing:
+            if not writer.claim(index):
+                continue  # another host took it
+            try:
+                tokens += _generate_shard(
+                    writer, index, engine, prompts, tokenizer, reward_fn, cfg, adv_eps, seed, progress
+                )
+            except BaseException:
+                writer.release(index)
+                raise
+            written += 1
+            if on_shard_written is not None:
+                on_shard_written(index)
+    counts = hosts.gather((tokens, written))  # rank 0 hears from every rank once all shards are written
+    manifest = seal_store(store_dir) if hosts.placement.rank == 0 and plan.missing else plan.manifest
+    hosts.barrier()  # nobody opens the store before it is sealed
+    if counts is None:
+        return {}
     elapsed = time.perf_counter() - started
-    return _stage_metrics(writer.manifest, tokens=tokens, seconds=elapsed, resumed=resumed)
+    return _stage_metrics(
+        manifest,
+        tokens=sum(t for t, _ in counts),
+        seconds=elapsed,
+        resumed=manifest.num_shards - len(plan.missing),
+        engines=hosts.placement.num_engines,
+        per_engine=[counts[rank][1] for rank in hosts.placement.host_ranks],
+    )
+
+
+def _generate_shard(
+    writer: ShardWriter,
+    index: int,
+    engine: RolloutEngine,
+    prompts: Sequence[PromptRecord],
+    tokenizer: Decoder,
+    reward_fn: RewardFn,
+    cfg: RolloutConfig,
+    adv_eps: float,
+    seed: int,
+    progress: ProgressCallback | None,
+) -> int:
+    """Generate, score and write shard ``index``; returns its response tokens."""
+    manifest = writer.manifest
+    groups = generate_groups(
+        engine=engine,
+        records=[prompts[i] for i in manifest.shard_range(index)],
+        tokenizer=tokenizer,
+        reward_fn=reward_fn,
+        cfg=cfg,
+        seeds=(seed, manifest.stage, index),
+        vocab_size=manifest.vocab_size,
+        progress=progress,
+    )
+    for group in groups:
+        group.stage, group.policy_version = manifest.stage, manifest.policy_version
+    assign_advantages(groups, adv_eps)
+    writer.write_shard(index, groups)
+    return sum(len(s.response_ids) for g in groups for s in g.samples)
 
 
 def generate_groups(
@@ -231,13 +376,17 @@ def _sampling_record(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
     }
 
 
-def _stage_metrics(manifest: StoreManifest, *, tokens: int, seconds: float, resumed: int) -> dict[str, float]:
+def _stage_metrics(
+    manifest: StoreManifest, *, tokens: int, seconds: float, resumed: int, engines: int, per_engine: list[int]
+) -> dict[str, float]:
     metrics = store_metrics(manifest)
     metrics["perf/rollout_tokens"] = float(tokens)
     metrics["perf/rollout_time_s"] = seconds
     metrics["perf/rollout_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
     metrics["perf/rollout_shards_resumed"] = float(resumed)
     metrics["perf/rollout_shards_written"] = float(manifest.num_shards - resumed)
+    metrics["perf/rollout_engines"] = float(engines)
+    metrics["perf/rollout_shards_max_per_engine"] = float(max(per_engine, default=0))
     return metrics
 
 

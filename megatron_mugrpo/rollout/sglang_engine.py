@@ -78,7 +78,8 @@ class SGLangEngine:
         hf_dir: local Hugging Face directory (config.json, weights, tokenizer).
         mem_fraction_static: GPU memory fraction for weights + KV cache (rollout.sglang.mem_fraction_static).
         seed: SGLang's ``random_seed``.
-        tp_size: SGLang tensor parallelism.
+        tp_size: SGLang tensor parallelism (rollout.tensor_parallel: the ranks of this engine's group).
+        base_gpu_id: first local GPU of the engine's workers (its host rank's GPU; they use tp_size GPUs).
         dtype: 'auto', 'bfloat16', 'float16' or 'float32'.
         enable_memory_saver: let ``release()`` free GPU memory (needs the ``torch_memory_saver``
             package SGLang uses); when False, release() only flushes the KV cache.
@@ -94,6 +95,7 @@ class SGLangEngine:
         mem_fraction_static: float = 0.7,
         seed: int = 0,
         tp_size: int = 1,
+        base_gpu_id: int = 0,
         dtype: str = "auto",
         enable_memory_saver: bool = True,
         **server_kwargs: Any,
@@ -107,6 +109,7 @@ class SGLangEngine:
             mem_fraction_static=mem_fraction_static,
             random_seed=seed,
             tp_size=tp_size,
+            base_gpu_id=base_gpu_id,
             dtype=dtype,
             enable_memory_saver=enable_memory_saver,
             **server_kwargs,

@@ -1,22 +1,44 @@
-"""The on-disk rollout dataset D_k of one stage: Parquet shards, a checksummed manifest, a seeded reader.
+"""The on-disk rollout dataset D_k of one stage: Arrow shards written by many engine hosts, a
+checksummed manifest sealed by one, read memory-mapped.
 
 Layout of a store directory::
 
-    manifest.json          format, stage, policy version, engine, sampling params, counts,
-                           per-shard file name + sha256 + group/response counts + summary sums,
-                           and the ``complete`` flag
-    shard_00000.parquet    one row per prompt group (RolloutGroup), ``shard_groups`` rows per shard
-    shard_00001.parquet    ...
+    manifest.json        format, stage, policy version, engine, sampling params, counts, prompts
+                         fingerprint; once sealed also every shard's record and ``complete: true``
+    shard_00000.arrow    Arrow IPC file (uncompressed), one row per prompt group (RolloutGroup)
+    shard_00000.json     the shard's record: sha256, group/response counts, summable statistics
+    shard_00000.claim    while a host generates shard 0: which host took it (removed when sealed)
 
-Writing is shard by shard: each shard is validated, written under a temporary name and renamed,
-then the manifest is rewritten atomically (temporary file + rename). ``complete`` becomes true only
-after the last shard. A crash leaves a manifest listing exactly the finished shards, so
-``RolloutStoreWriter.create_or_resume`` continues at ``next_shard_index`` without regenerating them,
-and ``RolloutStore.open`` refuses a store that is not complete.
+Shard i holds the stage's groups [i·S, (i+1)·S) (S = shard_groups) and is sampled with seeds that
+derive from (run seed, stage, i) only, so its bytes do not depend on which host, or how many hosts,
+produced it.
 
-Reading verifies every shard's sha256. ``RolloutStore.minibatch(update_index, mini_groups, seed)``
-returns the groups of one optimizer update from a seeded permutation of the stage's groups: random
-access by update index, no iterator state, so a resumed run sees exactly the same data.
+Writing, by every engine host at once (``rollout/generate.py`` drives it):
+
+1. The coordinator (global rank 0) calls ``prepare_store``. It creates the manifest, or checks that
+   the existing one describes the same stage; verifies every shard already written (sha256,
+   streamed); deletes what is damaged (a bad or missing shard of a complete store is dropped and the
+   manifest marked incomplete, so the shard is generated again, bitwise equal on CPU); and deletes
+   every claim and temporary file left behind. The returned plan lists the shards to generate.
+2. After a barrier, each host takes shards with ``ShardWriter.claim``, an exclusive create
+   (``O_CREAT | O_EXCL``), so a faster host simply takes more, and writes each with
+   ``ShardWriter.write_shard``: the shard file, then its record, each under a temporary name and
+   renamed.
+3. After a second barrier the coordinator calls ``seal_store``: it verifies every recorded shard and
+   rewrites the manifest with the records and ``complete: true`` (temporary file + rename).
+
+Why every claim found in step 1 is stale: claims are only taken between the barriers of steps 1
+and 3 of one generation, a run directory serves one run at a time, and the coordinator reaches
+step 1 only after every rank of its own run has passed the previous store's step 3. A claim it
+finds was therefore left by a process that is gone (a crash or SIGKILL mid-shard). A crash anywhere
+leaves temporary files and stale claims, never a half-written shard under its final name.
+
+Reading: ``RolloutStore.open`` refuses an unsealed store and maps every shard with
+``pyarrow.memory_map``; the tables point into the page cache and a rank materialises only the rows
+of the minibatches it asks for, so its memory does not grow with D_k (``verify=True`` also streams
+every shard through sha256). ``RolloutStore.minibatch(update_index, mini_groups, seed)`` returns the
+groups of one optimizer update from a seeded permutation: random access by update index, no
+iterator state, so a resumed run sees exactly the same data.
 
 Behaviour log-probs are stored as float32 (the precision the trainer uses; engines produce float32),
 token ids as int32, rewards and advantages as float64.
@@ -28,6 +50,8 @@ import hashlib
 import json
 import math
 import os
+import socket
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,16 +59,20 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
 
-FORMAT = "megatron_mugrpo.rollout_store/1"
+FORMAT = "megatron_mugrpo.rollout_store/2"
+"""Version 1 stored Parquet shards listed by one writer; such a store is refused (delete it to regenerate)."""
 MANIFEST = "manifest.json"
-SHARD_PATTERN = "shard_{:05d}.parquet"
+SHARD_PATTERN = "shard_{:05d}.arrow"
+RECORD_PATTERN = "shard_{:05d}.json"
+CLAIM_PATTERN = "shard_{:05d}.claim"
+TMP_SUFFIX = ".tmp"
 FINISH_REASONS = ("stop", "length")
 _HASH_CHUNK_BYTES = 1 << 20
+"""sha256 reads this much at a time: hashing never holds a shard in memory."""
 
 SCHEMA = pa.schema(
     [
@@ -71,8 +99,9 @@ class StoreError(InputError, RuntimeError):
 
 @dataclass(kw_only=True)
 class ShardInfo:
-    """One finished shard as recorded in the manifest."""
+    """One finished shard: its record file, and its entry in the sealed manifest."""
 
+    index: int
     file: str
     sha256: str
     groups: int
@@ -87,6 +116,7 @@ class StoreManifest:
 
     stage: int
     policy_version: int
+    """Update count of the behaviour policy that generated the store (β_k)."""
     engine: str
     sampling: dict[str, Any]
     """Sampling parameters of the stage (temperature, max_new_tokens, seed, allocation, ...)."""
@@ -98,6 +128,7 @@ class StoreManifest:
     """Fingerprint of the stage's prompts (see ``prompts_fingerprint``), so a resume with other
     prompts is refused instead of mixing two datasets."""
     shards: list[ShardInfo] = field(default_factory=list)
+    """Every shard's record, in order, once sealed (empty before)."""
     complete: bool = False
     format: str = FORMAT
 
@@ -124,7 +155,9 @@ class StoreManifest:
     def from_json(cls, data: dict[str, Any], where: Path) -> StoreManifest:
         if data.get("format") != FORMAT:
             raise StoreError(
-                f"{where}: format {data.get('format')!r} is not {FORMAT!r}; delete the directory to regenerate"
+                f"{where}: rollout store format {data.get('format')!r}, but this version reads {FORMAT!r} "
+                f"(Arrow shards written by every engine host); delete {where.parent} and rerun the stage to "
+                "regenerate it"
             )
         fields = {k: v for k, v in data.items() if k not in ("num_prompts", "num_responses", "shards")}
         return cls(**fields, shards=[ShardInfo(**s) for s in data["shards"]])
@@ -262,6 +295,7 @@ def prompts_fingerprint(prompts: Iterable[tuple[str, Sequence[int], str]]) -> st
 
 
 def file_sha256(path: Path) -> str:
+    """sha256 of a file, streamed in 1 MiB reads (memory stays flat however large the shard)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK_BYTES):
@@ -270,7 +304,7 @@ def file_sha256(path: Path) -> str:
 
 
 def _write_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + TMP_SUFFIX)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -291,94 +325,194 @@ def read_manifest(store_dir: str | Path) -> StoreManifest | None:
 
 
 def is_complete(store_dir: str | Path) -> bool:
-    """True when the store's manifest says every shard was written (checksums are checked on open)."""
+    """True when the store's manifest is sealed (checksums are checked on open)."""
     manifest = read_manifest(store_dir)
     return manifest is not None and manifest.complete
 
 
-def _shard_problem(store_dir: Path, info: ShardInfo) -> str:
-    """'' when the shard file exists with the recorded checksum, else what is wrong."""
+def _read_record(store_dir: Path, index: int) -> ShardInfo | None:
+    """Shard ``index``'s record, or None when it has none (never written, or dropped)."""
+    path = store_dir / RECORD_PATTERN.format(index)
+    try:
+        return ShardInfo(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, TypeError):
+        return None  # a record is renamed into place whole; an unreadable one is treated as absent
+
+
+def _write_record(store_dir: Path, info: ShardInfo) -> None:
+    _write_atomic_text(store_dir / RECORD_PATTERN.format(info.index), json.dumps(asdict(info), indent=1))
+
+
+def _shard_problem(store_dir: Path, info: ShardInfo, expected_groups: int) -> str:
+    """'' when the shard file exists with the recorded checksum and size, else what is wrong."""
     path = store_dir / info.file
     if not path.is_file():
         return f"shard {path} is missing"
+    if info.groups != expected_groups:
+        return f"shard {path} records {info.groups} groups, the stage's shard {info.index} has {expected_groups}"
     if file_sha256(path) != info.sha256:
-        return f"shard {path} does not match its sha256 in {MANIFEST} (corrupted or modified)"
+        return f"shard {path} does not match its recorded sha256 (corrupted or modified)"
     return ""
 
 
+def _drop_shard(store_dir: Path, index: int) -> None:
+    for pattern in (SHARD_PATTERN, RECORD_PATTERN, CLAIM_PATTERN):
+        (store_dir / pattern.format(index)).unlink(missing_ok=True)
+
+
+def _save_manifest(store_dir: Path, manifest: StoreManifest) -> None:
+    _write_atomic_text(store_dir / MANIFEST, json.dumps(manifest.to_json(), indent=1))
+
+
 # ---------------------------------------------------------------------------------------------------
-# Writer
+# Writing: prepare (coordinator) → claim + write (every host) → seal (coordinator)
 # ---------------------------------------------------------------------------------------------------
 
 
-class RolloutStoreWriter:
-    """Writes one stage's store shard by shard; resumes an interrupted store with the same identity."""
+def store_identity(
+    *,
+    stage: int,
+    policy_version: int,
+    engine: str,
+    sampling: dict[str, Any],
+    num_groups: int,
+    shard_groups: int,
+    vocab_size: int,
+    prompts_sha256: str = "",
+) -> StoreManifest:
+    """The empty manifest of a stage's store (what a resumed store must match)."""
+    if num_groups < 1 or shard_groups < 1 or vocab_size < 1:
+        raise StoreError(f"num_groups={num_groups}, shard_groups={shard_groups}, vocab_size={vocab_size} must be >= 1")
+    return StoreManifest(
+        stage=stage,
+        policy_version=policy_version,
+        engine=engine,
+        sampling=json.loads(json.dumps(sampling)),
+        num_groups=num_groups,
+        shard_groups=shard_groups,
+        vocab_size=vocab_size,
+        prompts_sha256=prompts_sha256,
+    )
 
-    def __init__(self, store_dir: Path, manifest: StoreManifest):
-        self.store_dir, self.manifest = store_dir, manifest
 
-    @classmethod
-    def create_or_resume(
-        cls,
-        store_dir: str | Path,
-        *,
-        stage: int,
-        policy_version: int,
-        engine: str,
-        sampling: dict[str, Any],
-        num_groups: int,
-        shard_groups: int,
-        vocab_size: int,
-        prompts_sha256: str = "",
-    ) -> RolloutStoreWriter:
-        """Open ``store_dir`` for writing.
+@dataclass(kw_only=True)
+class StorePlan:
+    """What ``prepare_store`` found: the store's manifest and the shards still to generate."""
 
-        An existing manifest must describe the same stage (same stage, policy version, engine,
-        sampling, counts); its shards are re-verified and the first missing or corrupted one, and
-        everything after it, will be rewritten. A different identity is an error: delete the
-        directory to regenerate.
-        """
-        if num_groups < 1 or shard_groups < 1 or vocab_size < 1:
-            raise StoreError(
-                f"num_groups={num_groups}, shard_groups={shard_groups}, vocab_size={vocab_size} must be >= 1"
-            )
-        store_dir = Path(store_dir)
-        store_dir.mkdir(parents=True, exist_ok=True)
-        wanted = StoreManifest(
-            stage=stage,
-            policy_version=policy_version,
-            engine=engine,
-            sampling=json.loads(json.dumps(sampling)),
-            num_groups=num_groups,
-            shard_groups=shard_groups,
-            vocab_size=vocab_size,
-            prompts_sha256=prompts_sha256,
+    manifest: StoreManifest
+    missing: list[int]
+    """Shards to generate, in index order (empty: the store is complete and intact)."""
+    dropped: dict[int, str] = field(default_factory=dict)
+    """Shards a sealed store listed but that were damaged or gone: index → what was wrong."""
+
+
+def prepare_store(store_dir: str | Path, wanted: StoreManifest, *, keep_policy_version: bool = False) -> StorePlan:
+    """Coordinator, before any host writes: create or check the store, verify it, clear leftovers.
+
+    An existing manifest must describe the same stage (stage, engine, sampling, counts, prompts,
+    and policy version unless ``keep_policy_version``: then the stored version is kept and the caller
+    must generate with that policy). Every recorded shard is re-verified; a damaged or missing one is
+    deleted and listed in the plan (in ``dropped`` when the store had been sealed, which is then
+    unsealed). Claims, temporary files and shard files without a record are deleted: they were left
+    by processes that are gone (see the module docstring).
+    """
+    store_dir = Path(store_dir)
+    store_dir.mkdir(parents=True, exist_ok=True)
+    existing = read_manifest(store_dir)
+    manifest = wanted
+    if existing is not None:
+        _check_same_identity(existing, wanted, store_dir, skip=("policy_version",) if keep_policy_version else ())
+        manifest = existing
+    recorded = _recorded_shards(store_dir, manifest)
+    dropped: dict[int, str] = {}
+    for index in range(manifest.num_shards):
+        info = recorded.get(index)
+        problem = (
+            _shard_problem(store_dir, info, len(manifest.shard_range(index)))
+            if info is not None
+            else (f"shard {store_dir / SHARD_PATTERN.format(index)} is not recorded" if manifest.complete else "")
         )
-        existing = read_manifest(store_dir)
-        if existing is None:
-            writer = cls(store_dir, wanted)
-            writer._save_manifest()
-            return writer
-        _check_same_identity(existing, wanted, store_dir)
-        writer = cls(store_dir, existing)
-        writer._drop_bad_shards()
-        return writer
+        if problem:
+            _drop_shard(store_dir, index)
+            recorded.pop(index, None)
+            if manifest.complete:
+                dropped[index] = problem
+    missing = [i for i in range(manifest.num_shards) if i not in recorded]
+    if existing is None or (missing and manifest.complete):
+        for info in recorded.values():  # a sealed store's records become the source of truth again
+            _write_record(store_dir, info)
+        manifest.complete, manifest.shards = False, []
+        _save_manifest(store_dir, manifest)
+    _remove_leftovers(store_dir, keep=set(recorded))
+    return StorePlan(manifest=manifest, missing=missing, dropped=dropped)
 
-    @property
-    def next_shard_index(self) -> int:
-        """The first shard not yet written (== num_shards when all are)."""
-        return len(self.manifest.shards)
+
+def _recorded_shards(store_dir: Path, manifest: StoreManifest) -> dict[int, ShardInfo]:
+    """Shards known to be finished: the sealed manifest's list, else the record files."""
+    if manifest.complete:
+        return {info.index: info for info in manifest.shards}
+    records = (_read_record(store_dir, index) for index in range(manifest.num_shards))
+    return {info.index: info for info in records if info is not None}
+
+
+def _remove_leftovers(store_dir: Path, keep: set[int]) -> None:
+    """Delete claims, temporary files, and shard files or records of shards that are not kept."""
+    for path in store_dir.iterdir():
+        name = path.name
+        if name.endswith((TMP_SUFFIX, ".claim")):
+            path.unlink(missing_ok=True)
+        elif name.startswith("shard_") and name.endswith((".arrow", ".json")):
+            index = name[len("shard_") :].split(".")[0]
+            if not index.isdigit() or int(index) not in keep:
+                path.unlink(missing_ok=True)
+
+
+def _check_same_identity(
+    existing: StoreManifest, wanted: StoreManifest, store_dir: Path, skip: tuple[str, ...] = ()
+) -> None:
+    names = ("stage", "policy_version", "engine", "sampling", "num_groups", "shard_groups", "vocab_size")
+    for name in (*names, "prompts_sha256"):
+        old, new = getattr(existing, name), getattr(wanted, name)
+        if name not in skip and old != new:
+            raise StoreError(
+                f"{store_dir} holds a rollout store with {name}={old!r}, but this run asks for {new!r}; "
+                "delete the directory to regenerate it, or point the run at another directory"
+            )
+
+
+class ShardWriter:
+    """One host's writer: claims shards and writes each (shard file, then its record, both atomically)."""
+
+    def __init__(self, store_dir: str | Path, manifest: StoreManifest):
+        self.store_dir, self.manifest = Path(store_dir), manifest
 
     @property
     def num_shards(self) -> int:
         return self.manifest.num_shards
 
+    def claim(self, index: int) -> bool:
+        """Take shard ``index`` for this host: True when no other host has (an exclusive create)."""
+        path = self.store_dir / CLAIM_PATTERN.format(index)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:  # who took it, for a person reading the directory
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}, f)
+        return True
+
+    def release(self, index: int) -> None:
+        """Give shard ``index`` back (this host failed on it; a SIGKILLed host leaves its claim to
+        the next ``prepare_store``)."""
+        (self.store_dir / CLAIM_PATTERN.format(index)).unlink(missing_ok=True)
+
     def write_shard(self, index: int, groups: Sequence[RolloutGroup]) -> ShardInfo:
-        """Validate and write shard ``index`` (must be ``next_shard_index``), then update the manifest."""
-        if index != self.next_shard_index:
-            raise StoreError(
-                f"shard {index} written out of order; the next shard of {self.store_dir} is {self.next_shard_index}"
-            )
+        """Validate and write shard ``index``: the Arrow file, then its record (the shard counts as
+        written once its record exists)."""
+        if not 0 <= index < self.num_shards:
+            raise StoreError(f"shard {index} is outside the {self.num_shards} shards of {self.store_dir}")
         expected = len(self.manifest.shard_range(index))
         if len(groups) != expected:
             raise StoreError(f"shard {index} of {self.store_dir} needs {expected} groups, got {len(groups)}")
@@ -392,42 +526,48 @@ class RolloutStoreWriter:
                 )
         name = SHARD_PATTERN.format(index)
         path = self.store_dir / name
-        tmp = path.with_name(name + ".tmp")
-        pq.write_table(groups_to_table(groups), tmp)
+        tmp = path.with_name(name + TMP_SUFFIX)
+        table = groups_to_table(groups)
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as ipc:
+            ipc.write_table(table)
         os.replace(tmp, path)
         info = ShardInfo(
+            index=index,
             file=name,
             sha256=file_sha256(path),
             groups=len(groups),
             responses=sum(len(g.samples) for g in groups),
             stats=shard_stats(groups),
         )
-        self.manifest.shards.append(info)
-        self.manifest.complete = self.next_shard_index == self.num_shards
-        self._save_manifest()
+        _write_record(self.store_dir, info)
         return info
 
-    def _drop_bad_shards(self) -> None:
-        for position, info in enumerate(self.manifest.shards):
-            if _shard_problem(self.store_dir, info):
-                del self.manifest.shards[position:]
-                self.manifest.complete = False
-                self._save_manifest()
-                return
 
-    def _save_manifest(self) -> None:
-        _write_atomic_text(self.store_dir / MANIFEST, json.dumps(self.manifest.to_json(), indent=1))
-
-
-def _check_same_identity(existing: StoreManifest, wanted: StoreManifest, store_dir: Path) -> None:
-    names = ("stage", "policy_version", "engine", "sampling", "num_groups", "shard_groups", "vocab_size")
-    for name in (*names, "prompts_sha256"):
-        old, new = getattr(existing, name), getattr(wanted, name)
-        if old != new:
+def seal_store(store_dir: str | Path) -> StoreManifest:
+    """Coordinator, after every host finished: verify every shard and mark the store complete."""
+    store_dir = Path(store_dir)
+    manifest = read_manifest(store_dir)
+    if manifest is None:
+        raise StoreError(f"{store_dir} has no {MANIFEST}: prepare_store() must run before seal_store()")
+    shards = []
+    for index in range(manifest.num_shards):
+        info = _read_record(store_dir, index)
+        problem = (
+            _shard_problem(store_dir, info, len(manifest.shard_range(index)))
+            if info is not None
+            else f"shard {index} was never written"
+        )
+        if problem:
             raise StoreError(
-                f"{store_dir} holds a rollout store with {name}={old!r}, but this run asks for {new!r}; "
-                "delete the directory to regenerate it, or point the run at another directory"
+                f"{store_dir}: {problem}; the store stays incomplete. Rerun the stage (`mugrpo train --resume` "
+                "or `mugrpo generate --stage K`): only missing or damaged shards are generated"
             )
+        shards.append(info)
+    manifest.shards, manifest.complete = shards, True
+    _save_manifest(store_dir, manifest)
+    for claim in store_dir.glob("*.claim"):
+        claim.unlink(missing_ok=True)
+    return manifest
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -436,36 +576,37 @@ def _check_same_identity(existing: StoreManifest, wanted: StoreManifest, store_d
 
 
 class RolloutStore:
-    """A complete, verified rollout store, read into compact Arrow tables.
+    """A complete store, memory-mapped: rows become RolloutGroup objects only when asked for.
 
-    Rows become RolloutGroup objects only when a minibatch asks for them.
-    """
+    Shards are mapped on first use. Mapped pages are clean page cache that the kernel reclaims under
+    pressure; the process's own memory holds only the rows it converted."""
 
-    def __init__(self, store_dir: Path, manifest: StoreManifest, table: pa.Table):
-        self.store_dir, self.manifest, self._table = store_dir, manifest, table
+    def __init__(self, store_dir: Path, manifest: StoreManifest):
+        self.store_dir, self.manifest = store_dir, manifest
+        self._starts = np.cumsum([0] + [info.groups for info in manifest.shards])
+        self._mapped: dict[int, pa.Table] = {}
 
     @classmethod
     def open(cls, store_dir: str | Path, *, verify: bool = True) -> RolloutStore:
-        """Open a complete store; with ``verify`` every shard's sha256 is checked against the manifest."""
+        """Open a sealed store; with ``verify`` every shard's sha256 is checked (streamed) first."""
         store_dir = Path(store_dir)
         manifest = read_manifest(store_dir)
         if manifest is None:
             raise StoreError(f"{store_dir} has no {MANIFEST}: not a rollout store (or generation never started)")
+        rerun = (
+            "rerun the stage (`mugrpo train --resume RUN_DIR` or `mugrpo generate --run-dir RUN_DIR --stage K`): "
+            "missing or damaged shards are regenerated, the others kept"
+        )
         if not manifest.complete or len(manifest.shards) != manifest.num_shards:
             raise StoreError(
-                f"{store_dir} is incomplete ({len(manifest.shards)}/{manifest.num_shards} shards): "
-                "generation was interrupted; rerun the stage to resume it"
+                f"{store_dir} is incomplete ({len(manifest.shards)}/{manifest.num_shards} shards sealed): "
+                f"generation was interrupted; {rerun}"
             )
-        tables = []
         for info in manifest.shards:
-            problem = _shard_problem(store_dir, info) if verify else ""
+            problem = _shard_problem(store_dir, info, len(manifest.shard_range(info.index))) if verify else ""
             if problem:
-                raise StoreError(f"{problem}; delete {store_dir / info.file} and rerun the stage to regenerate it")
-            tables.append(pq.read_table(store_dir / info.file, schema=SCHEMA))
-        table = pa.concat_tables(tables)
-        if table.num_rows != manifest.num_groups:
-            raise StoreError(f"{store_dir} holds {table.num_rows} groups but its manifest says {manifest.num_groups}")
-        return cls(store_dir, manifest, table)
+                raise StoreError(f"{problem}; {rerun}")
+        return cls(store_dir, manifest)
 
     is_complete = staticmethod(is_complete)
 
@@ -478,9 +619,32 @@ class RolloutStore:
         return self.manifest.stage
 
     def groups(self, indices: Iterable[int] | None = None) -> list[RolloutGroup]:
-        """The groups at ``indices`` (store order), or all groups."""
-        rows = self._table if indices is None else self._table.take(list(indices))
-        return [row_to_group(row) for row in rows.to_pylist()]
+        """The groups at ``indices`` (store order), or all groups.
+
+        Rows are sliced out of their shard's mapped table one by one: ``Table.take`` over many shards
+        would first concatenate them, copying the whole store into memory."""
+        if indices is None:
+            indices = range(self.num_groups)
+        out = []
+        for index in indices:
+            if not 0 <= index < self.num_groups:
+                raise StoreError(f"group index {index} is outside [0, {self.num_groups}) of {self.store_dir}")
+            shard = int(np.searchsorted(self._starts, index, side="right")) - 1
+            row = self._shard(shard).slice(index - int(self._starts[shard]), 1).to_pylist()[0]
+            out.append(row_to_group(row))
+        return out
+
+    def _shard(self, position: int) -> pa.Table:
+        """Shard ``position``'s table, mapped on first use (opening a store touches no shard)."""
+        if position not in self._mapped:
+            info = self.manifest.shards[position]
+            table = _map_shard(self.store_dir / info.file)
+            if table.num_rows != info.groups:
+                raise StoreError(
+                    f"{self.store_dir / info.file} holds {table.num_rows} groups, its record {info.groups}"
+                )
+            self._mapped[position] = table
+        return self._mapped[position]
 
     def updates_per_epoch(self, mini_groups: int) -> int:
         """Minibatches of ``mini_groups`` groups in one pass over the store (a remainder is skipped)."""
@@ -505,6 +669,17 @@ class RolloutStore:
     def minibatch(self, update_index: int, mini_groups: int, seed: int) -> list[RolloutGroup]:
         """The ``mini_groups`` groups of optimizer update ``update_index`` of this stage (deterministic)."""
         return self.groups(self.minibatch_indices(update_index, mini_groups, seed))
+
+
+def _map_shard(path: Path) -> pa.Table:
+    """A shard's table backed by a read-only memory map (no copy: pages load when rows are read)."""
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        if not reader.schema.equals(SCHEMA):
+            raise StoreError(f"{path} has columns {reader.schema.names}, not the rollout store's {SCHEMA.names}")
+        return reader.read_all()
+    except pa.ArrowInvalid as exc:
+        raise StoreError(f"{path} is not a readable Arrow file ({exc}); rerun the stage to regenerate it") from exc
 
 
 def store_metrics(manifest: StoreManifest, prefix: str = "rollout/") -> dict[str, float]:

@@ -135,8 +135,8 @@ def build_policy(
     """Model (+ optimizer and schedule hooks when ``optim`` is given) for this rank.
 
     Weights are freshly initialised (seeded by ``initialize_parallel``); load real ones with
-    ``conversion.load_hf_into_model(policy.unwrapped(), hf_dir)`` or
-    ``checkpoint.load_checkpoint(step_dir, policy.model_chunks, ...)``.
+    ``conversion.load_hf_into_model(policy.unwrapped(), hf_dir, groups)`` or
+    ``checkpoint.load_checkpoint(step_dir, policy.model_chunks, ..., groups=groups)``.
     """
     if sequence_parallel and groups.device.type != "cuda":
         raise ConfigError(

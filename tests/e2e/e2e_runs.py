@@ -31,6 +31,7 @@ SMALL = [
     "logging.progress_bars=false",
     "logging.tensorboard=true",
     "optim.lr=1e-3",
+    "rollout.cpu_threads=1",  # equal threads per engine whatever the engine count: comparable bits
 ]
 
 

@@ -2,8 +2,8 @@
 
 A small base model is warm-started once per session (``base_model`` in conftest.py); runs point
 `model.hf_dir` at it so each test pays only for its stages. Runs go through the `mugrpo` CLI in
-subprocesses, as a user would, so the resume tests can SIGKILL them at named points
-($MUGRPO_CRASH_AT) and continue with `--resume`.
+subprocesses, as a user would (under torchrun for several ranks), so the resume tests can SIGKILL
+them at named points ($MUGRPO_CRASH_AT) and continue with `--resume`.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def test_end_to_end_run_writes_everything(uninterrupted: tuple[Path, subprocess.
         "rollout/response_len_mean",
         "eval/avg_pass@1",
         "perf/t_rollout_s",
+        "perf/weight_sync_s",
+        "perf/weight_sync_gb_per_s",
+        "perf/rollout_tokens_per_s",
     ):
         assert any(key in r for r in recs), key
 
@@ -83,18 +86,30 @@ def test_resume_after_sigkill_equals_uninterrupted(
 ):
     """Killed after stage 0's generation, then at the first update of stage 1 (after the stage-end
     checkpoint and stage 1's rollout summary, both at step 4): same final weights, every record once,
-    and the run's clock (perf/t_total_s) accumulating across the three processes."""
+    and the run's clock (perf/t_total_s) accumulating across the three processes.
+
+    While the run is down, a shard of the complete D_1 is corrupted: the resumed run regenerates that
+    shard alone, with D_1's behaviour policy, bit for bit, and says so.
+    """
     run_dir = tmp_path / "killed"
     proc = train(run_dir, base_model, crash_at="rollout:0")
     assert proc.returncode == -signal.SIGKILL
     assert json.loads((run_dir / "rollouts" / "stage_000" / "manifest.json").read_text())["complete"]
     proc = mugrpo("train", "--resume", str(run_dir), crash_at="update:5", check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    manifest_before = (run_dir / "rollouts" / "stage_001" / "manifest.json").read_bytes()
     checkpoint = json.loads((run_dir / "checkpoints" / "step_00000004" / "metadata.json").read_text())
-    mugrpo("train", "--resume", str(run_dir))
-    # The complete D_1 was reused, not regenerated.
-    assert (run_dir / "rollouts" / "stage_001" / "manifest.json").read_bytes() == manifest_before
+    stage_1 = run_dir / "rollouts" / "stage_001"
+    manifest_before, kept = (stage_1 / "manifest.json").read_bytes(), (stage_1 / "shard_00000.arrow").stat()
+    damaged = stage_1 / "shard_00001.arrow"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    proc = mugrpo("train", "--resume", str(run_dir))
+    assert "Regenerating shard 1 only" in proc.stderr and "does not match its recorded sha256" in proc.stderr
+    # The regenerated shard is the same bytes (so is the manifest that records its sha256); the intact
+    # shard was kept as it was.
+    assert (stage_1 / "manifest.json").read_bytes() == manifest_before
+    assert (stage_1 / "shard_00000.arrow").stat().st_mtime_ns == kept.st_mtime_ns
 
     expected, got = final_weights(uninterrupted[0]), final_weights(run_dir)
     assert expected.keys() == got.keys()
@@ -156,3 +171,51 @@ def test_phase_verbs_replay_one_stage(tmp_path: Path, base_model: Path):
     mugrpo("optimize", *common)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert [r["step"] for r in records(run_dir) if "train/loss" in r] == [1, 2, 3, 4]
+
+
+def torchrun(*args: str, nproc: int = 2, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    """`mugrpo ARGS` on ``nproc`` ranks through torch.distributed.run (what launch/torchrun.sh does)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_port", str(free_port()), "-m", "megatron_mugrpo.cli", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MUGRPO_CRASH_AT", None)
+    if crash_at:
+        env["MUGRPO_CRASH_AT"] = crash_at
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def shard_hashes(store_dir: Path) -> dict[str, str]:
+    from megatron_mugrpo.rollout.store import file_sha256
+
+    return {p.name: file_sha256(p) for p in sorted(store_dir.glob("shard_*.arrow"))}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_generate_on_two_engines_survives_sigkill_and_equals_one_engine(tmp_path: Path, base_model: Path):
+    """`mugrpo generate` under torchrun: 2 ranks host 2 engines sharing D_0's 4 shards. The hosts that
+    write shards 1 and 2 are SIGKILLed right after (so shard 3, claimed in index order, is never
+    reached); the resumed run regenerates only the missing shards, and D_0 is bitwise the one a
+    single engine generates."""
+    gen = ["--config", str(DEMO), "--stage", "0", f"model.hf_dir={base_model}", *SMALL, "rollout.shard_groups=4"]
+    reference = tmp_path / "one_engine"
+    mugrpo("generate", "--run-dir", str(reference), *gen)
+    expected = shard_hashes(reference / "rollouts" / "stage_000")
+    assert len(expected) == 4
+
+    run_dir = tmp_path / "two_engines"
+    store = run_dir / "rollouts" / "stage_000"
+    proc = torchrun("generate", "--run-dir", str(run_dir), *gen, crash_at="shard:0:1,shard:0:2")
+    assert proc.returncode != 0 and not json.loads((store / "manifest.json").read_text())["complete"]
+    finished = {p.name: p.stat().st_mtime_ns for p in store.glob("shard_*.arrow") if p.with_suffix(".json").exists()}
+    # A host died right after writing shard 1 or 2; torchrun then stopped the other wherever it was.
+    assert finished and set(finished) <= {"shard_00000.arrow", "shard_00001.arrow", "shard_00002.arrow"}
+
+    proc = torchrun("generate", "--run-dir", str(run_dir), *gen)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.count("rollout dataset complete") == 1  # rank 0 reports
+    assert shard_hashes(store) == expected
+    assert {name: (store / name).stat().st_mtime_ns for name in finished} == finished  # kept, not regenerated
+    assert not list(store.glob("*.claim")) and not list(store.glob("*.tmp"))
+    last = [r for r in records(run_dir) if "perf/rollout_engines" in r][-1]
+    assert last["perf/rollout_engines"] == 2 and last["perf/rollout_shards_resumed"] == len(finished)

@@ -15,9 +15,12 @@ from megatron_mugrpo.rollout.engine import (
     SamplingParams,
     build_engine,
     build_engine_from_config,
+    engine_kwargs,
     sampling_params,
     validate_generations,
 )
+from megatron_mugrpo.rollout.placement import EnginePlacement
+from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
 from megatron_mugrpo.rollout.transformers_engine import (
     TransformersEngine,
     TransformersEngineConfig,
@@ -253,3 +256,19 @@ def test_sglang_output_parsing_without_sglang():
     _check_ok((True, "ok", 0), "update")
     with pytest.raises(RuntimeError, match="bad shapes"):
         _check_ok((False, "bad shapes"), "update_weights_from_disk")
+
+
+def test_sglang_engine_is_placed_on_its_groups_first_gpu():
+    """Engine group 1 of TP 2 on a 4-GPU node: its host (rank 2) runs SGLang from local GPU 2 with
+    tp_size 2 and a sampling seed of its own; the transformers engine needs no placement knobs."""
+    placement = EnginePlacement(rank=2, world_size=4, local_rank=2, local_world_size=4, tensor_parallel=2, cores=8)
+    cfg = RolloutConfig(engine="sglang", tensor_parallel=2, sglang=SGLangEngineConfig(mem_fraction_static=0.6))
+    assert engine_kwargs(cfg, seed=10, placement=placement) == {
+        "mem_fraction_static": 0.6,
+        "enable_memory_saver": True,
+        "seed": 11,
+        "tp_size": 2,
+        "base_gpu_id": 2,
+    }
+    cfg = RolloutConfig(transformers=TransformersEngineConfig(batch_size=3))
+    assert engine_kwargs(cfg, seed=10, placement=placement) == {"batch_size": 3}

@@ -1,18 +1,30 @@
-"""Rollout store: round trip, checksums, resume after a crash, completeness, deterministic minibatches."""
+"""Rollout store: round trip, checksums, several writers with claims, resume and repair, completeness,
+memory-mapped reading with flat memory, deterministic minibatches."""
 
 import json
 import math
+import multiprocessing
+import shutil
+import subprocess
+import sys
 
 import pytest
 
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
 from megatron_mugrpo.rollout.store import (
+    FORMAT,
     MANIFEST,
     RolloutStore,
-    RolloutStoreWriter,
+    ShardWriter,
     StoreError,
+    StoreManifest,
+    StorePlan,
+    file_sha256,
     is_complete,
+    prepare_store,
     read_manifest,
+    seal_store,
+    store_identity,
     store_metrics,
 )
 
@@ -44,7 +56,7 @@ def make_group(index: int, num_samples: int = 3) -> RolloutGroup:
     )
 
 
-def open_writer(path, num_groups: int = 10, shard_groups: int = 4, **overrides) -> RolloutStoreWriter:
+def identity(num_groups: int = 10, shard_groups: int = 4, **overrides) -> StoreManifest:
     kwargs = dict(
         stage=STAGE,
         policy_version=VERSION,
@@ -54,16 +66,24 @@ def open_writer(path, num_groups: int = 10, shard_groups: int = 4, **overrides) 
         shard_groups=shard_groups,
         vocab_size=VOCAB,
     )
-    return RolloutStoreWriter.create_or_resume(path, **(kwargs | overrides))
+    return store_identity(**(kwargs | overrides))
 
 
-def write_all(path, groups, shard_groups: int = 4, stop_after: int | None = None) -> RolloutStoreWriter:
-    writer = open_writer(path, num_groups=len(groups), shard_groups=shard_groups)
-    for shard in range(writer.next_shard_index, writer.num_shards):
-        if stop_after is not None and shard >= stop_after:
-            break
-        writer.write_shard(shard, [groups[i] for i in writer.manifest.shard_range(shard)])
-    return writer
+def write_all(path, groups, shard_groups: int = 4, only=None, seal: bool = True) -> StorePlan:
+    """Prepare, write the planned shards (or only those in ``only``), seal when all are written."""
+    plan = prepare_store(path, identity(num_groups=len(groups), shard_groups=shard_groups))
+    writer = ShardWriter(path, plan.manifest)
+    for shard in plan.missing:
+        if only is None or shard in only:
+            assert writer.claim(shard)
+            writer.write_shard(shard, [groups[i] for i in plan.manifest.shard_range(shard)])
+    if seal and only is None:
+        seal_store(path)
+    return plan
+
+
+def shard_hashes(path) -> dict[str, str]:
+    return {p.name: file_sha256(p) for p in sorted(path.glob("shard_*.arrow"))}
 
 
 def test_round_trip(tmp_path):
@@ -102,56 +122,131 @@ def test_metrics_from_manifest(tmp_path):
     assert metrics["rollout/reason_correct"] == sum(s.reward_reason == "correct" for s in samples)
 
 
-def test_corrupted_shard_is_detected(tmp_path):
+def test_corrupted_shard_is_detected_on_open(tmp_path):
     write_all(tmp_path, [make_group(i) for i in range(10)])
-    shard = tmp_path / "shard_00001.parquet"
+    shard = tmp_path / "shard_00001.arrow"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(StoreError, match=r"shard_00001\.parquet does not match its sha256.*delete"):
+    # The advice must be something that works (it did not, when it said "delete the shard").
+    with pytest.raises(StoreError, match=r"shard_00001\.arrow does not match its recorded sha256.*rerun the stage"):
         RolloutStore.open(tmp_path)
 
 
-def test_incomplete_store_is_never_read_as_complete(tmp_path):
-    write_all(tmp_path, [make_group(i) for i in range(10)], stop_after=2)
+def test_unsealed_store_is_never_read_as_complete(tmp_path):
+    write_all(tmp_path, [make_group(i) for i in range(10)], only={0, 2})
     assert not is_complete(tmp_path)
     assert not RolloutStore.is_complete(tmp_path)
-    with pytest.raises(StoreError, match=r"incomplete \(2/3 shards\)"):
+    with pytest.raises(StoreError, match=r"incomplete \(0/3 shards sealed\)"):
         RolloutStore.open(tmp_path)
+    with pytest.raises(StoreError, match="shard 1 was never written"):
+        seal_store(tmp_path)
     assert not is_complete(tmp_path / "missing")
 
 
-def test_resume_after_crash_writes_only_missing_shards(tmp_path):
+def test_claims_are_exclusive_and_removed_when_sealed(tmp_path):
     groups = [make_group(i) for i in range(10)]
-    write_all(tmp_path, groups, stop_after=1)
-    # A crash while writing shard 1: its temporary file exists, the manifest does not list it.
-    (tmp_path / "shard_00001.parquet.tmp").write_bytes(b"partial")
-    first_shard = (tmp_path / "shard_00000.parquet").stat().st_mtime_ns
-    writer = open_writer(tmp_path)
-    assert writer.next_shard_index == 1
-    written = []
-    for shard in range(writer.next_shard_index, writer.num_shards):
-        writer.write_shard(shard, [groups[i] for i in writer.manifest.shard_range(shard)])
-        written.append(shard)
-    assert written == [1, 2]
-    assert (tmp_path / "shard_00000.parquet").stat().st_mtime_ns == first_shard
+    plan = prepare_store(tmp_path, identity())
+    first, second = ShardWriter(tmp_path, plan.manifest), ShardWriter(tmp_path, plan.manifest)
+    assert first.claim(0) and not second.claim(0) and second.claim(1) and not first.claim(1)
+    for shard in range(3):
+        (first if shard != 1 else second).claim(shard)
+        (first if shard != 1 else second).write_shard(shard, [groups[i] for i in plan.manifest.shard_range(shard)])
+    seal_store(tmp_path)
+    assert not list(tmp_path.glob("*.claim"))
     assert RolloutStore.open(tmp_path).groups() == groups
 
 
-def test_resume_rewrites_from_first_corrupted_shard(tmp_path):
-    write_all(tmp_path, [make_group(i) for i in range(10)], stop_after=2)
-    (tmp_path / "shard_00001.parquet").write_bytes(b"garbage")
-    writer = open_writer(tmp_path)
-    assert writer.next_shard_index == 1
-    assert not writer.manifest.complete
+def _race_for_claims(store_dir: str, manifest: StoreManifest, barrier, results) -> None:
+    writer = ShardWriter(store_dir, manifest)
+    barrier.wait()
+    results.put([index for index in range(manifest.num_shards) if writer.claim(index)])
+
+
+def test_claims_race_between_processes(tmp_path):
+    """Two processes claiming the same 200 shards at once: every shard goes to exactly one of them."""
+    plan = prepare_store(tmp_path, identity(num_groups=200, shard_groups=1))
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_race_for_claims, args=(str(tmp_path), plan.manifest, barrier, results)) for _ in "ab"]
+    for proc in procs:
+        proc.start()
+    taken = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert sorted(taken[0] + taken[1]) == list(range(200))
+
+
+def test_prepare_after_a_crash_keeps_finished_shards_and_clears_stale_claims(tmp_path):
+    """Two hosts were killed mid-stage: shards 0 and 2 are finished; shard 1's host died holding its
+    claim with a temporary file; shard 3's host died between renaming its shard and writing its record."""
+    groups = [make_group(i) for i in range(14)]
+    write_all(tmp_path, groups, only={0, 2})
+    manifest = read_manifest(tmp_path)
+    ShardWriter(tmp_path, manifest).claim(1)
+    (tmp_path / "shard_00001.arrow.tmp").write_bytes(b"partial")
+    ShardWriter(tmp_path, manifest).write_shard(3, groups[12:14])
+    (tmp_path / "shard_00003.json").unlink()
+    finished = {name: (tmp_path / name).stat().st_mtime_ns for name in ("shard_00000.arrow", "shard_00002.arrow")}
+
+    plan = prepare_store(tmp_path, identity(num_groups=14))
+    assert plan.missing == [1, 3] and plan.dropped == {}
+    assert not list(tmp_path.glob("*.claim")) and not list(tmp_path.glob("*.tmp"))
+    assert not (tmp_path / "shard_00003.arrow").exists()  # no record: not finished, regenerated
+    assert {name: (tmp_path / name).stat().st_mtime_ns for name in finished} == finished
+    writer = ShardWriter(tmp_path, plan.manifest)
+    for shard in plan.missing:  # the stale claim does not block the resumed run
+        assert writer.claim(shard)
+        writer.write_shard(shard, [groups[i] for i in plan.manifest.shard_range(shard)])
+    seal_store(tmp_path)
+    assert RolloutStore.open(tmp_path).groups() == groups
+
+
+def test_damaged_shard_of_a_sealed_store_is_dropped_and_regenerated(tmp_path):
+    """D7: a corrupted or deleted shard of a complete store is found by prepare_store, the manifest
+    is unsealed, and writing only those shards again restores the identical store."""
+    groups = [make_group(i) for i in range(10)]
+    write_all(tmp_path, groups)
+    original, manifest_bytes = shard_hashes(tmp_path), (tmp_path / MANIFEST).read_bytes()
+    (tmp_path / "shard_00001.arrow").write_bytes(b"garbage")
+    (tmp_path / "shard_00002.arrow").unlink()
+
+    plan = prepare_store(tmp_path, identity())
+    assert plan.missing == [1, 2]
+    assert "does not match its recorded sha256" in plan.dropped[1] and "missing" in plan.dropped[2]
+    assert not is_complete(tmp_path)
+    with pytest.raises(StoreError, match="incomplete"):
+        RolloutStore.open(tmp_path)
+    writer = ShardWriter(tmp_path, plan.manifest)
+    for shard in plan.missing:
+        writer.claim(shard)
+        writer.write_shard(shard, [groups[i] for i in plan.manifest.shard_range(shard)])
+    seal_store(tmp_path)
+    assert shard_hashes(tmp_path) == original
+    assert (tmp_path / MANIFEST).read_bytes() == manifest_bytes
+    assert prepare_store(tmp_path, identity()).missing == []  # intact now: nothing to do
 
 
 def test_resume_with_other_settings_is_refused(tmp_path):
-    write_all(tmp_path, [make_group(i) for i in range(10)], stop_after=1)
+    write_all(tmp_path, [make_group(i) for i in range(10)], only={0})
     with pytest.raises(StoreError, match=r"policy_version=16.*delete the directory"):
-        open_writer(tmp_path, policy_version=17)
+        prepare_store(tmp_path, identity(policy_version=17))
     with pytest.raises(StoreError, match="sampling"):
-        open_writer(tmp_path, sampling={"temperature": 0.7, "max_new_tokens": 8, "seed": 3})
+        prepare_store(tmp_path, identity(sampling={"temperature": 0.7, "max_new_tokens": 8, "seed": 3}))
+    # Completing an older stage's store keeps the policy version that made it.
+    plan = prepare_store(tmp_path, identity(policy_version=17), keep_policy_version=True)
+    assert plan.manifest.policy_version == VERSION and plan.missing == [1, 2]
+
+
+def test_old_format_store_is_refused_with_advice(tmp_path):
+    write_all(tmp_path, [make_group(i) for i in range(10)])
+    data = json.loads((tmp_path / MANIFEST).read_text())
+    data["format"] = "megatron_mugrpo.rollout_store/1"
+    (tmp_path / MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(StoreError, match=rf"format 'megatron_mugrpo.rollout_store/1'.*reads '{FORMAT}'.*delete"):
+        RolloutStore.open(tmp_path)
+    with pytest.raises(StoreError, match="delete"):
+        prepare_store(tmp_path, identity())
 
 
 @pytest.mark.parametrize(
@@ -175,19 +270,81 @@ def test_invalid_data_is_rejected_before_writing(tmp_path, corrupt, message):
         for s in g.samples:
             s.response_ids, s.behaviour_logprobs = s.response_ids[:2], s.behaviour_logprobs[:2]
     corrupt(groups[2])
-    writer = open_writer(tmp_path, num_groups=4)
+    plan = prepare_store(tmp_path, identity(num_groups=4))
     with pytest.raises(StoreError, match=message):
-        writer.write_shard(0, groups)
-    assert not list(tmp_path.glob("*.parquet*"))
+        ShardWriter(tmp_path, plan.manifest).write_shard(0, groups)
+    assert not list(tmp_path.glob("shard_*"))
     assert not is_complete(tmp_path)
 
 
-def test_shards_must_be_written_in_order_and_full(tmp_path):
-    writer = open_writer(tmp_path)
-    with pytest.raises(StoreError, match="out of order"):
-        writer.write_shard(1, [make_group(i) for i in range(4, 8)])
+def test_shard_index_and_size_are_checked(tmp_path):
+    plan = prepare_store(tmp_path, identity())
+    writer = ShardWriter(tmp_path, plan.manifest)
+    with pytest.raises(StoreError, match="outside the 3 shards"):
+        writer.write_shard(3, [make_group(i) for i in range(4)])
     with pytest.raises(StoreError, match="needs 4 groups, got 3"):
         writer.write_shard(0, [make_group(i) for i in range(3)])
+    writer.write_shard(2, [make_group(i) for i in range(8, 10)])  # any order: hosts finish when they finish
+
+
+RSS_PROBE = """
+import gc, sys
+import psutil
+from megatron_mugrpo.rollout.store import RolloutStore
+
+def opened_rss(path):
+    gc.collect()
+    before = psutil.Process().memory_info().rss
+    store = RolloutStore.open(path)          # verify=True: every shard is hashed too
+    batch = store.minibatch(0, 4, seed=0)
+    gc.collect()
+    return psutil.Process().memory_info().rss - before, store, batch
+
+opened_rss(sys.argv[1])                      # warm up imports and allocator pools
+small = opened_rss(sys.argv[1])[0]
+large = opened_rss(sys.argv[2])[0]
+print(small, large)
+"""
+
+
+def _store_of(path, shard, copies: int) -> int:
+    """A sealed store of ``copies`` identical shards (copies of one written shard); returns its bytes."""
+    groups_per_shard = 100
+    plan = prepare_store(path, identity(num_groups=groups_per_shard * copies, shard_groups=groups_per_shard))
+    ShardWriter(path, plan.manifest).write_shard(0, shard)
+    record = json.loads((path / "shard_00000.json").read_text())
+    for index in range(1, copies):
+        shutil.copyfile(path / "shard_00000.arrow", path / f"shard_{index:05d}.arrow")
+        (path / f"shard_{index:05d}.json").write_text(
+            json.dumps(record | {"index": index, "file": f"shard_{index:05d}.arrow"})
+        )
+    seal_store(path)
+    return sum(p.stat().st_size for p in path.glob("*.arrow"))
+
+
+def test_reading_a_ten_times_larger_store_keeps_memory_flat(tmp_path):
+    """Shards are memory-mapped and hashed in 1 MiB reads: opening a 10x larger store and reading a
+    minibatch raises this process's RSS by (almost) nothing more. Measured in a fresh subprocess."""
+    tokens = 256
+    shard = []
+    for i in range(100):
+        group = make_group(i, num_samples=8)
+        for j, sample in enumerate(group.samples):
+            sample.response_ids = [(i + j + t) % VOCAB for t in range(tokens)]
+            sample.behaviour_logprobs = [-0.5] * tokens
+        shard.append(group)
+    small_bytes = _store_of(tmp_path / "small", shard, 3)
+    large_bytes = _store_of(tmp_path / "large", shard, 30)
+    assert large_bytes == 10 * small_bytes > 40 * 2**20
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, str(tmp_path / "small"), str(tmp_path / "large")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    small, large = map(int, proc.stdout.split())
+    # Reading everything into memory would cost about large_bytes (45 MiB) more.
+    assert large - small < 4 * 2**20, (small, large)
 
 
 def test_minibatches_are_deterministic_and_cover_each_epoch(tmp_path):
