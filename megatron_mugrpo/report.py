@@ -54,7 +54,10 @@ from megatron_mugrpo.metrics import read_metrics
 
 EVAL_AVG = "eval/avg_pass@1"
 EVAL_X = "perf/t_total_s"
-UPDATE_FRACTIONS = ("train/nav_vetoed_frac", "train/clip_frac_low", "train/clip_frac_high")
+VETO_FRAC = "train/nav_vetoed_frac"
+CLIP_LOW = "train/clip_frac_low"
+CLIP_HIGH = "train/clip_frac_high"
+UPDATE_FRACTIONS = (VETO_FRAC, CLIP_LOW, CLIP_HIGH)
 RATIO_NEG = "train/ratio_mean_neg_adv"
 RATIO_POS = "train/ratio_mean_pos_adv"
 REWARD = "rollout/reward_mean"
@@ -268,9 +271,9 @@ def run_figures(records: list[dict[str, Any]]) -> dict[str, float]:
         "acc_gain": acc[-1] - acc[0] if acc else math.nan,
         "t_rollout_s": last_value(records, T_ROLLOUT),
         "t_total_s": last_value(records, EVAL_X),
-        "veto_rate": token_weighted_rate(records, UPDATE_FRACTIONS[0]),
-        "clip_low": token_weighted_rate(records, UPDATE_FRACTIONS[1]),
-        "clip_high": token_weighted_rate(records, UPDATE_FRACTIONS[2]),
+        "veto_rate": token_weighted_rate(records, VETO_FRAC),
+        "clip_low": token_weighted_rate(records, CLIP_LOW),
+        "clip_high": token_weighted_rate(records, CLIP_HIGH),
     }
 
 

@@ -548,7 +548,7 @@ def run_sweep(
     parallel: int = 1,
     report_dir: Path | None = None,
     dry_run: bool = False,
-    echo: Callable[[str], None] = print,
+    echo: Callable[[str], None] | None = None,
 ) -> int:
     """Run (or continue) every run of ``spec`` under ``out`` and write the summary; returns the exit status.
 
@@ -557,6 +557,7 @@ def run_sweep(
     """
     if parallel < 1:
         raise SweepError(f"--parallel {parallel}: run at least one at a time")
+    echo = echo or _print
     out = out.resolve()
     plan = plan_sweep(spec, out)
     for run in plan:
@@ -605,6 +606,10 @@ def _run_pending(
         return None
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _print(message: str) -> None:
+    print(message, flush=True)  # progress shows at once also when the console is a file or a pipe
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -270,3 +270,16 @@ def test_experiment_files_plan(path: Path, tmp_path: Path) -> None:
     assert len(plan) == len(spec.variants) * len(spec.seeds) and len(spec.seeds) >= 3
     totals = {run.cfg.stages.total_updates for run in plan}
     assert len(totals) == 1, f"{path.name}: variants differ in their number of updates: {totals}"
+
+
+def test_cli_reports_a_bad_sweep_file_as_one_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from megatron_mugrpo.cli import main
+
+    path = demo_sweep(tmp_path, "a: [algo.veto_scope]\n")
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: sweep file") and "algo.veto_scope" in err[0]
+    assert not (tmp_path / "out").exists(), "nothing is written for a rejected sweep file"
+    good = demo_sweep(tmp_path, "a: []\n")
+    assert main(["sweep", str(good), "--out", str(tmp_path / "out"), "--parallel", "0"]) == 2
+    assert "--parallel 0" in capsys.readouterr().err
