@@ -85,6 +85,8 @@ POLL_S = 0.5
 """How often the scheduler looks for finished runs."""
 STOP_TIMEOUT_S = 30.0
 """How long an interrupted sweep waits for a stopped run to exit before killing it."""
+FAILURE_TAIL_LINES = 3
+"""Lines of a failed run's log echoed with its failure."""
 SPEC_HASH_CHARS = 12
 EXIT_RUNS_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -476,7 +478,15 @@ def _finish(item: _Running, echo: Callable[[str], None]) -> int:
         echo(f"done   {item.job.name} in {seconds:.0f}s")
     else:
         echo(f"FAILED {item.job.name} (exit status {code}); its log: {item.job.run_dir / LOG_FILE}")
+        for line in _log_tail(item.job.run_dir / LOG_FILE):
+            echo(f"       | {line}")
     return code
+
+
+def _log_tail(path: Path, lines: int = FAILURE_TAIL_LINES) -> list[str]:
+    """The last lines a failed attempt printed (usually its `error:` line or the traceback's end)."""
+    text = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    return [line for line in text if not line.startswith("==== ")][-lines:]
 
 
 def _stop(running: list[_Running], echo: Callable[[str], None]) -> None:

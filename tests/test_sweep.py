@@ -225,7 +225,8 @@ def test_scheduler_runs_n_at_once_and_keeps_going_after_a_failure(tmp_path: Path
     assert read_status(tmp_path / "bad")["status"] == FAILED and read_status(tmp_path / "bad")["returncode"] == 3
     assert "something broke" in (tmp_path / "bad" / LOG_FILE).read_text()
     assert all(read_status(tmp_path / f"ok{i}")["status"] == FINISHED for i in range(3))
-    assert any(m.startswith("FAILED bad (exit status 3)") and LOG_FILE in m for m in messages)
+    failed = next(i for i, m in enumerate(messages) if m.startswith("FAILED bad (exit status 3)"))
+    assert LOG_FILE in messages[failed] and messages[failed + 1].endswith("| something broke")
 
 
 def test_a_second_attempt_appends_to_the_log(tmp_path: Path) -> None:
