@@ -75,6 +75,7 @@ VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 """Variant names are directory names; a leading '_' or '.' is kept for the sweep's own entries."""
 BASE_DIR = "_base"
 CONFIG_FILE = "config.yaml"
+"""A run directory's config snapshot (runtime.CONFIG_FILE; runtime is not imported: it loads Megatron)."""
 STATUS_FILE = "sweep_status.json"
 LOG_FILE = "sweep.log"
 LOCK_FILE = ".sweep.lock"
