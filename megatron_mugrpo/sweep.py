@@ -12,7 +12,7 @@ A sweep file (YAML; relative paths are relative to the file, like a config's ``i
     variants:
       mu_grpo: []                                            # the base config as it is
       grpo: [inherit ../configs/demo_grpo_cpu.yaml]          # another config file instead of base
-      no_veto: [algo.veto_scope=none]                        # dotted overrides, as on `mugrpo train`
+      no_veto: [algo.mu_grpo.veto_scope=none]                # dotted overrides, as on `mugrpo train`
 
 A variant is a list of entries: ``key=value`` overrides, and at most one ``inherit PATH`` that
 replaces ``base`` for that variant. Overrides apply in the order base file → ``overrides`` →
@@ -149,7 +149,7 @@ def load_sweep(path: str | Path, extra_overrides: Sequence[str] = ()) -> SweepSp
         isinstance(variants, dict) and bool(variants),
         path,
         "'variants' must map at least one name to a list of entries, e.g. "
-        "{mu_grpo: [], no_veto: [algo.veto_scope=none]}",
+        "{mu_grpo: [], no_veto: [algo.mu_grpo.veto_scope=none]}",
     )
     return SweepSpec(
         path=path,

@@ -55,7 +55,7 @@ def test_sweep_file_is_parsed_in_order(tmp_path: Path) -> None:
         f"""\
         mu_grpo: []
         grpo: [inherit {DEMO_GRPO}, eval.every_updates=0]
-        no_veto: [algo.veto_scope=none]
+        no_veto: [algo.mu_grpo.veto_scope=none]
         """,
         extra="overrides: [logging.tensorboard=false]\n",
     )
@@ -86,7 +86,10 @@ def test_inherit_paths_are_relative_to_the_sweep_file(tmp_path: Path) -> None:
         (f"base: {DEMO}\nseeds: [0, 0]\nvariants: {{a: []}}\n", "repeat a value"),
         (f"base: {DEMO}\nseeds: [0, x]\nvariants: {{a: []}}\n", "non-negative integers"),
         (f"base: {DEMO}\nseeds: [0]\nvariants: {{}}\n", "'variants' must map at least one name"),
-        (f"base: {DEMO}\nseeds: [0]\nvariants: {{a: [algo.veto_scope]}}\n", "variant 'a': entry 'algo.veto_scope'"),
+        (
+            f"base: {DEMO}\nseeds: [0]\nvariants: {{a: [algo.mu_grpo.veto_scope]}}\n",
+            "variant 'a': entry 'algo.mu_grpo.veto_scope'",
+        ),
         (f"base: {DEMO}\nseeds: [0]\nvariants: {{a: algo.lr=1}}\n", "variant 'a': expected a list of strings"),
         (f"base: {DEMO}\nseeds: [0]\nvariants: {{a: [inherit nope.yaml]}}\n", "'nope.yaml' does not exist"),
         (f"base: {DEMO}\nseeds: [0]\nvariants: {{a: [inherit]}}\n", "needs a path"),
@@ -113,8 +116,8 @@ def test_bad_override_values_name_the_variant_and_seed(tmp_path: Path) -> None:
     spec = load_sweep(demo_sweep(tmp_path, "ok: []\nbad: [algo.clip_hgh=5]\n"))
     with pytest.raises(SweepError, match=r"variant 'bad', seed 0: .*algo\.clip_hgh"):
         plan_sweep(spec, tmp_path / "out")
-    spec = load_sweep(demo_sweep(tmp_path, "bad: [algo.clip_low=7]\n"))
-    with pytest.raises(SweepError, match=r"variant 'bad', seed 0: .*algo\.clip_low"):
+    spec = load_sweep(demo_sweep(tmp_path, "bad: [algo.mu_grpo.clip_low=7]\n"))
+    with pytest.raises(SweepError, match=r"variant 'bad', seed 0: .*algo\.mu_grpo\.clip_low"):
         plan_sweep(spec, tmp_path / "out")
 
 
@@ -148,7 +151,7 @@ def test_seed_keys_can_keep_the_data_fixed(tmp_path: Path) -> None:
 
 
 def test_runs_of_one_seed_and_warm_start_share_a_base_model(tmp_path: Path) -> None:
-    variants = "a: []\nb: [algo.veto_scope=none]\nc: [warmstart.steps=3]\n"
+    variants = "a: []\nb: [algo.mu_grpo.veto_scope=none]\nc: [warmstart.steps=3]\n"
     spec = load_sweep(demo_sweep(tmp_path, variants, extra="overrides: [warmstart.steps=2]\n"))
     plan = {run.name: run for run in plan_sweep(spec, tmp_path / "out")}
     assert plan["a/seed_0"].base_dir == plan["b/seed_0"].base_dir  # the loss does not touch the base model
@@ -276,10 +279,10 @@ def test_experiment_files_plan(path: Path, tmp_path: Path) -> None:
 def test_cli_reports_a_bad_sweep_file_as_one_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from megatron_mugrpo.cli import main
 
-    path = demo_sweep(tmp_path, "a: [algo.veto_scope]\n")
+    path = demo_sweep(tmp_path, "a: [algo.mu_grpo.veto_scope]\n")
     assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: sweep file") and "algo.veto_scope" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: sweep file") and "algo.mu_grpo.veto_scope" in err[0]
     assert not (tmp_path / "out").exists(), "nothing is written for a rejected sweep file"
     good = demo_sweep(tmp_path, "a: []\n")
     assert main(["sweep", str(good), "--out", str(tmp_path / "out"), "--parallel", "0"]) == 2
