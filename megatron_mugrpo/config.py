@@ -33,9 +33,11 @@ from megatron_mugrpo.algorithms.losses import (
     MuGrpoOptions,
     available_losses,
 )
+from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.kernels.config import KernelConfig
 from megatron_mugrpo.rollout.engine import available_engines
+from megatron_mugrpo.rollout.quantization import ModelOptConfig, available_schemes
 from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngineConfig
 
@@ -154,6 +156,11 @@ class RolloutConfig:
     """Wall-clock bound on verifying one answer; a timeout scores 0 with reason 'timeout'."""
     reward_workers: int = 2
     """Processes in the verification pool."""
+    quantization: str = "none"
+    """Behaviour policy precision: 'none' (the trainer's weights as they are), 'fp8', 'fp8_per_channel'
+    or 'nvfp4' (GPU only), quantized with NVIDIA Model Optimizer each stage (rollout.quantization module)."""
+    modelopt: ModelOptConfig = field(default_factory=ModelOptConfig)
+    """Calibration of the quantized behaviour policy (used when quantization != 'none')."""
 
     def __post_init__(self) -> None:
         require(
@@ -170,6 +177,10 @@ class RolloutConfig:
         for name in ("max_new_tokens", "max_prompt_tokens", "shard_groups", "reward_workers"):
             require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         require(self.reward_timeout_s > 0, f"rollout.reward_timeout_s={self.reward_timeout_s} must be > 0")
+        require(
+            self.quantization in available_schemes(),
+            f"rollout.quantization={self.quantization!r} is unknown; choose one of {available_schemes()}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -226,6 +237,9 @@ class AlgoConfig:
     """M2PO (paper): second-moment masking."""
     m2po_clip: M2poOptions = field(default_factory=M2poOptions)
     """M2PO (released code): one clip bound derived from the second-moment budget."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Mismatch metrics and the optional correction of a behaviour policy that differs from the
+    trainer's (e.g. an FP8 rollout engine); off by default, for any loss (algorithms.rollout_correction)."""
 
     def __post_init__(self) -> None:
         require(
