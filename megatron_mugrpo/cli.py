@@ -6,6 +6,7 @@
     mugrpo optimize --run-dir runs/demo --stage 1          # phase 2 only, on the stored D_1
     mugrpo eval --run-dir runs/demo [--checkpoint STEP_DIR]
     mugrpo report runs/mu_grpo runs/grpo --out reports/cmp
+    mugrpo sweep experiments/f1_mu_vs_grpo.yaml --out runs/sweeps/f1 --parallel 2
     mugrpo convert {hf-to-megatron,megatron-to-hf,verify} ...
 
 Multi-GPU and multi-node runs go through launch/torchrun.sh and launch/slurm.sbatch, which call
@@ -74,10 +75,34 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding metrics.jsonl")
     report.add_argument("--out", type=Path, help="output directory (default: FIRST_RUN/report)")
 
+    _add_sweep_parser(verbs)
     from conversion.cli import add_convert_parser
 
     add_convert_parser(verbs)
     return parser
+
+
+def _add_sweep_parser(verbs: argparse._SubParsersAction) -> None:
+    sweep = verbs.add_parser(
+        "sweep",
+        help="run a sweep file's variants × seeds (resumable) and summarise them as mean ± std over seeds",
+        description="Run every variant × seed of a sweep file under DIR/<variant>/seed_<s>, skipping finished runs "
+        "and resuming interrupted ones, then write DIR/summary.{csv,md} and band plots. The file format is "
+        "documented in megatron_mugrpo/sweep.py and experiments/README.md. Exit status 1 when a run failed.",
+    )
+    sweep.add_argument("file", type=Path, help="sweep YAML (e.g. experiments/f1_mu_vs_grpo.yaml)")
+    sweep.add_argument("--out", type=Path, required=True, help="sweep directory (run directories, summary)")
+    sweep.add_argument("--parallel", type=int, default=1, help="runs at once; the CPUs are split between them")
+    sweep.add_argument("--report-dir", type=Path, help="where summary.{csv,md} and the plots go (default: --out)")
+    sweep.add_argument("--dry-run", action="store_true", help="check the file and print each run's state and command")
+    sweep.add_argument("overrides", nargs="*", help="dotted overrides applied to every run (after the file's own)")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from megatron_mugrpo.sweep import load_sweep, run_sweep
+
+    spec = load_sweep(args.file, args.overrides)
+    return run_sweep(spec, args.out, parallel=args.parallel, report_dir=args.report_dir, dry_run=args.dry_run)
 
 
 class _UsageError(InputError, ValueError):
@@ -264,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "optimize": cmd_phase,
         "eval": cmd_eval,
         "report": cmd_report,
+        "sweep": cmd_sweep,
     }
     try:
         return handlers[args.verb](args)

@@ -1,9 +1,14 @@
-"""Plots that compare runs: accuracy vs wall clock, NAV / clip fractions, E[ρ | A<0], reward per stage.
+"""Plots and tables that compare runs: accuracy vs wall clock, NAV / clip fractions, E[ρ | A<0], reward.
 
     python -m megatron_mugrpo.report runs/mu_grpo runs/grpo --out reports/mu_vs_grpo
 
 reads each run's ``metrics.jsonl`` (written by ``metrics.MetricsLogger``) and writes PNGs plus a
 ``report.md`` summary into ``--out``. The legend of every plot is the run directory's name.
+
+``write_sweep_report`` does the same for groups of runs that differ only by seed (``mugrpo sweep``):
+one line per group at the mean over seeds with a ±1 std band, and ``summary.csv`` / ``summary.md``
+with mean ± std (and n) of each run's figures (``run_figures``: final, best and gain of accuracy,
+T_rollout, T_total, veto and clip rates).
 
 Logging convention the training loop follows (the plots rely on it):
 
@@ -20,11 +25,19 @@ Logging convention the training loop follows (the plots rely on it):
 
 A metric missing from every run is skipped with a note; a directory without ``metrics.jsonl`` is an
 error.
+
+Sweep bands are aligned by update: at every update (or evaluation) that all of a group's seeds
+logged, the line is the mean over seeds and the band ±1 sample standard deviation (none for a
+single seed). Accuracy vs wall clock puts each evaluation at the seeds' mean ``perf/t_total_s``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
+import math
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +54,10 @@ from megatron_mugrpo.metrics import read_metrics
 
 EVAL_AVG = "eval/avg_pass@1"
 EVAL_X = "perf/t_total_s"
-UPDATE_FRACTIONS = ("train/nav_vetoed_frac", "train/clip_frac_low", "train/clip_frac_high")
+VETO_FRAC = "train/nav_vetoed_frac"
+CLIP_LOW = "train/clip_frac_low"
+CLIP_HIGH = "train/clip_frac_high"
+UPDATE_FRACTIONS = (VETO_FRAC, CLIP_LOW, CLIP_HIGH)
 RATIO_NEG = "train/ratio_mean_neg_adv"
 RATIO_POS = "train/ratio_mean_pos_adv"
 REWARD = "rollout/reward_mean"
@@ -53,6 +69,22 @@ SMOOTH_WINDOW = 32
 """Moving-average window in points (= updates for per-update metrics)."""
 SUBPLOT_SIZE = (5.0, 3.6)
 """Inches per subplot (width, height)."""
+T_ROLLOUT = "perf/t_rollout_s"
+TOKENS = "train/response_tokens"
+"""Response tokens of an update: the weight of its fractions in a run's rate."""
+BAND_ALPHA = 0.2
+"""Opacity of the ±1 std band around a group's mean line."""
+RUN_FIGURES = {
+    "final_acc": "final eval/avg_pass@1 (last evaluation)",
+    "best_acc": "best eval/avg_pass@1 over all evaluations (the one before training included)",
+    "acc_gain": "final minus first eval/avg_pass@1 (the first is taken before any update)",
+    "t_rollout_s": "perf/t_rollout_s at the end of the run (seconds generating rollouts)",
+    "t_total_s": "perf/t_total_s at the end of the run (wall-clock seconds, resumes included)",
+    "veto_rate": "vetoed / response tokens over all updates (train/nav_vetoed_frac, token-weighted)",
+    "clip_low": "fraction of response tokens at the lower ratio clip over all updates (token-weighted)",
+    "clip_high": "fraction of response tokens at the upper ratio clip over all updates (token-weighted)",
+}
+"""The figures ``run_figures`` reads from one run's metrics (NaN where the run did not log them)."""
 
 
 @dataclass
@@ -227,13 +259,48 @@ def summary_table(runs: list[Run]) -> list[str]:
     """Markdown rows: updates, final / best eval/avg_pass@1 and perf/t_total_s per run."""
     rows = ["| run | updates | final avg pass@1 | best avg pass@1 | t_total_s |", "|---|---|---|---|---|"]
     for run in runs:
-        acc = series(run.records, EVAL_AVG).y
-        times = series(run.records, EVAL_X).y
+        figures = run_figures(run.records)
         updates = max((int(r["step"]) for r in run.records), default=0)
-        final, best = (f"{acc[-1]:.4f}", f"{max(acc):.4f}") if acc else ("-", "-")
-        total = f"{times[-1]:.0f}" if times else "-"
+        final, best, total = (
+            _fmt(figures[k], spec) for k, spec in (("final_acc", ".4f"), ("best_acc", ".4f"), ("t_total_s", ".0f"))
+        )
         rows.append(f"| {run.label} | {updates} | {final} | {best} | {total} |")
     return rows
+
+
+def run_figures(records: list[dict[str, Any]]) -> dict[str, float]:
+    """One run's summary figures (keys and meaning: RUN_FIGURES); NaN for what the run did not log."""
+    acc = series(records, EVAL_AVG).y
+    return {
+        "final_acc": acc[-1] if acc else math.nan,
+        "best_acc": max(acc) if acc else math.nan,
+        "acc_gain": acc[-1] - acc[0] if acc else math.nan,
+        "t_rollout_s": last_value(records, T_ROLLOUT),
+        "t_total_s": last_value(records, EVAL_X),
+        "veto_rate": token_weighted_rate(records, VETO_FRAC),
+        "clip_low": token_weighted_rate(records, CLIP_LOW),
+        "clip_high": token_weighted_rate(records, CLIP_HIGH),
+    }
+
+
+def last_value(records: list[dict[str, Any]], key: str) -> float:
+    """The value of ``key`` in the last record holding it (NaN if none does)."""
+    values = series(records, key).y
+    return values[-1] if values else math.nan
+
+
+def token_weighted_rate(records: list[dict[str, Any]], key: str) -> float:
+    """Σ_u key_u · tokens_u / Σ_u tokens_u over update records: the run's fraction of tokens, not a mean of
+    per-update fractions (updates differ in length). Unweighted mean when no update logged its tokens."""
+    pairs = [(float(r[key]), float(r.get(TOKENS, 1.0))) for r in records if key in r and math.isfinite(r[key])]
+    if not pairs:
+        return math.nan
+    weight = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / weight if weight > 0 else math.nan
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "-" if math.isnan(value) else format(value, spec)
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
@@ -253,6 +320,265 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Pa
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return [*written, report]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Groups of seeds (mugrpo sweep): mean ± std tables and band plots
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SeedGroup:
+    """The runs of one sweep variant, one per seed (``Run.label`` is ``seed_<s>``)."""
+
+    label: str
+    runs: list[Run]
+
+
+@dataclass
+class MeanStd:
+    """Mean and sample standard deviation (n − 1 in the denominator; NaN for n < 2) of n values."""
+
+    mean: float
+    std: float
+    n: int
+
+
+@dataclass
+class Band:
+    """A group's mean ± std over seeds at the x values every seed has (``n`` seeds)."""
+
+    x: list[float] = field(default_factory=list)
+    mean: list[float] = field(default_factory=list)
+    std: list[float] = field(default_factory=list)
+    n: int = 0
+
+
+def mean_std(values: Sequence[float]) -> MeanStd:
+    """Mean ± sample std of the finite values (NaNs, e.g. the veto rate of a loss without a veto, are left out)."""
+    finite = [v for v in values if math.isfinite(v)]
+    mean = statistics.fmean(finite) if finite else math.nan
+    std = statistics.stdev(finite) if len(finite) >= 2 else math.nan
+    return MeanStd(mean=mean, std=std, n=len(finite))
+
+
+def seed_band(per_seed: Sequence[dict[float, float]]) -> Band:
+    """Mean ± std over seeds (x → y maps) at the x values all of them have; seeds without points are left out."""
+    present = [points for points in per_seed if points]
+    if not present:
+        return Band()
+    xs = sorted(set.intersection(*(set(points) for points in present)))
+    stats = [mean_std([points[x] for points in present]) for x in xs]
+    return Band(x=xs, mean=[s.mean for s in stats], std=[s.std for s in stats], n=len(present))
+
+
+def _update_points(records: list[dict[str, Any]], key: str) -> dict[float, float]:
+    """update → value of a per-update metric, smoothed like the single-run plots when the run is long."""
+    points = series(records, key)
+    values = moving_average(points.y, SMOOTH_WINDOW) if len(points.y) >= SMOOTH_MIN_POINTS else points.y
+    return dict(zip(points.x, values))
+
+
+def _eval_points(records: list[dict[str, Any]]) -> tuple[dict[float, float], dict[float, float]]:
+    """update → eval/avg_pass@1 and update → perf/t_total_s (wall_s without it) of the evaluation records."""
+    acc: dict[float, float] = {}
+    seconds: dict[float, float] = {}
+    for record in records:
+        if EVAL_AVG in record:
+            acc[float(record["step"])] = float(record[EVAL_AVG])
+            seconds[float(record["step"])] = float(record.get(EVAL_X, record.get("wall_s", 0.0)))
+    return acc, seconds
+
+
+def accuracy_bands(group: SeedGroup) -> tuple[Band, Band]:
+    """(accuracy vs updates, accuracy vs wall clock): the second puts each evaluation at the seeds' mean time."""
+    points = [_eval_points(run.records) for run in group.runs]
+    by_update = seed_band([acc for acc, _ in points])
+    times = seed_band([seconds for _, seconds in points])
+    at_time = dict(zip(times.x, times.mean))
+    by_time = Band(x=[at_time[x] for x in by_update.x], mean=by_update.mean, std=by_update.std, n=by_update.n)
+    return by_update, by_time
+
+
+def _plot_bands(
+    groups: list[SeedGroup], panels: list[tuple[str, list[Band], str]], out_path: Path, *, xlabels: list[str]
+) -> Path:
+    """One subplot per (title, one band per group, ylabel) panel: mean lines with ±1 std bands."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(SUBPLOT_SIZE[0] * len(panels), SUBPLOT_SIZE[1]), squeeze=False)
+    for ax, (title, bands, ylabel), xlabel in zip(axes[0], panels, xlabels):
+        for group, band in zip(groups, bands):
+            if not band.x:
+                continue
+            marker = "o" if len(band.x) < SMOOTH_MIN_POINTS // 4 else ""
+            (line,) = ax.plot(band.x, band.mean, marker=marker, markersize=3, label=f"{group.label} (n={band.n})")
+            low = [m - s for m, s in zip(band.mean, band.std)]
+            high = [m + s for m, s in zip(band.mean, band.std)]
+            ax.fill_between(band.x, low, high, color=line.get_color(), alpha=BAND_ALPHA, linewidth=0)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    fig.savefig(tmp, dpi=FIGURE_DPI, format="png")
+    plt.close(fig)
+    tmp.replace(out_path)
+    return out_path
+
+
+def _scaled(band: Band, factor: float) -> Band:
+    return Band(x=band.x, mean=[v * factor for v in band.mean], std=[v * factor for v in band.std], n=band.n)
+
+
+def plot_sweep(groups: list[SeedGroup], out_dir: Path, notes: list[str]) -> list[Path]:
+    """Band plots: accuracy vs wall clock and vs updates, E[ρ | A<0], veto % and clip % vs updates."""
+    runs = [run for group in groups for run in group.runs]
+    written = []
+    if _present(runs, EVAL_AVG):
+        bands = [accuracy_bands(group) for group in groups]
+        panels = [
+            (f"{EVAL_AVG} vs wall clock", [by_time for _, by_time in bands], "pass@1"),
+            (f"{EVAL_AVG} vs updates", [by_update for by_update, _ in bands], "pass@1"),
+        ]
+        path = out_dir / "sweep_accuracy.png"
+        written.append(_plot_bands(groups, panels, path, xlabels=["wall-clock seconds", "optimizer update"]))
+    else:
+        notes.append(f"skipped sweep_accuracy.png: no run logged '{EVAL_AVG}'")
+    if _present(runs, RATIO_NEG):
+        panels = [(f"E[ρ | A<0] ({RATIO_NEG})", [_update_band(g, RATIO_NEG) for g in groups], "mean ratio ρ")]
+        written.append(_plot_bands(groups, panels, out_dir / "sweep_ratio_neg_adv.png", xlabels=["optimizer update"]))
+    else:
+        notes.append(f"skipped sweep_ratio_neg_adv.png: no run logged '{RATIO_NEG}'")
+    fractions = [key for key in UPDATE_FRACTIONS if _present(runs, key)]
+    notes += [
+        f"skipped '{key}' in sweep_veto_clip.png: no run logged it" for key in UPDATE_FRACTIONS if key not in fractions
+    ]
+    if fractions:
+        panels = [(key, [_scaled(_update_band(g, key), 100.0) for g in groups], "% of tokens") for key in fractions]
+        path = out_dir / "sweep_veto_clip.png"
+        written.append(_plot_bands(groups, panels, path, xlabels=["optimizer update"] * len(panels)))
+    return written
+
+
+def _update_band(group: SeedGroup, key: str) -> Band:
+    return seed_band([_update_points(run.records, key) for run in group.runs])
+
+
+FIGURE_FORMATS = {
+    "final_acc": ("final acc", ".3f", 1.0),
+    "best_acc": ("best acc", ".3f", 1.0),
+    "acc_gain": ("acc gain", "+.3f", 1.0),
+    "t_rollout_s": ("T_rollout s", ".1f", 1.0),
+    "t_total_s": ("T_total s", ".1f", 1.0),
+    "veto_rate": ("veto %", ".3f", 100.0),
+    "clip_low": ("clip low %", ".3f", 100.0),
+    "clip_high": ("clip high %", ".3f", 100.0),
+}
+"""Markdown column title, number format and scale (fractions as percent) of each run figure."""
+
+
+def figure_stats(group: SeedGroup) -> dict[str, MeanStd]:
+    """Run figure → mean ± std over the group's seeds."""
+    figures = [run_figures(run.records) for run in group.runs]
+    return {key: mean_std([f[key] for f in figures]) for key in RUN_FIGURES}
+
+
+def summary_csv(groups: list[SeedGroup]) -> str:
+    """variant, n, then <figure>_mean, <figure>_std for every RUN_FIGURES key (full float precision)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["variant", "n", *(f"{key}_{stat}" for key in RUN_FIGURES for stat in ("mean", "std"))])
+    for group in groups:
+        stats = figure_stats(group)
+        writer.writerow(
+            [group.label, len(group.runs), *(v for k in RUN_FIGURES for v in (stats[k].mean, stats[k].std))]
+        )
+    return buffer.getvalue()
+
+
+def runs_csv(groups: list[SeedGroup]) -> str:
+    """One row per run: variant, seed label, updates and every RUN_FIGURES value."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["variant", "run", "updates", *RUN_FIGURES])
+    for group in groups:
+        for run in group.runs:
+            figures = run_figures(run.records)
+            updates = max((int(r["step"]) for r in run.records), default=0)
+            writer.writerow([group.label, run.label, updates, *(figures[key] for key in RUN_FIGURES)])
+    return buffer.getvalue()
+
+
+def _mean_std_cell(stat: MeanStd, spec: str, scale: float) -> str:
+    if stat.n == 0:
+        return "-"
+    if stat.n == 1:
+        return format(stat.mean * scale, spec)
+    return f"{format(stat.mean * scale, spec)} ± {format(stat.std * scale, spec.lstrip('+'))}"
+
+
+def summary_markdown_table(groups: list[SeedGroup]) -> list[str]:
+    """Markdown rows: one per variant, mean ± std over seeds of every run figure, and n."""
+    titles = [FIGURE_FORMATS[key][0] for key in RUN_FIGURES]
+    rows = ["| variant | n | " + " | ".join(titles) + " |", "|---|---|" + "---|" * len(titles)]
+    for group in groups:
+        stats = figure_stats(group)
+        cells = [_mean_std_cell(stats[key], FIGURE_FORMATS[key][1], FIGURE_FORMATS[key][2]) for key in RUN_FIGURES]
+        rows.append(f"| {group.label} | {len(group.runs)} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def per_run_markdown_table(groups: list[SeedGroup]) -> list[str]:
+    """Markdown rows: every run's figures (the numbers the means are taken over)."""
+    titles = [FIGURE_FORMATS[key][0] for key in RUN_FIGURES]
+    rows = ["| variant | run | " + " | ".join(titles) + " |", "|---|---|" + "---|" * len(titles)]
+    for group in groups:
+        for run in group.runs:
+            figures = run_figures(run.records)
+            cells = [_fmt(figures[key] * FIGURE_FORMATS[key][2], FIGURE_FORMATS[key][1]) for key in RUN_FIGURES]
+            rows.append(f"| {group.label} | {run.label} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` under a temporary name, then rename: a reader never sees a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def write_sweep_report(
+    groups: list[SeedGroup],
+    out_dir: str | Path,
+    *,
+    title: str = "Sweep",
+    header: Sequence[str] = (),
+    notes: Sequence[str] = (),
+) -> list[Path]:
+    """Write the band plots, summary.csv, runs.csv and summary.md (last) into ``out_dir``; return their paths.
+
+    ``header`` lines go under the title (what was run, on which machine); ``notes`` (e.g. failed runs)
+    are listed with the plots' own notes.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = [group for group in groups if group.runs]
+    all_notes = list(notes)
+    plots = plot_sweep(groups, out, all_notes) if groups else []
+    tables = [
+        write_text_atomic(out / "summary.csv", summary_csv(groups)),
+        write_text_atomic(out / "runs.csv", runs_csv(groups)),
+    ]
+    lines = [f"# {title}", "", *header, "", "## Mean ± std over seeds", "", *summary_markdown_table(groups), ""]
+    lines += [f"- {key}: {text}" for key, text in RUN_FIGURES.items()]
+    lines += ["- std: sample standard deviation over seeds (n − 1); one seed shows its value alone", ""]
+    lines += ["## Plots (mean ± 1 std over seeds)", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
+    lines += ["## Per run", "", *per_run_markdown_table(groups), ""]
+    lines += ["## Notes", "", *([f"- {n}" for n in all_notes] or ["- none"])]
+    summary = write_text_atomic(out / "summary.md", "\n".join(lines) + "\n")
+    return [*plots, *tables, summary]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,12 +34,7 @@ def prepare_base_model(cfg: RunConfig, out_dir: Path) -> Path:
     """Return the Hugging Face directory the run starts from (``cfg.model.hf_dir`` or a built one)."""
     if cfg.model.hf_dir:
         return Path(cfg.model.hf_dir)
-    spec = {
-        "tiny": cfg.model.tiny.__dict__,
-        "warmstart": cfg.warmstart.__dict__,
-        "seed": cfg.seed,
-        "task": cfg.data.builtin_task,
-    }
+    spec = warmstart_spec(cfg)
     marker = out_dir / WARMSTART_FILE
     if marker.is_file() and json.loads(marker.read_text()).get("spec") == spec:
         return out_dir
@@ -54,6 +49,16 @@ def prepare_base_model(cfg: RunConfig, out_dir: Path) -> Path:
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)  # the marker travels with the rename: a half-built directory is never reused
     return out_dir
+
+
+def warmstart_spec(cfg: RunConfig) -> dict[str, Any]:
+    """Everything the built base model depends on: runs with equal specs can share one base model."""
+    return {
+        "tiny": dict(cfg.model.tiny.__dict__),
+        "warmstart": dict(cfg.warmstart.__dict__),
+        "seed": cfg.seed,
+        "task": cfg.data.builtin_task,
+    }
 
 
 def build_tiny_model(tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> torch.nn.Module:

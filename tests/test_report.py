@@ -1,14 +1,31 @@
-"""write_report: PNGs from two runs' metrics.jsonl, skipped metrics noted, a non-run dir is an error."""
+"""write_report: PNGs from two runs' metrics.jsonl, skipped metrics noted, a non-run dir is an error;
+write_sweep_report: mean ± std over seeds, hand-computed."""
 
 from __future__ import annotations
 
+import csv
+import math
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from megatron_mugrpo.metrics import MetricsLogger
-from megatron_mugrpo.report import REWARD, eval_series, main, moving_average, stage_series, write_report
+from megatron_mugrpo.report import (
+    REWARD,
+    Run,
+    SeedGroup,
+    accuracy_bands,
+    eval_series,
+    main,
+    mean_std,
+    moving_average,
+    seed_band,
+    stage_series,
+    token_weighted_rate,
+    write_report,
+    write_sweep_report,
+)
 
 UPDATES = 8
 EXPECTED_FILES = (
@@ -120,3 +137,84 @@ def test_standalone_evaluations_stay_out_of_the_training_curves(tmp_path: Path) 
         logger.log({"eval/avg_pass@1": 0.9, "perf/t_total_s": 4.5}, step=4)
     (run,) = load_runs([tmp_path])
     assert eval_series(run.records, "eval/avg_pass@1", [], "run").y == [0.2, 0.2]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sweeps: groups of seeds
+# ---------------------------------------------------------------------------------------------------
+
+
+def _seed_records(acc: list[float], t: list[float], veto: list[tuple[float, float]]) -> list[dict]:
+    """An eval before training and after each update pair; per-update (veto fraction, response tokens)."""
+    records = [{"step": 0, "eval/avg_pass@1": acc[0], "perf/t_total_s": t[0], "perf/t_rollout_s": 1.0}]
+    for update, (frac, tokens) in enumerate(veto, start=1):
+        records.append({"step": update, "train/nav_vetoed_frac": frac, "train/response_tokens": tokens})
+        if update % 2 == 0:
+            i = update // 2
+            records.append(
+                {"step": update, "eval/avg_pass@1": acc[i], "perf/t_total_s": t[i], "perf/t_rollout_s": 2.0 * i}
+            )
+    return records
+
+
+def test_mean_std_and_seed_band() -> None:
+    stat = mean_std([1.0, 2.0, 4.0])
+    assert stat.mean == pytest.approx(7 / 3) and stat.n == 3
+    assert stat.std == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))
+    single = mean_std([0.5, math.nan])  # NaN left out; one value has no spread
+    assert (single.mean, single.n) == (0.5, 1) and math.isnan(single.std)
+    band = seed_band([{0.0: 1.0, 2.0: 3.0, 4.0: 5.0}, {0.0: 3.0, 2.0: 5.0}, {}])
+    assert (band.x, band.mean, band.n) == ([0.0, 2.0], [2.0, 4.0], 2)  # x values both seeds have
+    assert band.std == pytest.approx([math.sqrt(2), math.sqrt(2)])
+
+
+def test_rates_are_token_weighted() -> None:
+    records = [
+        {"step": 1, "train/nav_vetoed_frac": 0.5, "train/response_tokens": 10.0},
+        {"step": 2, "train/nav_vetoed_frac": 0.0, "train/response_tokens": 30.0},
+    ]
+    assert token_weighted_rate(records, "train/nav_vetoed_frac") == pytest.approx(5 / 40)  # not (0.5 + 0) / 2
+    assert math.isnan(token_weighted_rate(records, "train/clip_frac_low"))
+
+
+def test_sweep_report_means_over_seeds(tmp_path: Path) -> None:
+    seeds = {
+        "a": [
+            _seed_records([0.1, 0.2, 0.4], [0.0, 10.0, 20.0], [(0.1, 10.0), (0.2, 10.0), (0.0, 20.0), (0.3, 20.0)]),
+            _seed_records([0.2, 0.1, 0.3], [0.0, 12.0, 26.0], [(0.0, 10.0), (0.0, 10.0), (0.4, 10.0), (0.0, 10.0)]),
+        ],
+        "b": [_seed_records([0.3, 0.3, 0.5], [0.0, 5.0, 9.0], [(0.0, 1.0)] * 4)],
+    }
+    groups = [
+        SeedGroup(label=name, runs=[Run(label=f"seed_{i}", records=r) for i, r in enumerate(runs)])
+        for name, runs in seeds.items()
+    ]
+    written = write_sweep_report(groups, tmp_path, title="test", notes=["b/seed_1 failed"])
+    assert [p.name for p in written] == [
+        "sweep_accuracy.png",
+        "sweep_veto_clip.png",
+        "summary.csv",
+        "runs.csv",
+        "summary.md",
+    ]
+    assert all(_is_png(p) for p in written[:2])
+    rows = {row["variant"]: row for row in csv.DictReader((tmp_path / "summary.csv").open())}
+    a = rows["a"]
+    assert int(a["n"]) == 2
+    assert float(a["final_acc_mean"]) == pytest.approx(0.35) and float(a["final_acc_std"]) == pytest.approx(
+        math.sqrt(2 * 0.05**2)
+    )
+    assert float(a["best_acc_mean"]) == pytest.approx(0.35)
+    assert float(a["acc_gain_mean"]) == pytest.approx((0.3 + 0.1) / 2)
+    assert float(a["t_total_s_mean"]) == pytest.approx(23.0) and float(a["t_rollout_s_mean"]) == pytest.approx(4.0)
+    veto = [(0.1 * 10 + 0.2 * 10 + 0.3 * 20) / 60, 0.4 * 10 / 40]
+    assert float(a["veto_rate_mean"]) == pytest.approx(sum(veto) / 2)
+    assert float(a["veto_rate_std"]) == pytest.approx(abs(veto[0] - veto[1]) / math.sqrt(2))
+    assert math.isnan(float(a["clip_low_mean"]))  # never logged
+    assert int(rows["b"]["n"]) == 1 and math.isnan(float(rows["b"]["final_acc_std"]))
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| a | 2 | 0.350 ± 0.071 |" in summary and "| b | 1 | 0.500 |" in summary
+    assert "- b/seed_1 failed" in summary and "skipped sweep_ratio_neg_adv.png" in summary
+    by_update, by_time = accuracy_bands(groups[0])
+    assert by_update.x == [0.0, 2.0, 4.0] and by_update.mean == pytest.approx([0.15, 0.15, 0.35])
+    assert by_time.x == pytest.approx([0.0, 11.0, 23.0])  # each evaluation at the seeds' mean wall clock

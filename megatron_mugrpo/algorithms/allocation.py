@@ -10,6 +10,12 @@ VIGOR spends a fixed rollout budget over a batch of prompts in rounds:
 3. round R, the last, spends whatever budget is left on the top-α prompts of that round, spread
    as evenly as possible (earlier ranks take the odd rollouts): rounds ran out before the budget.
 
+Only prompts whose group reward variance is > 0 are ranked: a group that is all correct or all wrong
+has zero advantages, so more of the same samples would add no gradient (ranking such ties by index
+once sent 20 rollouts to an all-wrong prompt). Fewer informative prompts than α·P simply means fewer
+selected ones. When no prompt is informative there is nothing to guide the allocation, and the rest
+of the budget is spread evenly over all prompts at once (as the fixed allocation would).
+
 The total is therefore always exactly the budget. With α = 0 the allocation is the fixed one:
 ``budget // prompts`` per prompt, the first ``budget % prompts`` prompts taking one more.
 
@@ -133,11 +139,10 @@ def next_allocation(
     if remaining == 0 or _is_fixed(cfg):
         return extra
     selected = rank_by_variance(rewards_per_prompt)[: num_selected(len(rewards_per_prompt), cfg.vigor.alpha)]
+    if not selected:  # no informative prompt: spread the rest evenly over all of them
+        return spread_evenly(remaining, list(range(len(rewards_per_prompt))), len(rewards_per_prompt))
     if last_round:
-        share, odd = divmod(remaining, len(selected))
-        for rank, prompt in enumerate(selected):
-            extra[prompt] = share + (1 if rank < odd else 0)
-        return extra
+        return spread_evenly(remaining, selected, len(rewards_per_prompt))
     for prompt in selected:
         extra[prompt] = min(cfg.vigor.increment, remaining)
         remaining -= extra[prompt]
@@ -152,10 +157,26 @@ def num_rounds(cfg: RolloutConfig) -> int:
     return 0 if _is_fixed(cfg) else max(cfg.vigor.rounds, 1)
 
 
+def spread_evenly(total: int, prompts: list[int], num_prompts: int) -> list[int]:
+    """``total`` rollouts over ``prompts`` as evenly as possible (earlier ones take the odd rollouts).
+
+    Returns one count per prompt of the batch (``num_prompts`` entries; zero for those not listed).
+    """
+    extra = [0] * num_prompts
+    share, odd = divmod(total, len(prompts))
+    for rank, prompt in enumerate(prompts):
+        extra[prompt] = share + (1 if rank < odd else 0)
+    return extra
+
+
 def rank_by_variance(rewards_per_prompt: list[list[float]]) -> list[int]:
-    """Prompt indices by decreasing group reward variance (population variance); ties by index."""
+    """Indices of the prompts with group reward variance > 0, by decreasing variance; ties by index.
+
+    Zero-variance prompts (all rewards equal) are left out: they are never candidates for more rollouts.
+    """
     variances = [group_variance(r) for r in rewards_per_prompt]
-    return sorted(range(len(variances)), key=lambda p: (-variances[p], p))
+    informative = [p for p, v in enumerate(variances) if v > 0.0]
+    return sorted(informative, key=lambda p: (-variances[p], p))
 
 
 def group_variance(rewards: list[float]) -> float:

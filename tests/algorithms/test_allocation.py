@@ -21,8 +21,13 @@ def vigor_cfg(**vigor) -> RolloutConfig:
     return RolloutConfig(allocation="vigor", group_size=8, shard_groups=8, vigor=VigorConfig(**vigor))
 
 
-def run_vigor(cfg: RolloutConfig, reward_of, num_prompts: int) -> tuple[list[int], list[list[int]]]:
-    """Drive the allocation as rollout.generate does; reward_of(prompt, k) gives the k-th reward."""
+def run_vigor(
+    cfg: RolloutConfig, reward_of, num_prompts: int, seen: list[list[list[float]]] | None = None
+) -> tuple[list[int], list[list[int]]]:
+    """Drive the allocation as rollout.generate does; reward_of(prompt, k) gives the k-th reward.
+
+    ``seen`` (optional) collects a copy of the rewards each round's allocation was computed from.
+    """
     budget = total_budget(num_prompts, cfg)
     rewards = [[reward_of(p, k) for k in range(n)] for p, n in enumerate(initial_allocation(num_prompts, cfg))]
     extras = []
@@ -32,6 +37,8 @@ def run_vigor(cfg: RolloutConfig, reward_of, num_prompts: int) -> tuple[list[int
         if not any(extra):
             break
         extras.append(extra)
+        if seen is not None:
+            seen.append([list(group) for group in rewards])
         for p, n in enumerate(extra):
             rewards[p] += [reward_of(p, len(rewards[p]) + k) for k in range(n)]
     return [len(r) for r in rewards], extras
@@ -41,8 +48,8 @@ def test_group_variance_and_ranking():
     assert group_variance([1.0, 0.0]) == pytest.approx(0.25)
     assert group_variance([1.0, 1.0, 1.0]) == 0.0
     assert group_variance([1.0]) == 0.0
-    # Prompts 1 and 3 tie at the top (variance 0.25): lower index first; zero-variance last, by index.
-    assert rank_by_variance([[0, 0], [0, 1], [1, 1, 1, 0], [1, 0, 1, 0]]) == [1, 3, 2, 0]
+    # Prompts 1 and 3 tie at the top (variance 0.25): lower index first; zero-variance prompts are not ranked.
+    assert rank_by_variance([[0, 0], [0, 1], [1, 1, 1, 0], [1, 0, 1, 0]]) == [1, 3, 2]
 
 
 def test_num_selected_rounds_up_without_float_noise():
@@ -111,11 +118,19 @@ def test_vigor_random_rewards_always_spend_budget():
             with pytest.raises(AllocationError, match="n0"):
                 initial_allocation(num_prompts, cfg)
             continue
-        table = [[float(rng.random() < 0.5) for _ in range(200)] for _ in range(num_prompts)]
-        counts, extras = run_vigor(cfg, lambda p, k, t=table: t[p][k], num_prompts)
+        solve_rate = rng.choice([0.0, 0.1, 0.5, 1.0])  # 0 and 1: no prompt is ever informative
+        table = [[float(rng.random() < solve_rate) for _ in range(200)] for _ in range(num_prompts)]
+        seen: list[list[list[float]]] = []
+        counts, extras = run_vigor(cfg, lambda p, k, t=table: t[p][k], num_prompts, seen)
         assert sum(counts) == total_budget(num_prompts, cfg), f"trial {trial}"
         limit = num_selected(num_prompts, cfg.vigor.alpha)
-        assert all(sum(1 for n in extra if n) <= limit for extra in extras)
+        for extra, rewards in zip(extras, seen):
+            informative = {p for p, r in enumerate(rewards) if group_variance(r) > 0}
+            receivers = {p for p, n in enumerate(extra) if n}
+            if informative:  # only prompts with variance > 0, at most ⌈α·P⌉ of them
+                assert receivers <= informative and len(receivers) <= limit, f"trial {trial}"
+            else:  # nothing informative: the rest spread evenly over every prompt
+                assert max(extra) - min(extra) <= 1, f"trial {trial}"
 
 
 def test_extra_rollouts_follow_variance_each_round():
@@ -123,6 +138,26 @@ def test_extra_rollouts_follow_variance_each_round():
     rewards = [[0.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0]] + [[1.0, 1.0]] * 3
     extra = next_allocation(rewards, sum(map(len, rewards)), cfg, 64)
     assert extra == [0, 2, 0, 2, 0, 0, 0, 0]
+
+
+def test_zero_variance_prompts_never_get_extra_rollouts():
+    """One mixed prompt among all-fail ones: only it grows; ties at variance 0 are not ranked by index."""
+    cfg = vigor_cfg(n0=4, alpha=0.25, increment=4, rounds=2)
+    counts, extras = run_vigor(cfg, lambda p, k: float(k % 2) if p == 5 else 0.0, num_prompts=8)
+    assert sum(counts) == 64
+    # Round 1: ⌈0.25 × 8⌉ = 2 slots but one prompt with variance > 0; the last round gives it the rest.
+    assert extras[0] == [0, 0, 0, 0, 0, 4, 0, 0]
+    assert counts == [4, 4, 4, 4, 4, 36, 4, 4]
+
+
+def test_no_informative_prompt_spreads_the_budget_evenly():
+    """Every group all-correct or all-wrong: nothing to guide VIGOR, so the rest is spread evenly at once."""
+    cfg = vigor_cfg(n0=4, alpha=0.25, increment=4, rounds=2, budget=70)
+    rewards = [[float(p % 2)] * 4 for p in range(8)]
+    assert next_allocation(rewards, 32, cfg, 70) == [5, 5, 5, 5, 5, 5, 4, 4]
+    assert next_allocation(rewards, 32, cfg, 70, last_round=True) == [5, 5, 5, 5, 5, 5, 4, 4]
+    counts, extras = run_vigor(cfg, lambda p, k: float(p % 2), num_prompts=8)
+    assert counts == [9, 9, 9, 9, 9, 9, 8, 8] and len(extras) == 1
 
 
 def test_errors_name_the_knob():

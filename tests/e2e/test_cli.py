@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-VERBS = ["train", "generate", "optimize", "eval", "report", "convert"]
+VERBS = ["train", "generate", "optimize", "eval", "report", "sweep", "convert"]
 CONVERT_VERBS = ["hf-to-megatron", "megatron-to-hf", "verify"]
 
 
