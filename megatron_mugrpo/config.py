@@ -21,6 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_mugrpo.algorithms.replay import ReplayConfig
 from megatron_mugrpo.errors import InputError
 
 LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip")
@@ -434,6 +435,8 @@ class RunConfig:
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """Headroom-Drift Replay (owned by algorithms/replay.py); off by default."""
     seed: int = 0
     deterministic: bool = True
     """Deterministic algorithms (CPU resume equals an uninterrupted run)."""
@@ -513,6 +516,7 @@ _NESTED: dict[type, dict[str, type]] = {
         "warmstart": WarmStartConfig,
         "logging": LoggingConfig,
         "checkpoint": CheckpointConfig,
+        "replay": ReplayConfig,
     },
     ModelConfig: {"tiny": TinyModelConfig},
     RolloutConfig: {"vigor": VigorConfig},

@@ -30,6 +30,7 @@ from megatron_mugrpo.config import RunConfig, check_hf_model_parallelism, load_c
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.metrics import MetricsLogger, Timer
+from megatron_mugrpo.replay import ReplayState, open_replay
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
@@ -64,6 +65,8 @@ class Run:
     timer: Timer
     engine: RolloutEngine | None = None
     """Rank 0's rollout engine (None elsewhere, and before the first weight sync)."""
+    replay: ReplayState | None = None
+    """Headroom-Drift Replay buffer and the current stage's decision (None: replay is off)."""
     resumed_from: Path | None = None
     extra_timers: dict[str, float] = field(default_factory=dict)
     """perf/ seconds accumulated by earlier processes of this run (restored from the checkpoint)."""
@@ -177,6 +180,7 @@ def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | 
         logger=logger,
         timer=Timer(sync=sync),
         resumed_from=resumed_from,
+        replay=open_replay(cfg, resumed_from),
         extra_timers=dict(state.extra.get("timers", {})),
     )
 

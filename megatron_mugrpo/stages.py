@@ -17,9 +17,11 @@ import signal
 import time
 from collections.abc import Iterator
 
+from megatron_mugrpo import replay
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.records import collate
+from megatron_mugrpo.replay import StageData
 from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
 from megatron_mugrpo.rollout.store import RolloutStore, is_complete
 from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
@@ -61,14 +63,16 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
         run.state = TrainerState(stage=stage, global_update=run.state.global_update, extra=run.state.extra)
     mu = cfg.stages.updates_per_stage
     with run.timer("perf/t_optimize_s"):
+        data = replay.stage_data(run, stage, store)  # D_k, plus the buffered groups HDR accepts (if enabled)
         for update in progress_range(run, run.state.update_in_stage, mu, f"stage {stage} updates"):
-            metrics = optimizer_update(run, store, stage, update)
+            metrics = optimizer_update(run, data, stage, update)
             run.logger.log(metrics, step=run.state.global_update)
             crash_point(f"update:{run.state.global_update}")
             if _due(cfg.checkpoint.every_updates, run.state.global_update) and update + 1 < mu:
                 checkpoint(run)
             if _due(cfg.eval.every_updates, run.state.global_update):
                 run_evaluation(run)
+    replay.end_stage(run, stage, store)  # D_k's mixed-outcome groups enter the replay FIFO
     run.state = TrainerState(stage=stage + 1, global_update=run.state.global_update, extra=run.state.extra)
     last = stage + 1 == cfg.stages.num_stages
     if cfg.eval.every_updates == 0 or (last and not _due(cfg.eval.every_updates, run.state.global_update)):
@@ -106,11 +110,11 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
     return RolloutStore.open(store_dir)
 
 
-def optimizer_update(run: Run, store: RolloutStore, stage: int, update: int) -> dict[str, float]:
-    """One optimizer update on the ``update``-th seeded minibatch of B_mini groups of D_k."""
+def optimizer_update(run: Run, data: RolloutStore | StageData, stage: int, update: int) -> dict[str, float]:
+    """One optimizer update on the ``update``-th seeded minibatch of B_mini groups of D_k (+ replayed groups)."""
     cfg = run.cfg
     started = time.perf_counter()
-    groups = store.minibatch(update, cfg.stages.mini_groups, cfg.stages.seed)
+    groups = data.minibatch(update, cfg.stages.mini_groups, cfg.stages.seed)
     batch = collate(groups, pad_id=run.tokenizer.pad_token_id or 0)
     metrics = train_step(
         run.policy,
@@ -192,6 +196,7 @@ def checkpoint(run: Run) -> None:
         run_config=run.cfg.to_dict(),
         keep_last=run.cfg.checkpoint.keep_last,
         keep=[best["global_update"]] if best else [],
+        write_extra=replay.checkpoint_writer(run),
     )
     if run.is_writer and best:
         step_dir = run.checkpoint_root / step_dir_name(best["global_update"])

@@ -108,3 +108,21 @@ def test_series_extraction() -> None:
 def test_moving_average() -> None:
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert moving_average([2.0], 5) == [2.0]
+
+
+def test_replay_metrics_get_their_plot(tmp_path: Path) -> None:
+    """A run with Headroom-Drift Replay gets replay.png (headroom accepted/rejected, drift, age per stage)."""
+    _fake_run(tmp_path / "hdr", updates_per_stage=4, seconds_per_update=1.0)
+    with MetricsLogger(tmp_path / "hdr", tensorboard=False, console=False) as logger:
+        for stage in range(1, 3):
+            metrics = {
+                "replay/headroom_mean": 0.3,
+                "replay/headroom_mean_rejected": 0.2,
+                "replay/drift_mean": 1e-3 * stage,
+                "replay/age_mean": 4.0 * stage,
+            }
+            logger.log(metrics, step=4 * stage + 1)
+    written = write_report([tmp_path / "hdr"], tmp_path / "out")
+    assert [p.name for p in written] == [*EXPECTED_FILES[:-1], "replay.png", "report.md"]
+    assert _is_png(written[-2])
+    assert "- none" in written[-1].read_text()

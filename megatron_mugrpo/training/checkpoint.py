@@ -32,7 +32,7 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,11 +291,14 @@ def save_checkpoint(
     save_rng: bool = True,
     keep_last: int = MIN_KEEP_LAST,
     keep: Collection[int] = (),
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``root/step_XXXXXXXX`` (collective: every rank calls it) and return its path.
 
     The newest ``keep_last`` complete checkpoints survive pruning, and so do the steps in ``keep``
-    (e.g. the best one by evaluation).
+    (e.g. the best one by evaluation). ``write_extra`` (rank 0) adds files of other components (the
+    replay buffer) to the temporary step directory before it is completed and published, so they
+    appear atomically with the model.
 
     ``model_chunks`` may be DDP-wrapped or bare GPTModels. Without ``optimizer`` the directory is
     model-only (what ``mugrpo convert hf-to-megatron`` writes). Synchronous: dist_checkpointing's
@@ -324,6 +327,8 @@ def save_checkpoint(
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     _barrier()
     if _is_rank0():
+        if write_extra is not None:
+            write_extra(tmp)
         metadata = _metadata(model_chunks, hf_config, optimizer, scheduler, trainer_state, run_config)
         (tmp / "metadata.json").write_text(json.dumps(metadata, indent=2, default=str))
         _publish(root, tmp, final, keep_last, keep)
