@@ -23,9 +23,9 @@ the rollout store's row format). A run killed and resumed equals an uninterrupte
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -121,21 +121,24 @@ def plan_stage(run: Run, state: ReplayState, stage: int) -> StagePlan:
     """Rank, re-score and gate the buffer with the current policy; log the replay/* metrics."""
     cfg, train_groups = run.cfg.replay, run.cfg.stages.train_groups
     policy = replay_policy(cfg.policy)
-    scorer = partial(_score_keys, run, state) if policy.gated else None
+    # Only earlier stages: E pushes a stage's groups after its updates, so this matters only when
+    # `mugrpo optimize` redoes a stage whose groups (or later ones) are already buffered.
+    order = [key for key in policy.order(state.buffer) if key[0] < stage]
+    started = time.perf_counter()
     selection = select_groups(
-        policy.order(state.buffer),
+        order,
         k=cfg.groups_for(train_groups),
         max_scored=cfg.max_scored(train_groups),
         tau=cfg.tau,
-        score=scorer,
+        score=partial(_score_keys, run, state) if policy.gated else None,
     )
     state.buffer.update_scores(selection.scores)
-    own = [key for key in selection.accepted if key[0] >= stage]
-    if own:  # E pushes after the updates, so this cannot happen unless a buffer was restored into the wrong run
-        raise RuntimeError(f"replay selected groups {own[:3]} of stage >= {stage}: the buffer does not belong here")
-    metrics = selection_metrics(selection, state.buffer, policy_version=run.state.global_update)
+    metrics = {
+        METRIC_PREFIX + k: v for k, v in selection_metrics(selection, state.buffer, run.state.global_update).items()
+    }
+    metrics["perf/replay_select_s"] = time.perf_counter() - started
     # Logged at the stage's first update: a resume from an earlier checkpoint drops and redoes it with that update.
-    run.logger.log({METRIC_PREFIX + k: v for k, v in metrics.items()}, step=run.state.global_update + 1)
+    run.logger.log(metrics, step=run.state.global_update + 1)
     return StagePlan(stage=stage, accepted=selection.accepted)
 
 
@@ -147,8 +150,11 @@ def end_stage(run: Run, stage: int, store: RolloutStore) -> None:
     copy_groups = not run.cfg.replay.cross_stage
     for start in range(0, store.num_groups, CANDIDATE_READ_GROUPS):
         indices = range(start, min(start + CANDIDATE_READ_GROUPS, store.num_groups))
-        state.buffer.push(candidate_entries(zip(indices, store.groups(indices)), copy_groups=copy_groups))
+        entries = candidate_entries(zip(indices, store.groups(indices)), copy_groups=copy_groups)
+        state.buffer.push(e for e in entries if e.key not in state.buffer)  # a stage redone by `mugrpo optimize`
     state.plan = None
+    live = {buffered_stage for buffered_stage, _ in state.buffer}
+    state.stores = {k: v for k, v in state.stores.items() if k in live}  # release stores with nothing left buffered
 
 
 def resolve_group(run: Run, state: ReplayState, key: GroupKey) -> RolloutGroup:
@@ -263,8 +269,3 @@ def _read_state(replay_dir: Path) -> dict[str, Any]:
     if record.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {record.get('format')!r} is not {FORMAT!r}")
     return record
-
-
-def buffer_fingerprint(state: ReplayState) -> str:
-    """sha256 over the buffer's keys, versions and scores (tests compare runs with it)."""
-    return hashlib.sha256(json.dumps(state.buffer.state_dict(), sort_keys=True).encode()).hexdigest()
