@@ -233,9 +233,21 @@ opened wide so that stage 1 certainly replays (the τ boundary itself is tested 
 
 
 @pytest.fixture(scope="session")
-def replay_uninterrupted(tmp_path_factory: pytest.TempPathFactory, base_model: Path) -> Path:
+def demo_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's own warm start (pass@1 ≈ 0.17): stage 0 has mixed-outcome groups to buffer.
+
+    The shorter warm start of ``base_model`` solves none of the addition problems yet, so every group
+    of its first stage is all-wrong and nothing would enter the replay buffer."""
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.warmstart import prepare_base_model
+
+    return prepare_base_model(load_config(DEMO), tmp_path_factory.mktemp("demo_base") / "model")
+
+
+@pytest.fixture(scope="session")
+def replay_uninterrupted(tmp_path_factory: pytest.TempPathFactory, demo_base_model: Path) -> Path:
     run_dir = tmp_path_factory.mktemp("runs") / "replay_full"
-    train(run_dir, base_model, *REPLAY)
+    train(run_dir, demo_base_model, *REPLAY)
     return run_dir
 
 
@@ -261,11 +273,13 @@ def test_replay_run_replays_earlier_groups_and_checkpoints_the_buffer(replay_uni
 
 
 @pytest.mark.slow
-def test_replay_resume_after_sigkill_equals_uninterrupted(tmp_path: Path, base_model: Path, replay_uninterrupted: Path):
+def test_replay_resume_after_sigkill_equals_uninterrupted(
+    tmp_path: Path, demo_base_model: Path, replay_uninterrupted: Path
+):
     """Killed before stage 1's decision, then mid-stage after it: the restored buffer and decision give
     the same final weights as the uninterrupted run."""
     run_dir = tmp_path / "replay_killed"
-    proc = train(run_dir, base_model, *REPLAY, crash_at="rollout:1")
+    proc = train(run_dir, demo_base_model, *REPLAY, crash_at="rollout:1")
     assert proc.returncode == -signal.SIGKILL
     proc = mugrpo("train", "--resume", str(run_dir), crash_at="update:7", check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

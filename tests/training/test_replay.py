@@ -8,6 +8,7 @@ for a whole transformer.
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from megatron_mugrpo import replay
+from megatron_mugrpo.algorithms.losses import available_losses
 from megatron_mugrpo.algorithms.replay import candidate_entries, token_headroom
 from megatron_mugrpo.config import load_config
 from megatron_mugrpo.metrics import MetricsLogger, read_metrics
@@ -186,6 +188,19 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
     expected_gap = SHIFT_OK * replayed_tokens / float(batch.response_mask.sum())
     assert metrics["train/rollout_logprob_abs_diff_mean"] == pytest.approx(expected_gap, rel=1e-3)
     assert metrics["train/rollout_logprob_abs_diff_max"] == pytest.approx(SHIFT_OK, rel=1e-3)
+    # Replayed groups are ordinary rows to the loss: every registry loss takes the mixed batch.
+    for name in available_losses():
+        cfg = load_config(None, [f"algo.loss={name}"])
+        out = train_step(
+            run.policy,
+            batch,
+            loss_name=name,
+            loss_options=cfg.algo.loss_options(),
+            temperature=1.0,
+            micro_batch_size=4,
+            impl="unfused",
+        )
+        assert math.isfinite(out["train/loss"]) and out["train/update_successful"] == 1.0, name
 
     run.logger.close()
     record = next(r for r in read_metrics(tmp_path) if "replay/accepted" in r)
