@@ -31,7 +31,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides",
         nargs="*",
-        help="dotted overrides applied after the YAML, e.g. algo.clip_high=5 stages.num_stages=2",
+        help="dotted overrides applied after the YAML, e.g. algo.mu_grpo.clip_high=5 stages.num_stages=2",
     )
 
 

@@ -1,11 +1,14 @@
 """Typed run configuration: nested dataclasses, YAML loading and dotted command-line overrides.
 
-A run is a YAML file in ``configs/`` plus overrides such as ``algo.clip_high=5``. OmegaConf merges
+A run is a YAML file in ``configs/`` plus overrides such as ``algo.mu_grpo.clip_high=5``. OmegaConf merges
 the YAML and the overrides against the dataclass schema (so a misspelt key or a wrong type is an
 error naming the key); each section then validates itself in ``__post_init__`` with a message that
-says what to change.
+says what to change. Components own their sections and this module composes them: each loss's
+options (``algo.<loss>.*``, ``algorithms.losses``), each engine's knobs (``rollout.<engine>.*``,
+``rollout/*_engine.py``), VIGOR (``rollout.vigor.*``, ``algorithms.allocation``) and the kernels
+(``kernels.*``, ``kernels.config``).
 
-    cfg = load_config("configs/demo_cpu.yaml", ["algo.clip_high=5", "stages.num_stages=2"])
+    cfg = load_config("configs/demo_cpu.yaml", ["algo.mu_grpo.clip_high=5", "stages.num_stages=2"])
     cfg.stages.updates_per_stage      # μ = B_train / B_mini, derived, never typed twice
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,26 +25,25 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_mugrpo.algorithms.allocation import ALLOCATIONS, VigorConfig
+from megatron_mugrpo.algorithms.losses import (
+    AGGREGATIONS,
+    GrpoOptions,
+    M2poOptions,
+    MuGrpoOptions,
+    available_losses,
+)
 from megatron_mugrpo.algorithms.replay import ReplayConfig
-from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.errors import ConfigError, require
+from megatron_mugrpo.kernels.config import KernelConfig
+from megatron_mugrpo.rollout.engine import available_engines
+from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
+from megatron_mugrpo.rollout.transformers_engine import TransformersEngineConfig
 
-LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip")
-AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
-VETO_SCOPES = ("seq", "suffix", "nontrigger_suffix", "trigger", "none")
-ENGINES = ("transformers", "sglang")
-ALLOCATIONS = ("fixed", "vigor")
 DTYPES = ("float32", "bfloat16", "float16")
-LOGPROB_IMPLS = ("fused", "unfused")
-FP8_RECIPES = ("none", "delayed", "current", "mxfp8")
+"""model.dtype choices (training.setup maps them to torch dtypes)."""
 
-
-class ConfigError(InputError, ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+__all__ = ["ConfigError", "RunConfig", "load_config", "save_config"]
 
 
 @dataclass(kw_only=True)
@@ -57,12 +60,12 @@ class TinyModelConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"model.tiny.num_attention_heads={self.num_attention_heads} must be a multiple of "
             f"model.tiny.num_key_value_heads={self.num_key_value_heads}",
         )
-        _require(
+        require(
             self.hidden_size % self.num_attention_heads == 0,
             f"model.tiny.hidden_size={self.hidden_size} must be divisible by "
             f"model.tiny.num_attention_heads={self.num_attention_heads}",
@@ -82,9 +85,9 @@ class ModelConfig:
     """Parameter / compute dtype of the trainer: float32 (CPU), bfloat16 (GPU)."""
 
     def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, f"model.dtype={self.dtype!r} is not one of {DTYPES}")
+        require(self.dtype in DTYPES, f"model.dtype={self.dtype!r} is not one of {DTYPES}")
         if self.hf_dir:
-            _require(
+            require(
                 Path(self.hf_dir).is_dir(),
                 f"model.hf_dir={self.hf_dir!r} is not a directory; point it at a local Hugging Face "
                 "checkpoint (nothing is downloaded at run time) or leave it empty for the tiny model",
@@ -104,34 +107,17 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (GPU with TP > 1 only)."""
+    """Megatron sequence parallelism: activations outside attention/MLP split along the sequence over
+    the TP group (less activation memory). Needs CUDA and tensor_parallel > 1."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size"):
-            _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass(kw_only=True)
-class VigorConfig:
-    """VIGOR: variance-guided rollout allocation (used when rollout.allocation == 'vigor')."""
-
-    n0: int = 4
-    """Initial rollouts per prompt."""
-    alpha: float = 0.25
-    """Fraction of prompts (highest group reward variance) that receive extra rollouts each round."""
-    increment: int = 4
-    """Extra rollouts per selected prompt per round."""
-    rounds: int = 2
-    """Maximum allocation rounds after the initial one."""
-    budget: int = 0
-    """Total rollouts per shard of rollout.shard_groups prompts; 0 means shard_groups × rollout.group_size."""
-
-    def __post_init__(self) -> None:
-        _require(self.n0 >= 2, f"rollout.vigor.n0={self.n0} must be >= 2 (a variance needs two samples)")
-        _require(0.0 <= self.alpha <= 1.0, f"rollout.vigor.alpha={self.alpha} must be in [0, 1]")
-        _require(self.increment >= 1, f"rollout.vigor.increment={self.increment} must be >= 1")
-        _require(self.rounds >= 0, f"rollout.vigor.rounds={self.rounds} must be >= 0")
-        _require(self.budget >= 0, f"rollout.vigor.budget={self.budget} must be >= 0")
+            require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        require(
+            not self.sequence_parallel or self.tensor_parallel > 1,
+            "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1 (it splits the sequence over "
+            "the tensor-parallel group); set it to false",
+        )
 
 
 @dataclass(kw_only=True)
@@ -139,7 +125,12 @@ class RolloutConfig:
     """Phase 1: the frozen behaviour policy generates the stage's static dataset."""
 
     engine: str = "transformers"
-    """'transformers' (CPU default, also GPU) or 'sglang' (GPU, optional extra)."""
+    """'transformers' (CPU default, also GPU) or 'sglang' (GPU, optional extra); its knobs are the
+    section of the same name below."""
+    transformers: TransformersEngineConfig = field(default_factory=TransformersEngineConfig)
+    """Knobs of the transformers engine."""
+    sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
+    """Knobs of the SGLang engine."""
     group_size: int = 8
     """G: responses per prompt (fixed allocation)."""
     temperature: float = 1.0
@@ -152,35 +143,34 @@ class RolloutConfig:
     """Response length cap; longer responses finish with reason 'length'."""
     max_prompt_tokens: int = 512
     """Prompts longer than this are rejected at load time."""
-    batch_size: int = 64
-    """Sequences (prompt × response rows) the transformers engine samples together; bounds memory."""
     shard_groups: int = 64
     """Prompt groups per on-disk shard of the rollout store (the unit of resume)."""
     allocation: str = "fixed"
     """'fixed' (G per prompt) or 'vigor'."""
     vigor: VigorConfig = field(default_factory=VigorConfig)
+    """VIGOR's knobs (rollout.allocation == 'vigor')."""
     reward: str = "math"
     """Reward function from the reward registry."""
     reward_timeout_s: float = 5.0
     """Wall-clock bound on verifying one answer; a timeout scores 0 with reason 'timeout'."""
     reward_workers: int = 2
     """Processes in the verification pool."""
-    sglang_mem_fraction: float = 0.7
-    """SGLang static memory fraction on GPU."""
 
     def __post_init__(self) -> None:
-        _require(self.engine in ENGINES, f"rollout.engine={self.engine!r} is not one of {ENGINES}")
-        _require(self.allocation in ALLOCATIONS, f"rollout.allocation={self.allocation!r} is not one of {ALLOCATIONS}")
-        _require(self.group_size >= 2, f"rollout.group_size={self.group_size} must be >= 2 for group advantages")
-        _require(self.temperature > 0, f"rollout.temperature={self.temperature} must be > 0")
-        _require(
+        require(
+            self.engine in available_engines(), f"rollout.engine={self.engine!r} is not one of {available_engines()}"
+        )
+        require(self.allocation in ALLOCATIONS, f"rollout.allocation={self.allocation!r} is not one of {ALLOCATIONS}")
+        require(self.group_size >= 2, f"rollout.group_size={self.group_size} must be >= 2 for group advantages")
+        require(self.temperature > 0, f"rollout.temperature={self.temperature} must be > 0")
+        require(
             self.top_p == 1.0 and self.top_k == 0,
             "rollout.top_p must be 1.0 and rollout.top_k 0: truncated sampling makes the stored behaviour "
             "log-probs differ from log_softmax(logits / T) and biases the importance ratio",
         )
-        for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_groups", "reward_workers"):
-            _require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        _require(self.reward_timeout_s > 0, f"rollout.reward_timeout_s={self.reward_timeout_s} must be > 0")
+        for name in ("max_new_tokens", "max_prompt_tokens", "shard_groups", "reward_workers"):
+            require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        require(self.reward_timeout_s > 0, f"rollout.reward_timeout_s={self.reward_timeout_s} must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -205,75 +195,52 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.train_path:
             path = Path(self.train_path)
-            _require(
+            require(
                 path.is_file(), f"data.train_path={self.train_path!r} does not exist; give a local JSONL/Parquet file"
             )
-            _require(
+            require(
                 path.suffix in (".jsonl", ".json", ".parquet"),
                 f"data.train_path={self.train_path!r}: expected a .jsonl, .json or .parquet file",
             )
-        _require(self.builtin_size >= 1, f"data.builtin_size={self.builtin_size} must be >= 1")
+        require(self.builtin_size >= 1, f"data.builtin_size={self.builtin_size} must be >= 1")
 
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    """The policy loss. Defaults are μ-GRPO: clip [0, 5] and the negative-advantage veto."""
+    """The policy loss: which registry entry, its aggregation, and one options section per loss.
+
+    Each loss of ``algorithms.losses`` owns its section (``algo.mu_grpo.*``, ``algo.grpo.*``, ...);
+    only the chosen loss's section is used. Defaults are μ-GRPO: clip [0, 5] and the veto.
+    """
 
     loss: str = "mu_grpo"
     """Loss registry entry: grpo | mu_grpo | m2po | m2po_clip."""
-    clip_low: float = 0.0
-    """Lower ratio clip c_low (mu_grpo). Standard GRPO is [1 - ε, 1 + ε] = [0.8, 1.2]."""
-    clip_high: float = 5.0
-    """Upper ratio clip c_high (mu_grpo)."""
-    clip_eps: float = 0.2
-    """ε of the 'grpo' loss: clip [1 - ε, 1 + ε]."""
-    veto_scope: str = "seq"
-    """NAV scope: seq | suffix | nontrigger_suffix | trigger | none."""
-    veto_threshold: float = 1e-4
-    """τ_c: a negative-advantage token with ρ < τ_c triggers the veto."""
-    m2_threshold: float = 0.04
-    """τ_M2: M2PO masks tokens until mean (log ρ)² ≤ τ_M2."""
     aggregation: str = "seq_mean_token_mean"
-    """seq_mean_token_mean (paper Eq. 2) or token_mean."""
+    """seq_mean_token_mean (paper Eq. 2: token mean per response, then mean over responses) or token_mean."""
     adv_eps: float = 1e-6
     """ε in A = (R - mean R) / (std R + ε)."""
+    grpo: GrpoOptions = field(default_factory=GrpoOptions)
+    """Standard GRPO: clip [1 - ε, 1 + ε]."""
+    mu_grpo: MuGrpoOptions = field(default_factory=MuGrpoOptions)
+    """μ-GRPO: relaxed clip [c_low, c_high] and the negative-advantage veto."""
+    m2po: M2poOptions = field(default_factory=M2poOptions)
+    """M2PO (paper): second-moment masking."""
+    m2po_clip: M2poOptions = field(default_factory=M2poOptions)
+    """M2PO (released code): one clip bound derived from the second-moment budget."""
 
     def __post_init__(self) -> None:
-        _require(self.loss in LOSSES, f"algo.loss={self.loss!r} is unknown; choose one of {LOSSES}")
-        _require(
-            self.veto_scope in VETO_SCOPES,
-            f"algo.veto_scope={self.veto_scope!r} is unknown; choose one of {VETO_SCOPES}",
+        require(
+            self.loss in available_losses(), f"algo.loss={self.loss!r} is unknown; choose one of {available_losses()}"
         )
-        _require(
+        require(
             self.aggregation in AGGREGATIONS,
             f"algo.aggregation={self.aggregation!r} is unknown; choose one of {AGGREGATIONS}",
         )
-        _require(self.clip_low >= 0, f"algo.clip_low={self.clip_low} must be >= 0 (ρ is non-negative)")
-        _require(
-            self.clip_low <= self.clip_high,
-            f"algo.clip_low={self.clip_low} > algo.clip_high={self.clip_high}: swap them or lower clip_low",
-        )
-        _require(0 < self.clip_eps < 1, f"algo.clip_eps={self.clip_eps} must be in (0, 1)")
-        _require(
-            0 < self.veto_threshold < 1,
-            f"algo.veto_threshold (τ_c)={self.veto_threshold} must be in (0, 1); the paper uses 1e-4",
-        )
-        _require(self.m2_threshold > 0, f"algo.m2_threshold={self.m2_threshold} must be > 0")
-        _require(self.adv_eps > 0, f"algo.adv_eps={self.adv_eps} must be > 0")
+        require(self.adv_eps > 0, f"algo.adv_eps={self.adv_eps} must be > 0")
 
     def loss_options(self) -> dict[str, Any]:
-        """Keyword options that the chosen registry loss takes (see algorithms.losses)."""
-        common: dict[str, Any] = {"aggregation": self.aggregation}
-        if self.loss == "grpo":
-            return common | {"clip_eps": self.clip_eps}
-        if self.loss == "mu_grpo":
-            return common | {
-                "clip_low": self.clip_low,
-                "clip_high": self.clip_high,
-                "veto_scope": self.veto_scope,
-                "veto_threshold": self.veto_threshold,
-            }
-        return common | {"m2_threshold": self.m2_threshold}
+        """Keyword options of the chosen registry loss: its section plus the aggregation."""
+        return {"aggregation": self.aggregation} | dataclasses.asdict(getattr(self, self.loss))
 
 
 @dataclass(kw_only=True)
@@ -289,10 +256,10 @@ class OptimConfig:
     """Global gradient-norm clip; 0 disables it."""
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
-        _require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
-        _require(self.clip_grad >= 0, f"optim.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
+        require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+        require(self.clip_grad >= 0, f"optim.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
 
 
 @dataclass(kw_only=True)
@@ -309,9 +276,9 @@ class StagesConfig:
     """Seed of the minibatch permutation and of sampling."""
 
     def __post_init__(self) -> None:
-        _require(self.num_stages >= 1, f"stages.num_stages={self.num_stages} must be >= 1")
-        _require(self.mini_groups >= 1, f"stages.mini_groups={self.mini_groups} must be >= 1")
-        _require(
+        require(self.num_stages >= 1, f"stages.num_stages={self.num_stages} must be >= 1")
+        require(self.mini_groups >= 1, f"stages.mini_groups={self.mini_groups} must be >= 1")
+        require(
             self.train_groups >= self.mini_groups and self.train_groups % self.mini_groups == 0,
             f"stages.train_groups (B_train={self.train_groups}) must be a positive multiple of "
             f"stages.mini_groups (B_mini={self.mini_groups}); μ = B_train / B_mini updates per stage",
@@ -342,9 +309,9 @@ class BenchmarkConfig:
     """Evaluate at most this many problems (0: all)."""
 
     def __post_init__(self) -> None:
-        _require(self.k >= 1, f"eval benchmark {self.name!r}: k={self.k} must be >= 1")
+        require(self.k >= 1, f"eval benchmark {self.name!r}: k={self.k} must be >= 1")
         if self.path != "builtin":
-            _require(Path(self.path).is_file(), f"eval benchmark {self.name!r}: path {self.path!r} does not exist")
+            require(Path(self.path).is_file(), f"eval benchmark {self.name!r}: path {self.path!r} does not exist")
 
 
 @dataclass(kw_only=True)
@@ -358,24 +325,8 @@ class EvalConfig:
     max_new_tokens: int = 512
 
     def __post_init__(self) -> None:
-        _require(self.every_updates >= 0, f"eval.every_updates={self.every_updates} must be >= 0")
-        _require(self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")
-
-
-@dataclass(kw_only=True)
-class KernelConfig:
-    """Log-prob computation and low precision."""
-
-    logprob_impl: str = "fused"
-    """'fused' (chunked vocab-parallel log-prob, default) or 'unfused' (materialised logits)."""
-    fp8: str = "none"
-    """FP8 recipe for the transformer layers (needs Transformer Engine and an FP8 GPU)."""
-
-    def __post_init__(self) -> None:
-        _require(
-            self.logprob_impl in LOGPROB_IMPLS, f"kernels.logprob_impl={self.logprob_impl!r} not in {LOGPROB_IMPLS}"
-        )
-        _require(self.fp8 in FP8_RECIPES, f"kernels.fp8={self.fp8!r} not in {FP8_RECIPES}")
+        require(self.every_updates >= 0, f"eval.every_updates={self.every_updates} must be >= 0")
+        require(self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")
 
 
 @dataclass(kw_only=True)
@@ -391,8 +342,8 @@ class WarmStartConfig:
     steps stay right). The demo uses it to start RL from a policy with a systematic, verifiable flaw."""
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")
-        _require(0.0 <= self.answer_noise < 1.0, f"warmstart.answer_noise={self.answer_noise} must be in [0, 1)")
+        require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")
+        require(0.0 <= self.answer_noise < 1.0, f"warmstart.answer_noise={self.answer_noise} must be in [0, 1)")
 
 
 @dataclass(kw_only=True)
@@ -414,9 +365,9 @@ class CheckpointConfig:
     stages want a larger N; a resume redoes at most N stages of updates (stored rollouts are reused)."""
 
     def __post_init__(self) -> None:
-        _require(self.keep_last >= 2, f"checkpoint.keep_last={self.keep_last} must be >= 2")
-        _require(self.every_stages >= 1, f"checkpoint.every_stages={self.every_stages} must be >= 1")
-        _require(self.every_updates >= 0, f"checkpoint.every_updates={self.every_updates} must be >= 0")
+        require(self.keep_last >= 2, f"checkpoint.keep_last={self.keep_last} must be >= 2")
+        require(self.every_stages >= 1, f"checkpoint.every_stages={self.every_stages} must be >= 1")
+        require(self.every_updates >= 0, f"checkpoint.every_updates={self.every_updates} must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -442,7 +393,7 @@ class RunConfig:
     """Deterministic algorithms (CPU resume equals an uninterrupted run)."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.stages.mini_groups * self.rollout.group_size >= self.parallel.micro_batch_size,
             "parallel.micro_batch_size is larger than one update's responses "
             f"(stages.mini_groups × rollout.group_size = {self.stages.mini_groups * self.rollout.group_size})",
@@ -458,18 +409,18 @@ class RunConfig:
 def check_model_parallelism(num_heads: int, num_kv_heads: int, num_layers: int, parallel: ParallelConfig) -> None:
     """Raise ConfigError when TP/PP cannot split a model with these dimensions."""
     tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
-    _require(num_heads % tp == 0, f"parallel.tensor_parallel={tp} does not divide the {num_heads} attention heads")
-    _require(
+    require(num_heads % tp == 0, f"parallel.tensor_parallel={tp} does not divide the {num_heads} attention heads")
+    require(
         num_kv_heads % tp == 0,
         f"parallel.tensor_parallel={tp} does not divide the {num_kv_heads} key/value heads (query groups)",
     )
-    _require(num_layers % pp == 0, f"parallel.pipeline_parallel={pp} does not divide the {num_layers} layers")
+    require(num_layers % pp == 0, f"parallel.pipeline_parallel={pp} does not divide the {num_layers} layers")
 
 
 def check_hf_model_parallelism(hf_dir: str | Path, parallel: ParallelConfig) -> None:
     """Validate TP/PP against a Hugging Face config.json."""
     path = Path(hf_dir) / "config.json"
-    _require(path.is_file(), f"{path} is missing: model.hf_dir must be a Hugging Face checkpoint directory")
+    require(path.is_file(), f"{path} is missing: model.hf_dir must be a Hugging Face checkpoint directory")
     hf = json.loads(path.read_text())
     heads = hf["num_attention_heads"]
     check_model_parallelism(heads, hf.get("num_key_value_heads", heads), hf["num_hidden_layers"], parallel)
@@ -484,49 +435,33 @@ def _schema() -> Any:
 
 def _instantiate(container: dict[str, Any]) -> RunConfig:
     """Build the dataclass tree from a plain dict, running every section's __post_init__."""
-
-    def build(cls: type, values: dict[str, Any]) -> Any:
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in values:
-                continue
-            value = values[f.name]
-            if f.name == "benchmarks":
-                value = [build(BenchmarkConfig, b) for b in value]
-            elif f.name in _NESTED.get(cls, {}):
-                value = build(_NESTED[cls][f.name], value)
-            kwargs[f.name] = value
-        return cls(**kwargs)
-
-    return build(RunConfig, container)
+    return _build(RunConfig, container)
 
 
-# Field annotations are strings under `from __future__ import annotations`; map nested sections here.
-_NESTED: dict[type, dict[str, type]] = {
-    RunConfig: {
-        "model": ModelConfig,
-        "parallel": ParallelConfig,
-        "data": DataConfig,
-        "rollout": RolloutConfig,
-        "algo": AlgoConfig,
-        "optim": OptimConfig,
-        "stages": StagesConfig,
-        "eval": EvalConfig,
-        "kernels": KernelConfig,
-        "warmstart": WarmStartConfig,
-        "logging": LoggingConfig,
-        "checkpoint": CheckpointConfig,
-        "replay": ReplayConfig,
-    },
-    ModelConfig: {"tiny": TinyModelConfig},
-    RolloutConfig: {"vigor": VigorConfig},
-}
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    """``cls(**values)`` with nested sections (and lists of them) built from their dicts first.
+
+    Which fields are sections comes from the type hints, so a component's new section needs no
+    registration here.
+    """
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        value, hint = values[f.name], hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            value = _build(hint, value)
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            value = [_build(typing.get_args(hint)[0], item) for item in value]
+        kwargs[f.name] = value
+    return cls(**kwargs)
 
 
 def _load_yaml_with_inherit(path: Path, chain: tuple[Path, ...]) -> Any:
     """Load a YAML file; its optional ``inherit: [files]`` (relative to it) are merged first, in order."""
-    _require(path.is_file(), f"config file {str(path)!r} does not exist")
-    _require(path.resolve() not in chain, f"config file {path} inherits itself (cycle: {' -> '.join(map(str, chain))})")
+    require(path.is_file(), f"config file {str(path)!r} does not exist")
+    require(path.resolve() not in chain, f"config file {path} inherits itself (cycle: {' -> '.join(map(str, chain))})")
     node = OmegaConf.load(path)
     parents = node.pop("inherit", None) or []
     if isinstance(parents, str):
@@ -535,6 +470,24 @@ def _load_yaml_with_inherit(path: Path, chain: tuple[Path, ...]) -> Any:
     for parent in parents:
         merged = OmegaConf.merge(merged, _load_yaml_with_inherit(path.parent / parent, (*chain, path.resolve())))
     return OmegaConf.merge(merged, node)
+
+
+MOVED_KEYS = {
+    "algo.clip_low": "algo.mu_grpo.clip_low",
+    "algo.clip_high": "algo.mu_grpo.clip_high",
+    "algo.veto_scope": "algo.mu_grpo.veto_scope",
+    "algo.veto_threshold": "algo.mu_grpo.veto_threshold",
+    "algo.clip_eps": "algo.grpo.clip_eps",
+    "algo.m2_threshold": "algo.m2po.m2_threshold (or algo.m2po_clip.m2_threshold)",
+    "rollout.batch_size": "rollout.transformers.batch_size",
+    "rollout.sglang_mem_fraction": "rollout.sglang.mem_fraction_static",
+}
+"""Keys of megatron_mugrpo 0.1.0 that moved into their component's section, and where they live now."""
+
+
+def _refuse_moved_keys(keys: list[str], where: object) -> None:
+    moved = [f"{key} is now {MOVED_KEYS[key]}" for key in keys if key in MOVED_KEYS]
+    require(not moved, f"{where}: {'; '.join(moved)} (each loss and engine owns its config section); rename them")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -547,12 +500,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         if path is not None:
             path = Path(path)
-            merged = OmegaConf.merge(merged, _load_yaml_with_inherit(path, ()))
+            node = _load_yaml_with_inherit(path, ())
+            _refuse_moved_keys(
+                [k for k in MOVED_KEYS if OmegaConf.select(node, k, default=_MISSING) is not _MISSING], path
+            )
+            merged = OmegaConf.merge(merged, node)
         for item in overrides:
-            _require("=" in item, f"override {item!r} must look like section.key=value (e.g. algo.clip_high=5)")
+            require("=" in item, f"override {item!r} must look like section.key=value (e.g. algo.mu_grpo.clip_high=5)")
+        _refuse_moved_keys([item.split("=", 1)[0] for item in overrides], "the command-line overrides")
         for item in overrides:
             key, value = item.split("=", 1)
-            _require(
+            require(
                 OmegaConf.select(merged, key, default=_MISSING) is not _MISSING,
                 f"override {item!r}: {key!r} is not a configuration key (see configs/ and config.py)",
             )

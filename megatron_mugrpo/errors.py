@@ -19,3 +19,13 @@ class InputError(Exception):
 
 class MissingInputError(InputError, FileNotFoundError):
     """A file or directory the user pointed at does not exist or is not what it should be."""
+
+
+class ConfigError(InputError, ValueError):
+    """A configuration value is invalid; the message names the key (``section.field``) and the fix."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``ok``: the one-line validation used by every config section."""
+    if not ok:
+        raise ConfigError(message)

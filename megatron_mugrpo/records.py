@@ -7,6 +7,7 @@ log_softmax(logits / T_rollout), the same distribution the trainer scores.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +78,9 @@ class TrainBatch:
     """[B] float32, one advantage per response."""
     group_index: torch.Tensor
     """[B] int64: which prompt group (within the mini-batch) each response belongs to."""
+    loss_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Extra keyword inputs of the loss computed once per optimizer update by its update pass
+    (``algorithms.losses.update_inputs``): [B, L] tensors travel with their rows, 0-d ones are shared."""
 
     @property
     def num_sequences(self) -> int:
@@ -84,17 +88,18 @@ class TrainBatch:
 
     def slice(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop): a micro-batch."""
-        return TrainBatch(
-            tokens=self.tokens[start:stop],
-            targets=self.targets[start:stop],
-            response_mask=self.response_mask[start:stop],
-            behaviour_logprobs=self.behaviour_logprobs[start:stop],
-            advantages=self.advantages[start:stop],
-            group_index=self.group_index[start:stop],
-        )
+        return self.map_rows(lambda tensor: tensor[start:stop])
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+        """A batch whose per-row tensors (every field, and the [B, ...] loss inputs) are ``fn(tensor)``."""
+        rows = {k: fn(getattr(self, k)) for k in _BATCH_FIELDS}
+        inputs = {k: (fn(v) if v.dim() > 0 else v) for k, v in self.loss_inputs.items()}
+        return TrainBatch(**rows, loss_inputs=inputs)
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(**{k: getattr(self, k).to(device) for k in _BATCH_FIELDS})
+        moved = self.map_rows(lambda tensor: tensor.to(device))
+        moved.loss_inputs = {k: v.to(device) for k, v in moved.loss_inputs.items()}
+        return moved
 
 
 _BATCH_FIELDS = ("tokens", "targets", "response_mask", "behaviour_logprobs", "advantages", "group_index")

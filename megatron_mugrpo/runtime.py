@@ -34,7 +34,8 @@ from megatron_mugrpo.replay import ReplayState, open_replay
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
-from megatron_mugrpo.training.checkpoint import TrainerState, latest_checkpoint, load_checkpoint
+from megatron_mugrpo.state import TrainerState
+from megatron_mugrpo.training.checkpoint import latest_checkpoint, load_checkpoint
 from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy, resolve_dtype
 
@@ -136,6 +137,7 @@ def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | 
         optim=cfg.optim,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         fp8=cfg.kernels.fp8,
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
     state, resumed_from = _initial_weights(policy, hf_dir, run_dir, resume=resume, checkpoint=checkpoint)
     prompts = load_prompts(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens)
@@ -181,7 +183,7 @@ def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | 
         timer=Timer(sync=sync),
         resumed_from=resumed_from,
         replay=open_replay(cfg, resumed_from),
-        extra_timers=dict(state.extra.get("timers", {})),
+        extra_timers=dict(state.timers),
     )
 
 

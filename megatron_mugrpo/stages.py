@@ -25,13 +25,13 @@ from megatron_mugrpo.replay import StageData
 from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
 from megatron_mugrpo.rollout.store import RolloutStore, is_complete
 from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
-from megatron_mugrpo.training.checkpoint import TrainerState, save_checkpoint, step_dir_name
+from megatron_mugrpo.state import BestEval
+from megatron_mugrpo.training.checkpoint import save_checkpoint, step_dir_name
 from megatron_mugrpo.training.train_step import train_step
 
 log = logging.getLogger(__name__)
 
 GAP_KEY = "train/rollout_logprob_abs_diff_max"
-BEST_KEY = "best_eval"
 BEST_FILE = "best.json"
 """RUN_DIR/best.json: the best eval/avg_pass@1 so far, its update and its checkpoint (kept from pruning)."""
 CRASH_ENV = "MUGRPO_CRASH_AT"
@@ -42,8 +42,8 @@ TIMER_KEYS = ("perf/t_rollout_s", "perf/t_optimize_s", "perf/t_eval_s")
 def train(run: Run) -> dict[str, float]:
     """Run (or continue) every stage of ``run``; returns the end-of-run summary."""
     cfg, state = run.cfg, run.state
-    if state.global_update == 0 and "acc_before" not in state.extra:
-        state.extra["acc_before"] = run_evaluation(run).get(AVG_KEY, float("nan"))
+    if state.global_update == 0 and state.acc_before is None:
+        state.acc_before = run_evaluation(run).get(AVG_KEY, float("nan"))
     for stage in range(state.stage, cfg.stages.num_stages):
         with run.timer("perf/t_rollout_s"):
             store = rollout_phase(run, stage)  # sync weights → generate D_k → store → release engine
@@ -60,7 +60,7 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
     cfg = run.cfg
     store = store or RolloutStore.open(run.rollout_dir(stage))
     if run.state.stage != stage:  # `mugrpo optimize` of another stage than the checkpoint's cursor
-        run.state = TrainerState(stage=stage, global_update=run.state.global_update, extra=run.state.extra)
+        run.state = run.state.at_stage(stage)
     mu = cfg.stages.updates_per_stage
     with run.timer("perf/t_optimize_s"):
         data = replay.stage_data(run, stage, store)  # D_k, plus the buffered groups HDR accepts (if enabled)
@@ -73,7 +73,7 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
             if _due(cfg.eval.every_updates, run.state.global_update):
                 run_evaluation(run)
     replay.end_stage(run, stage, store)  # D_k's mixed-outcome groups enter the replay FIFO
-    run.state = TrainerState(stage=stage + 1, global_update=run.state.global_update, extra=run.state.extra)
+    run.state = run.state.at_stage(stage + 1)
     last = stage + 1 == cfg.stages.num_stages
     if cfg.eval.every_updates == 0 or (last and not _due(cfg.eval.every_updates, run.state.global_update)):
         run_evaluation(run)  # every stage end by default; always once at the end of training
@@ -130,7 +130,7 @@ def optimizer_update(run: Run, data: RolloutStore | StageData, stage: int, updat
     run.state.update_in_stage, run.state.global_update = update + 1, run.state.global_update + 1
     run.state.data_cursor = (update + 1) * cfg.stages.mini_groups
     tokens = float(batch.response_mask.sum())
-    run.state.extra["train_tokens"] = run.state.extra.get("train_tokens", 0.0) + tokens
+    run.state.train_tokens += tokens
     seconds = time.perf_counter() - started
     return metrics | {
         "train/stage": float(stage),
@@ -142,7 +142,7 @@ def optimizer_update(run: Run, data: RolloutStore | StageData, stage: int, updat
 def check_first_update(run: Run, metrics: dict[str, float], stage: int) -> None:
     """At a stage's first update π_θ is β: trainer and engine log-probs must agree."""
     gap, tolerance = metrics.get(GAP_KEY, float("nan")), run.cfg.logging.logprob_gap_tolerance
-    run.state.extra.setdefault("first_update_gap", {})[str(stage)] = gap
+    run.state.first_update_gap[str(stage)] = gap
     if not gap <= tolerance:
         log.warning(
             "STAGE %d: trainer vs rollout log-prob gap %.3g exceeds logging.logprob_gap_tolerance=%.3g at the first "
@@ -173,18 +173,18 @@ def run_evaluation(run: Run) -> dict[str, float]:
             run.engine.release()
         barrier()
     if run.is_writer:
-        run.state.extra["acc_last"] = metrics[AVG_KEY]
-        best = run.state.extra.get(BEST_KEY)
-        if best is None or metrics[AVG_KEY] > best["avg_pass@1"]:
-            run.state.extra[BEST_KEY] = {"avg_pass@1": metrics[AVG_KEY], "global_update": run.state.global_update}
+        run.state.acc_last = metrics[AVG_KEY]
+        best = run.state.best
+        if best is None or metrics[AVG_KEY] > best.avg_pass_at_1:
+            run.state.best = BestEval(avg_pass_at_1=metrics[AVG_KEY], global_update=run.state.global_update)
         run.logger.log(metrics | _timers(run), step=run.state.global_update)
     return metrics
 
 
 def checkpoint(run: Run) -> None:
     """Save model, optimizer and trainer state (timers included); the best evaluated step is never pruned."""
-    run.state.extra["timers"] = _timers(run)
-    best = run.state.extra.get(BEST_KEY)
+    run.state.timers = _timers(run)
+    best = run.state.best
     save_checkpoint(
         run.checkpoint_root,
         run.state.global_update,
@@ -195,14 +195,18 @@ def checkpoint(run: Run) -> None:
         trainer_state=run.state,
         run_config=run.cfg.to_dict(),
         keep_last=run.cfg.checkpoint.keep_last,
-        keep=[best["global_update"]] if best else [],
+        keep=[best.global_update] if best else [],
         write_extra=replay.checkpoint_writer(run),
     )
     if run.is_writer and best:
-        step_dir = run.checkpoint_root / step_dir_name(best["global_update"])
+        step_dir = run.checkpoint_root / step_dir_name(best.global_update)
         # The best may be the starting policy (update 0), which lives in the base HF directory.
-        where = step_dir if step_dir.is_dir() else (run.hf_dir if best["global_update"] == 0 else None)
-        record = best | {"checkpoint": str(where) if where else None}
+        where = step_dir if step_dir.is_dir() else (run.hf_dir if best.global_update == 0 else None)
+        record = {
+            "avg_pass@1": best.avg_pass_at_1,
+            "global_update": best.global_update,
+            "checkpoint": str(where) if where else None,
+        }
         (run.run_dir / BEST_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -232,16 +236,20 @@ def summary(run: Run) -> dict[str, float]:
     """End-of-run figures: accuracy before/after, time per phase, updates, tokens."""
     timers = _timers(run)
     return {
-        "acc_before": float(run.state.extra.get("acc_before", float("nan"))),
-        "acc_after": float(run.state.extra.get("acc_last", float("nan"))),
-        "best_acc": float(run.state.extra.get(BEST_KEY, {}).get("avg_pass@1", float("nan"))),
+        "acc_before": _or_nan(run.state.acc_before),
+        "acc_after": _or_nan(run.state.acc_last),
+        "best_acc": _or_nan(run.state.best.avg_pass_at_1 if run.state.best else None),
         "t_rollout_s": timers["perf/t_rollout_s"],
         "t_optimize_s": timers["perf/t_optimize_s"],
         "t_eval_s": timers["perf/t_eval_s"],
         "t_total_s": timers["perf/t_total_s"],
         "updates": float(run.state.global_update),
-        "train_tokens": float(run.state.extra.get("train_tokens", 0.0)),
+        "train_tokens": run.state.train_tokens,
     }
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else float(value)
 
 
 def _timers(run: Run) -> dict[str, float]:

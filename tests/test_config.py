@@ -118,9 +118,9 @@ def test_paper_grid_settings(model: str, method: str, tmp_path: Path) -> None:
     }[method]
     assert cfg.algo.loss == expected[0]
     assert cfg.stages.updates_per_stage == expected[1]
-    assert cfg.algo.loss_options() == {"aggregation": "seq_mean_token_mean", **expected[2]}
-    if cfg.algo.loss == "grpo":
-        assert cfg.algo.veto_scope == "none"
+    aggregation = "token_mean" if method == "m2po" else "seq_mean_token_mean"  # as the released M2PO code
+    assert cfg.algo.loss_options() == {"aggregation": aggregation, **expected[2]}
+    assert cfg.eval.every_updates == 200  # the paper's evaluation interval
 
 
 def test_demo_grpo_matches_demo_updates() -> None:
@@ -131,25 +131,55 @@ def test_demo_grpo_matches_demo_updates() -> None:
     assert grpo.stages.mini_groups == mu.stages.mini_groups
     assert grpo.stages.total_updates == mu.stages.total_updates
     assert grpo.algo.loss_options() == {"aggregation": mu.algo.aggregation, "clip_eps": 0.2}
-    assert grpo.algo.veto_scope == "none"
     # Everything except the schedule and the loss is the demo's.
     same = ("model", "rollout", "data", "optim", "parallel", "warmstart")
     assert {k: grpo.to_dict()[k] for k in same} == {k: mu.to_dict()[k] for k in same}
 
 
 def test_mu_is_derived_and_overrides_apply() -> None:
-    cfg = load_config(None, ["stages.train_groups=96", "stages.mini_groups=8", "algo.clip_high=3.5"])
+    cfg = load_config(None, ["stages.train_groups=96", "stages.mini_groups=8", "algo.mu_grpo.clip_high=3.5"])
     assert cfg.stages.updates_per_stage == 12
     assert cfg.stages.total_updates == 4 * 12
-    assert cfg.algo.clip_high == 3.5
+    assert cfg.algo.mu_grpo.clip_high == 3.5
     assert cfg.algo.loss_options()["clip_high"] == 3.5
 
 
+def test_loss_options_come_from_the_chosen_loss_section() -> None:
+    cfg = load_config(None, ["algo.loss=grpo", "algo.grpo.clip_eps=0.1", "algo.mu_grpo.clip_high=2"])
+    assert cfg.algo.loss_options() == {"aggregation": "seq_mean_token_mean", "clip_eps": 0.1}
+    cfg = load_config(None, ["algo.loss=m2po_clip", "algo.m2po_clip.m2_threshold=0.5", "algo.aggregation=token_mean"])
+    assert cfg.algo.loss_options() == {"aggregation": "token_mean", "m2_threshold": 0.5}
+
+
+def test_algo_has_one_section_per_registered_loss() -> None:
+    """Each loss owns its options section: the registry and AlgoConfig's sections agree in name and type."""
+    from megatron_mugrpo.algorithms.losses import available_losses, loss_spec
+    from megatron_mugrpo.config import AlgoConfig
+
+    algo = AlgoConfig()
+    for name in available_losses():
+        assert type(getattr(algo, name)) is loss_spec(name).options, name
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("algo.clip_high=5", "algo.mu_grpo.clip_high"), ("rollout.batch_size=8", "rollout.transformers.batch_size")],
+)
+def test_moved_keys_name_their_new_place(old: str, new: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"is now {new}"):
+        load_config(None, [old])
+    section, rest = old.split(".", 1)
+    key, value = rest.split("=")
+    (tmp_path / "old.yaml").write_text(f"{section}:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"old\.yaml.*is now {new}"):
+        load_config(tmp_path / "old.yaml")
+
+
 def test_override_on_top_of_file_and_inherit_order(tmp_path: Path) -> None:
-    (tmp_path / "base.yaml").write_text("algo: {clip_high: 2.0, veto_scope: suffix}\nstages: {seed: 3}\n")
-    (tmp_path / "child.yaml").write_text("inherit: base.yaml\nalgo: {clip_high: 4.0}\n")
+    (tmp_path / "base.yaml").write_text("algo: {mu_grpo: {clip_high: 2.0, veto_scope: suffix}}\nstages: {seed: 3}\n")
+    (tmp_path / "child.yaml").write_text("inherit: base.yaml\nalgo: {mu_grpo: {clip_high: 4.0}}\n")
     cfg = load_config(tmp_path / "child.yaml", ["stages.seed=7"])
-    assert (cfg.algo.clip_high, cfg.algo.veto_scope, cfg.stages.seed) == (4.0, "suffix", 7)
+    assert (cfg.algo.mu_grpo.clip_high, cfg.algo.mu_grpo.veto_scope, cfg.stages.seed) == (4.0, "suffix", 7)
 
 
 def test_round_trip_through_dict_and_yaml(tmp_path: Path) -> None:
@@ -164,11 +194,22 @@ def test_round_trip_through_dict_and_yaml(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         (["stages.train_groups=100", "stages.mini_groups=32"], r"B_train=100\) must be a positive multiple"),
-        (["algo.clip_low=2.0", "algo.clip_high=1.0"], r"algo\.clip_low=2\.0 > algo\.clip_high=1\.0"),
-        (["algo.veto_threshold=1.5"], r"veto_threshold \(τ_c\)=1\.5 must be in \(0, 1\)"),
-        (["algo.veto_threshold=0"], r"veto_threshold \(τ_c\)=0\.0 must be in \(0, 1\)"),
+        (
+            ["algo.mu_grpo.clip_low=2.0", "algo.mu_grpo.clip_high=1.0"],
+            r"algo\.mu_grpo\.clip_low=2\.0 > algo\.mu_grpo\.clip_high=1\.0",
+        ),
+        (["algo.mu_grpo.veto_threshold=1.5"], r"veto_threshold \(τ_c\)=1\.5 must be in \(0, 1\)"),
+        (["algo.mu_grpo.veto_threshold=0"], r"veto_threshold \(τ_c\)=0\.0 must be in \(0, 1\)"),
+        (["algo.mu_grpo.veto_threshold=1e-10"], r"veto_threshold=1e-10 is below exp\(-20"),
+        (["algo.grpo.clip_eps=1.5"], r"algo\.grpo\.clip_eps=1\.5 must be in \(0, 1\)"),
+        (["algo.m2po.m2_threshold=0"], r"m2_threshold \(τ_M2\)=0\.0 must be > 0"),
         (["algo.loss=ppo"], r"algo\.loss='ppo' is unknown"),
-        (["algo.veto_scope=prefix"], r"algo\.veto_scope='prefix' is unknown"),
+        (["algo.mu_grpo.veto_scope=prefix"], r"algo\.mu_grpo\.veto_scope='prefix' is unknown"),
+        (["rollout.engine=vllm"], r"rollout\.engine='vllm' is not one of"),
+        (["rollout.transformers.batch_size=0"], r"rollout\.transformers\.batch_size=0 must be >= 1"),
+        (["rollout.sglang.mem_fraction_static=1.5"], r"mem_fraction_static=1\.5 must be in \(0, 1\)"),
+        (["kernels.logprob_impl=magic"], r"kernels\.logprob_impl='magic' is not one of"),
+        (["parallel.sequence_parallel=true"], r"sequence_parallel=true needs parallel\.tensor_parallel > 1"),
         (["parallel.tensor_parallel=3"], r"tensor_parallel=3 does not divide the 4 attention heads"),
         (["parallel.tensor_parallel=4"], r"tensor_parallel=4 does not divide the 2 key/value heads"),
         (["parallel.pipeline_parallel=3"], r"pipeline_parallel=3 does not divide the 2 layers"),

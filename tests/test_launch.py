@@ -15,7 +15,7 @@ import pytest
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 SCRIPTS = (LAUNCH / "torchrun.sh", LAUNCH / "slurm.sbatch")
-USER_ARGS = ["--config", "configs/my run.yaml", "--run-dir", "runs/x", "algo.clip_high=5", "model.hf_dir=/m"]
+USER_ARGS = ["--config", "configs/my run.yaml", "--run-dir", "runs/x", "algo.mu_grpo.clip_high=5", "model.hf_dir=/m"]
 """Includes a space, which only a correctly quoted "$@" keeps in one argument."""
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -26,9 +26,16 @@ lives in ``rollout.generate``:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from megatron_mugrpo.config import RolloutConfig
-from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.errors import InputError, require
+
+if TYPE_CHECKING:
+    from megatron_mugrpo.config import RolloutConfig
+
+ALLOCATIONS = ("fixed", "vigor")
+"""rollout.allocation: G responses per prompt, or VIGOR rounds."""
 
 ALPHA_ROUNDING_SLACK = 1e-9
 """⌈α·P⌉ is taken of α·P minus this slack so that float noise (0.1 × 30 = 3.0000000000000004) does not
@@ -37,6 +44,29 @@ select one prompt too many."""
 
 class AllocationError(InputError, ValueError):
     """The rollout budget cannot be allocated with these settings; the message says what to change."""
+
+
+@dataclass(kw_only=True)
+class VigorConfig:
+    """``rollout.vigor.*``: variance-guided rollout allocation (used when rollout.allocation == 'vigor')."""
+
+    n0: int = 4
+    """Initial rollouts per prompt."""
+    alpha: float = 0.25
+    """Fraction of prompts (highest group reward variance) that receive extra rollouts each round."""
+    increment: int = 4
+    """Extra rollouts per selected prompt per round."""
+    rounds: int = 2
+    """Maximum allocation rounds after the initial one."""
+    budget: int = 0
+    """Total rollouts per shard of rollout.shard_groups prompts; 0 means shard_groups × rollout.group_size."""
+
+    def __post_init__(self) -> None:
+        require(self.n0 >= 2, f"rollout.vigor.n0={self.n0} must be >= 2 (a variance needs two samples)")
+        require(0.0 <= self.alpha <= 1.0, f"rollout.vigor.alpha={self.alpha} must be in [0, 1]")
+        require(self.increment >= 1, f"rollout.vigor.increment={self.increment} must be >= 1")
+        require(self.rounds >= 0, f"rollout.vigor.rounds={self.rounds} must be >= 0")
+        require(self.budget >= 0, f"rollout.vigor.budget={self.budget} must be >= 0")
 
 
 def total_budget(num_prompts: int, cfg: RolloutConfig) -> int:

@@ -2,7 +2,7 @@
 
 Every loss takes the current log-probs log π_θ(a_t|s_t) ``[B, T]``, the stored behaviour log-probs
 b_t ``[B, T]``, the advantages (``[B]`` per response or ``[B, T]`` per token) and the response mask
-``[B, T]``, and returns ``LossOutput(loss_sum, normaliser, metrics)``:
+``[B, T]``, and returns ``LossOutput(loss_sum, normaliser, stats)``:
 
 * ``loss_sum`` (0-d, differentiable) is the **negated** objective summed at this call's
   granularity: the value to MINIMISE is −J. The full-batch loss is
@@ -13,33 +13,44 @@ b_t ``[B, T]``, the advantages (``[B]`` per response or ``[B, T]`` per token) an
   J = (1/|B|) Σ_y (1/T_y) Σ_t m_t · obj_t) the number of responses with T_y > 0, with
   ``loss_sum = −Σ_y (1/T_y) Σ_t m_t · obj_t``; for ``token_mean`` the number of response tokens
   Σ m_t, with ``loss_sum = −Σ_{y,t} m_t · obj_t``.
-* ``metrics``: plain floats over this call's tokens, names without prefix (the trainer adds
-  ``train/``): clip fractions, NAV counts, E[ρ|A<0], E[ρ|A>0], ratio quantiles, M2, ...
+* ``stats`` (``LossStats``): the diagnostics (clip fractions, NAV counts, E[ρ|A<0], E[ρ|A>0], ratio
+  quantiles, M2, ...) as parts that combine exactly across micro-batches and ranks: fractions as
+  (numerator, denominator), counts as sums, maxima, and the ratios themselves for the quantiles.
+  ``LossOutput.metrics`` gives this call's finished floats; names carry no prefix (the trainer adds
+  ``train/``).
 
-Registry entries (``policy_loss(name, ...)``, options = ``AlgoConfig.loss_options()``):
+Registry entries (``policy_loss(name, ...)``); each registers its own options dataclass, which is the
+``algo.<name>.*`` section of the run config:
 
-* ``grpo``      min(ρA, clip(ρ, 1−ε, 1+ε)A).
-* ``mu_grpo``   min(ρA, clip(ρ, c_low, c_high)A), default [0, 5], plus NAV (``veto.py``).
+* ``grpo``      min(ρA, clip(ρ, 1−ε, 1+ε)A).                                  ``GrpoOptions``
+* ``mu_grpo``   min(ρA, clip(ρ, c_low, c_high)A), default [0, 5], plus NAV.   ``MuGrpoOptions``
 * ``m2po``      paper M2PO: mask the trust-region tokens with the largest (log ρ)² until the M2 of the
-                remaining trust-region tokens is ≤ τ_M2, then the unclipped ρA.
+                remaining trust-region tokens is ≤ τ_M2, then the unclipped ρA. ``M2poOptions``
 * ``m2po_clip`` the released M2PO code's variant: one symmetric log-ratio bound τ derived from the
-                same M2 budget, then the PPO-clipped objective with clip [e^−τ, e^τ].
+                same M2 budget, then the PPO-clipped objective with clip [e^−τ, e^τ]. ``M2poOptions``
+
+A loss may also register an **update pass**: a no-grad function of the whole optimizer update's
+tokens (all micro-batches, all data-parallel ranks) whose tensors reach every micro-batch's call as
+keyword inputs. M2PO uses it so that its second-moment budget applies to the update, not to one
+micro-batch (``update_inputs``).
 
 The ratio is ρ_t = exp(log π_θ − b_t) with the log-ratio clamped to ±``LOG_RATIO_CLAMP`` first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from megatron_mugrpo.algorithms.veto import broadcast_advantages, veto_mask
-from megatron_mugrpo.config import AGGREGATIONS
+from megatron_mugrpo.algorithms.veto import VETO_SCOPES, broadcast_advantages, veto_mask
+from megatron_mugrpo.errors import require
 
 LOG_RATIO_CLAMP = 20.0
 """|log ρ| is clamped to this before exp: e^20 ≈ 4.9e8 stays finite in float32 (and bf16) where an
@@ -47,17 +58,149 @@ unclamped exp of a large log-ratio would give inf and inf·0 = NaN gradients. To
 frozen ratio (zero gradient); with ρ < 2e-9 or ρ > 4.9e8 the token is numerically broken anyway."""
 QUANTILES = (0.01, 0.5, 0.99)
 """Ratio quantiles reported as ratio_p01 / ratio_p50 / ratio_p99."""
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
+"""algo.aggregation: token mean per response then mean over responses (paper Eq. 2), or token mean."""
 DEFAULT_AGGREGATION = "seq_mean_token_mean"
 
 
+# ---------------------------------------------------------------------------------------------
+# Options: one dataclass per loss, the ``algo.<loss>.*`` config section
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class GrpoOptions:
+    """``algo.grpo.*``: standard GRPO's symmetric ratio clip."""
+
+    clip_eps: float = 0.2
+    """ε: the ratio is clipped to [1 − ε, 1 + ε]."""
+
+    def __post_init__(self) -> None:
+        require(0.0 < self.clip_eps < 1.0, f"algo.grpo.clip_eps={self.clip_eps} must be in (0, 1)")
+
+
+@dataclass(kw_only=True)
+class MuGrpoOptions:
+    """``algo.mu_grpo.*``: relaxed clipping and the negative-advantage veto (NAV)."""
+
+    clip_low: float = 0.0
+    """Lower ratio clip c_low (μ-GRPO: 0)."""
+    clip_high: float = 5.0
+    """Upper ratio clip c_high (μ-GRPO: 5)."""
+    veto_scope: str = "seq"
+    """NAV scope: seq (whole response) | suffix (after κ) | nontrigger_suffix | trigger | none."""
+    veto_threshold: float = 1e-4
+    """τ_c: a negative-advantage token with ρ < τ_c triggers the veto."""
+
+    def __post_init__(self) -> None:
+        require(self.clip_low >= 0, f"algo.mu_grpo.clip_low={self.clip_low} must be >= 0 (ρ is non-negative)")
+        require(
+            self.clip_low <= self.clip_high,
+            f"algo.mu_grpo.clip_low={self.clip_low} > algo.mu_grpo.clip_high={self.clip_high}: "
+            "swap them or lower clip_low",
+        )
+        require(
+            self.veto_scope in VETO_SCOPES,
+            f"algo.mu_grpo.veto_scope={self.veto_scope!r} is unknown; choose one of {VETO_SCOPES}",
+        )
+        require(
+            0 < self.veto_threshold < 1,
+            f"algo.mu_grpo.veto_threshold (τ_c)={self.veto_threshold} must be in (0, 1); the paper uses 1e-4",
+        )
+        require(
+            self.veto_threshold > math.exp(-LOG_RATIO_CLAMP),
+            f"algo.mu_grpo.veto_threshold={self.veto_threshold} is below exp(-{LOG_RATIO_CLAMP}), the smallest "
+            "ratio the loss resolves; use a larger threshold (the paper uses 1e-4)",
+        )
+
+
+@dataclass(kw_only=True)
+class M2poOptions:
+    """``algo.m2po.*`` / ``algo.m2po_clip.*``: the second-moment budget."""
+
+    m2_threshold: float = 0.04
+    """τ_M2: the mean (log ρ)² over the kept trust-region tokens must not exceed it."""
+
+    def __post_init__(self) -> None:
+        require(self.m2_threshold > 0, f"algo.m2po*.m2_threshold (τ_M2)={self.m2_threshold} must be > 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Output and metrics
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LossStats:
+    """A loss call's diagnostics as parts that add up exactly over micro-batches and ranks.
+
+    ``means[name] = (numerator, denominator)``, ``sums[name]`` (counts), ``maxima[name]``, and
+    ``ratios``: ρ of every response token [N] (for the quantiles). Inside a loss call the values are
+    0-d tensors (no host sync); ``host()`` copies them to Python floats in one transfer; ``merge``
+    combines host parts; ``finish()`` gives the metric floats. A fraction reported this way is
+    Σ numerator / Σ denominator over the whole update, whatever the micro-batch split.
+    """
+
+    means: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    sums: dict[str, Any] = field(default_factory=dict)
+    maxima: dict[str, Any] = field(default_factory=dict)
+    ratios: Tensor | None = None
+
+    def host(self) -> LossStats:
+        """The same parts as Python floats (one device-to-host copy) and ``ratios`` on the CPU."""
+        scalars = [v for pair in self.means.values() for v in pair] + [*self.sums.values(), *self.maxima.values()]
+        tensors = [v for v in scalars if isinstance(v, Tensor)]
+        values = iter(torch.stack([t.detach().double() for t in tensors]).tolist()) if tensors else iter(())
+        floats = [next(values) if isinstance(v, Tensor) else float(v) for v in scalars]
+        it = iter(floats)
+        means = {name: (next(it), next(it)) for name in self.means}
+        sums = {name: next(it) for name in self.sums}
+        maxima = {name: next(it) for name in self.maxima}
+        ratios = self.ratios.detach().float().cpu() if self.ratios is not None else None
+        return LossStats(means=means, sums=sums, maxima=maxima, ratios=ratios)
+
+    @staticmethod
+    def merge(parts: Sequence[LossStats]) -> LossStats:
+        """Combine host parts: numerators, denominators and counts add, maxima take the max."""
+        out = LossStats()
+        for part in parts:
+            for name, (num, den) in part.means.items():
+                old = out.means.get(name, (0.0, 0.0))
+                out.means[name] = (old[0] + num, old[1] + den)
+            for name, value in part.sums.items():
+                out.sums[name] = out.sums.get(name, 0.0) + value
+            for name, value in part.maxima.items():
+                out.maxima[name] = max(out.maxima.get(name, -math.inf), value)
+        ratios = [p.ratios for p in parts if p.ratios is not None]
+        out.ratios = torch.cat(ratios) if ratios else None
+        return out
+
+    def finish(self) -> dict[str, float]:
+        """Metric floats; a mean over nothing is NaN, quantiles of no tokens are 0."""
+        host = self if all(not isinstance(v, Tensor) for v in self.sums.values()) else self.host()
+        out = {name: (num / den if den > 0 else math.nan) for name, (num, den) in host.means.items()}
+        out.update(host.sums)
+        out.update({name: (value if math.isfinite(value) else 0.0) for name, value in host.maxima.items()})
+        if host.ratios is not None:
+            qs = _quantiles(host.ratios, QUANTILES).tolist()
+            out.update({f"ratio_p{round(q * 100):02d}": v for q, v in zip(QUANTILES, qs)})
+        return out
+
+
 class LossOutput(NamedTuple):
-    """What every registry loss returns (a tuple: ``loss_sum, normaliser, metrics = out``)."""
+    """What every registry loss returns (a tuple: ``loss_sum, normaliser, stats = out``)."""
 
     loss_sum: Tensor
     """0-d: −(objective summed at the aggregation's granularity); differentiable."""
     normaliser: Tensor
     """0-d float: responses with T_y > 0 (seq_mean_token_mean) or response tokens (token_mean)."""
-    metrics: dict[str, float]
+    stats: LossStats
+    """Diagnostics as combinable parts (see LossStats)."""
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """This call's diagnostics as floats (``stats.finish()``)."""
+        return self.stats.finish()
 
 
 class TokenTerms(NamedTuple):
@@ -76,16 +219,40 @@ class TokenTerms(NamedTuple):
 
 
 LossFn = Callable[..., LossOutput]
-_REGISTRY: dict[str, LossFn] = {}
+UpdatePass = Callable[..., dict[str, Tensor]]
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Decorator adding a loss to the registry under ``name``."""
+class LossSpec(NamedTuple):
+    """A registry entry."""
+
+    fn: LossFn
+    options: type
+    """The options dataclass (the ``algo.<name>.*`` section); its fields are ``fn``'s keyword options."""
+    update_pass: UpdatePass | None
+    """Optional no-grad function of the WHOLE update's tokens, run once per optimizer update; the
+    tensors it returns ([B, T] ones are cut per micro-batch, 0-d ones shared) reach ``fn`` as keywords."""
+
+
+_REGISTRY: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, *, options: type, update_pass: UpdatePass | None = None) -> Callable[[LossFn], LossFn]:
+    """Decorator adding a loss to the registry under ``name`` with its options dataclass.
+
+    The function's keyword-only parameters must be ``aggregation``, the options' fields, and (with a
+    default of None) the inputs its update pass provides.
+    """
 
     def add(fn: LossFn) -> LossFn:
         if name in _REGISTRY:
             raise ValueError(f"policy loss {name!r} is registered twice")
-        _REGISTRY[name] = fn
+        keywords = {p.name: p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+        option_names = {f.name for f in dataclasses.fields(options)}
+        missing = option_names - set(keywords)
+        extra = [k for k in set(keywords) - option_names - {"aggregation"} if keywords[k].default is not None]
+        if missing or extra or "aggregation" not in keywords:
+            raise TypeError(f"loss {name!r}: keywords {sorted(keywords)} do not match options {sorted(option_names)}")
+        _REGISTRY[name] = LossSpec(fn=fn, options=options, update_pass=update_pass)
         return fn
 
     return add
@@ -96,12 +263,36 @@ def available_losses() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def loss_spec(name: str) -> LossSpec:
+    """The registry entry ``name``; a ValueError naming the choices otherwise."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy loss {name!r}; choose one of {available_losses()} (config: algo.loss)")
+    return _REGISTRY[name]
+
+
+def _checked_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Validate ``options`` through the loss's options dataclass (type and range checks)."""
+    spec = loss_spec(name)
+    own = {k: v for k, v in options.items() if k != "aggregation"}
+    accepted = sorted(f.name for f in dataclasses.fields(spec.options))
+    unknown = sorted(set(own) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"policy loss {name!r} does not take option(s) {unknown}; it takes {accepted} and 'aggregation' "
+            "(pass AlgoConfig.loss_options())"
+        )
+    spec.options(**own)  # raises ConfigError naming the option when a value is out of range
+    return options
+
+
 def policy_loss(
     name: str,
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    *,
+    update_inputs: dict[str, Tensor] | None = None,
     **options: object,
 ) -> LossOutput:
     """Compute registry loss ``name``; see the module docstring for the contract.
@@ -112,19 +303,40 @@ def policy_loss(
         behaviour_logprobs: [B, T] stored log β(a_t|s_t) (detached here).
         advantages: [B] or [B, T].
         response_mask: [B, T] bool or 0/1 float.
+        update_inputs: this call's share of the loss's update pass (``update_inputs()``); without it
+            a loss that has an update pass treats this call's tokens as the whole update.
         **options: exactly the loss's keyword options (``AlgoConfig.loss_options()``).
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown policy loss {name!r}; choose one of {available_losses()} (config: algo.loss)")
-    fn = _REGISTRY[name]
-    accepted = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise TypeError(
-            f"policy loss {name!r} does not take option(s) {unknown}; it takes {sorted(accepted)} "
-            "(pass AlgoConfig.loss_options())"
-        )
-    return fn(logprobs, behaviour_logprobs, advantages, response_mask, **options)
+    _checked_options(name, options)
+    return loss_spec(name).fn(
+        logprobs, behaviour_logprobs, advantages, response_mask, **options, **(update_inputs or {})
+    )
+
+
+@torch.no_grad()
+def update_inputs(
+    name: str,
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    **options: object,
+) -> dict[str, Tensor]:
+    """The loss's update pass over ALL tokens of one optimizer update ({} when it has none).
+
+    ``logprobs`` [B, T] are the current policy's log-probs of the whole update (a no-grad scoring
+    pass); [B, T] results are to be cut per micro-batch along with the rows, 0-d ones shared.
+    """
+    spec = loss_spec(name)
+    if spec.update_pass is None:
+        return {}
+    _checked_options(name, options)
+    return spec.update_pass(logprobs, behaviour_logprobs, advantages, response_mask, **options)
+
+
+def has_update_pass(name: str) -> bool:
+    """Whether loss ``name`` needs the whole update's log-probs before its forward-backward passes."""
+    return loss_spec(name).update_pass is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,10 +431,6 @@ def trust_region(log_ratio: Tensor, advantages: Tensor, response_mask: Tensor) -
     return response_mask.bool() & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
 
 
-def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp_min(1)
-
-
 def _quantiles(values: Tensor, qs: tuple[float, ...]) -> Tensor:
     """Linear-interpolation quantiles of a 1-D tensor (as torch.quantile, without its size limit)."""
     if values.numel() == 0:
@@ -234,39 +442,40 @@ def _quantiles(values: Tensor, qs: tuple[float, ...]) -> Tensor:
 
 
 @torch.no_grad()
-def ratio_metrics(terms: TokenTerms) -> dict[str, Tensor]:
-    """Diagnostics shared by every loss (0-d tensors; ``finish_metrics`` turns them into floats)."""
+def ratio_stats(terms: TokenTerms) -> LossStats:
+    """Diagnostics shared by every loss (0-d tensors, no host sync)."""
     mask, rho, lr, adv = terms.mask, terms.ratio.detach(), terms.log_ratio.detach(), terms.advantages
-    p01, p50, p99 = _quantiles(rho[mask], QUANTILES).unbind()
-    return {
-        "num_tokens": mask.sum(),
-        "num_responses": mask.any(-1).sum(),
-        "ratio_mean": _masked_mean(rho, mask),
-        "ratio_mean_neg_adv": _masked_mean(rho, mask & (adv < 0)),
-        "ratio_mean_pos_adv": _masked_mean(rho, mask & (adv > 0)),
-        "ratio_p01": p01,
-        "ratio_p50": p50,
-        "ratio_p99": p99,
-        "log_ratio_sq_mean": _masked_mean(lr.square(), mask),
-        "logprob_gap_abs_mean": _masked_mean(lr.abs(), mask),
-        "logprob_gap_abs_max": torch.where(mask, lr.abs(), 0.0).max() if mask.numel() else lr.new_zeros(()),
-        "log_ratio_clamped_frac": _masked_mean(terms.clamped.to(lr.dtype), mask),
-    }
+    tokens = mask.sum()
+
+    def mean(values: Tensor, where: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.where(where, values, 0.0).sum(), where.sum()
+
+    return LossStats(
+        means={
+            "ratio_mean": mean(rho, mask),
+            "ratio_mean_neg_adv": mean(rho, mask & (adv < 0)),
+            "ratio_mean_pos_adv": mean(rho, mask & (adv > 0)),
+            "log_ratio_sq_mean": mean(lr.square(), mask),
+            "logprob_gap_abs_mean": mean(lr.abs(), mask),
+            "log_ratio_clamped_frac": mean(terms.clamped.to(lr.dtype), mask),
+        },
+        sums={"num_tokens": tokens, "num_responses": mask.any(-1).sum()},
+        maxima={"logprob_gap_abs_max": torch.where(mask, lr.abs(), 0.0).max() if mask.numel() else lr.new_zeros(())},
+        ratios=rho[mask],
+    )
 
 
-def clip_metrics(terms: TokenTerms, clipped_low: Tensor, clipped_high: Tensor) -> dict[str, Tensor]:
+def clip_stats(terms: TokenTerms, clipped_low: Tensor, clipped_high: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
     """clip_frac_low / clip_frac_high: fractions of response tokens where a clip bound binds."""
-    count = terms.mask.sum().clamp_min(1)
-    return {"clip_frac_low": clipped_low.sum() / count, "clip_frac_high": clipped_high.sum() / count}
+    tokens = terms.mask.sum()
+    return {"clip_frac_low": (clipped_low.sum(), tokens), "clip_frac_high": (clipped_high.sum(), tokens)}
 
 
-def finish_metrics(metrics: dict[str, Tensor | float]) -> dict[str, float]:
-    """Convert 0-d tensors to floats with a single device-to-host copy."""
-    names = [k for k, v in metrics.items() if isinstance(v, Tensor)]
-    values = torch.stack([metrics[k].detach().to(torch.float64) for k in names]).tolist() if names else []
-    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
-    out.update(zip(names, values))
-    return out
+def _with(stats: LossStats, **parts: dict[str, Any]) -> LossStats:
+    """``stats`` with extra entries in its ``means`` / ``sums`` / ``maxima``."""
+    for kind, entries in parts.items():
+        getattr(stats, kind).update(entries)
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +483,7 @@ def finish_metrics(metrics: dict[str, Tensor | float]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-@register_loss("grpo")
+@register_loss("grpo", options=GrpoOptions)
 def grpo_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -285,16 +494,14 @@ def grpo_loss(
     aggregation: str = DEFAULT_AGGREGATION,
 ) -> LossOutput:
     """Standard GRPO: obj_t = min(ρ_t A, clip(ρ_t, 1 − ε, 1 + ε) A). Shapes as in ``policy_loss``."""
-    if not 0.0 < clip_eps < 1.0:
-        raise ValueError(f"grpo clip_eps={clip_eps} must be in (0, 1) (config: algo.clip_eps)")
     terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
     objective, clipped_low, clipped_high = clipped_objective(terms, 1.0 - clip_eps, 1.0 + clip_eps)
     loss_sum, normaliser = aggregate(objective, terms.mask, terms.mask, aggregation)
-    metrics = ratio_metrics(terms) | clip_metrics(terms, clipped_low, clipped_high)
-    return LossOutput(loss_sum, normaliser, finish_metrics(metrics))
+    stats = _with(ratio_stats(terms), means=clip_stats(terms, clipped_low, clipped_high))
+    return LossOutput(loss_sum, normaliser, stats)
 
 
-@register_loss("mu_grpo")
+@register_loss("mu_grpo", options=MuGrpoOptions)
 def mu_grpo_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -314,20 +521,17 @@ def mu_grpo_loss(
     Extra metrics: ``nav_trigger_count``, ``nav_triggered_responses``, ``nav_vetoed_tokens``,
     ``nav_vetoed_frac`` (vetoed / response tokens).
     """
-    if not 0.0 <= clip_low <= clip_high:
-        raise ValueError(f"mu_grpo needs 0 <= clip_low <= clip_high, got [{clip_low}, {clip_high}] (algo.clip_*)")
-    if veto_threshold <= math.exp(-LOG_RATIO_CLAMP):
-        raise ValueError(
-            f"veto_threshold={veto_threshold} is below exp(-{LOG_RATIO_CLAMP}), the smallest ratio the loss "
-            "resolves; use a larger algo.veto_threshold (the paper uses 1e-4)"
-        )
     terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
     objective, clipped_low, clipped_high = clipped_objective(terms, clip_low, clip_high)
     keep, nav = veto_mask(terms.log_ratio, terms.advantages, terms.mask, scope=veto_scope, threshold=veto_threshold)
     loss_sum, normaliser = aggregate(objective, keep, terms.mask, aggregation)
-    nav["nav_vetoed_frac"] = nav["nav_vetoed_tokens"] / terms.mask.sum().clamp_min(1)
-    metrics = ratio_metrics(terms) | clip_metrics(terms, clipped_low, clipped_high) | nav
-    return LossOutput(loss_sum, normaliser, finish_metrics(metrics))
+    stats = _with(
+        ratio_stats(terms),
+        means=clip_stats(terms, clipped_low, clipped_high)
+        | {"nav_vetoed_frac": (nav["nav_vetoed_tokens"], terms.mask.sum())},
+        sums=nav,
+    )
+    return LossOutput(loss_sum, normaliser, stats)
 
 
 @torch.no_grad()
@@ -407,7 +611,46 @@ def m2_clip_bound(log_ratio: Tensor, advantages: Tensor, response_mask: Tensor, 
     return torch.where(fits == n, torch.inf, torch.where(fits == 0, 0.0, last_fit))
 
 
-@register_loss("m2po")
+def _m2po_update_pass(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    m2_threshold: float,
+    aggregation: str = DEFAULT_AGGREGATION,
+) -> dict[str, Tensor]:
+    """``m2_mask`` [B, T]: the M2PO mask over the whole update's tokens."""
+    terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
+    return {"m2_mask": m2po_mask(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)}
+
+
+def _m2po_clip_update_pass(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    m2_threshold: float,
+    aggregation: str = DEFAULT_AGGREGATION,
+) -> dict[str, Tensor]:
+    """``m2_clip_sq_bound`` (0-d): τ² of the released M2PO code over the whole update's tokens."""
+    terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
+    return {"m2_clip_sq_bound": m2_clip_bound(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)}
+
+
+def _m2_stats(terms: TokenTerms, kept_sq: Tensor, kept: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+    """M2 over the trust region before, and of ``kept_sq`` over its ``kept`` tokens after, masking or capping."""
+    region = trust_region(terms.log_ratio, terms.advantages, terms.mask)
+    sq = terms.log_ratio.detach().square()
+    return {
+        "m2": (torch.where(region, sq, 0.0).sum(), region.sum()),
+        "m2_after": (torch.where(region & kept, kept_sq, 0.0).sum(), (region & kept).sum()),
+        "trust_region_frac": (region.sum(), terms.mask.sum()),
+    }
+
+
+@register_loss("m2po", options=M2poOptions, update_pass=_m2po_update_pass)
 def m2po_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -416,37 +659,36 @@ def m2po_loss(
     *,
     m2_threshold: float = 0.04,
     aggregation: str = DEFAULT_AGGREGATION,
+    m2_mask: Tensor | None = None,
 ) -> LossOutput:
     """M2PO, paper version: unclipped obj_t = ρ_t A on the tokens the M2 mask keeps.
 
     Our reading of "mask until M2 ≤ τ": M2 is the mean of (log ρ)² over the *remaining trust-region*
-    tokens, as DESIGN.md states and as the released code measures it (``tr-M2``); averaging over all
-    remaining tokens instead would let the many harmless tokens with ρ ≈ 1 dilute the budget.
-    Masked tokens contribute 0 but stay in T_y / the normaliser ("averaged over all tokens").
-    The mask is computed over this call's tokens, so unlike grpo / mu_grpo the loss depends on how
-    a mini-batch is split into micro-batches (as in the released code).
+    tokens, as the released code measures it (``tr-M2``); averaging over all remaining tokens instead
+    would let the many harmless tokens with ρ ≈ 1 dilute the budget. Masked tokens contribute 0 but
+    stay in T_y / the normaliser ("averaged over all tokens").
+
+    ``m2_mask`` [B, T] (True = masked) is this call's rows of the mask the update pass computed over
+    the WHOLE optimizer update (all micro-batches and data-parallel ranks), so the budget applies to
+    the update and the loss does not depend on the micro-batch split. Without it the mask is
+    computed over this call's tokens.
 
     Extra metrics: ``m2`` (trust-region M2 before masking), ``m2_after``, ``m2_masked_tokens``,
     ``m2_masked_frac`` (masked / response tokens), ``trust_region_frac``.
     """
     terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
-    masked = m2po_mask(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)
+    if m2_mask is None:
+        m2_mask = m2po_mask(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)
+    masked = m2_mask.bool() & terms.mask
     loss_sum, normaliser = aggregate(terms.ratio * terms.advantages, terms.mask & ~masked, terms.mask, aggregation)
     with torch.no_grad():
-        region = trust_region(terms.log_ratio, terms.advantages, terms.mask)
-        sq = terms.log_ratio.detach().square()
-        count = terms.mask.sum().clamp_min(1)
-        extra = {
-            "m2": _masked_mean(sq, region),
-            "m2_after": _masked_mean(sq, region & ~masked),
-            "m2_masked_tokens": masked.sum(),
-            "m2_masked_frac": masked.sum() / count,
-            "trust_region_frac": region.sum() / count,
-        }
-    return LossOutput(loss_sum, normaliser, finish_metrics(ratio_metrics(terms) | extra))
+        means = _m2_stats(terms, terms.log_ratio.detach().square(), ~masked)
+        means["m2_masked_frac"] = (masked.sum(), terms.mask.sum())
+    stats = _with(ratio_stats(terms), means=means, sums={"m2_masked_tokens": masked.sum()})
+    return LossOutput(loss_sum, normaliser, stats)
 
 
-@register_loss("m2po_clip")
+@register_loss("m2po_clip", options=M2poOptions, update_pass=_m2po_clip_update_pass)
 def m2po_clip_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -455,6 +697,7 @@ def m2po_clip_loss(
     *,
     m2_threshold: float = 0.04,
     aggregation: str = DEFAULT_AGGREGATION,
+    m2_clip_sq_bound: Tensor | None = None,
 ) -> LossOutput:
     """M2PO as released (Infini-AI-Lab/M2PO ``compute_m2po_policy_loss``): one derived clip.
 
@@ -462,23 +705,21 @@ def m2po_clip_loss(
     clamp), then obj_t = min(ρ_t A, clip(ρ_t, e^−τ, e^τ) A) on every response token. As in the
     release (which is run with ``miniclip_low/high = None``) no minimum clip width is imposed; the
     release aggregates with verl's token-mean by default, here the aggregation is configurable.
+    ``m2_clip_sq_bound`` is τ² from the update pass (the whole optimizer update); without it τ² is
+    computed over this call's tokens.
 
     Extra metrics: ``m2`` (trust-region M2), ``m2_after`` (mean of min(v, τ²)), ``m2_clip_log_bound``
     (τ), ``clip_frac_low`` / ``clip_frac_high``, ``trust_region_frac``.
     """
     terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
-    tau_sq = m2_clip_bound(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)
-    tau = tau_sq.sqrt().clamp(max=LOG_RATIO_CLAMP).to(terms.ratio.dtype)
+    tau_sq = m2_clip_sq_bound
+    if tau_sq is None:
+        tau_sq = m2_clip_bound(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)
+    tau = tau_sq.to(terms.ratio.device).sqrt().clamp(max=LOG_RATIO_CLAMP).to(terms.ratio.dtype)
     objective, clipped_low, clipped_high = clipped_objective(terms, torch.exp(-tau), torch.exp(tau))
     loss_sum, normaliser = aggregate(objective, terms.mask, terms.mask, aggregation)
     with torch.no_grad():
-        region = trust_region(terms.log_ratio, terms.advantages, terms.mask)
-        sq = terms.log_ratio.detach().square()
-        extra = {
-            "m2": _masked_mean(sq, region),
-            "m2_after": _masked_mean(torch.minimum(sq, tau.square()), region),
-            "m2_clip_log_bound": tau,
-            "trust_region_frac": region.sum() / terms.mask.sum().clamp_min(1),
-        }
-    metrics = ratio_metrics(terms) | clip_metrics(terms, clipped_low, clipped_high) | extra
-    return LossOutput(loss_sum, normaliser, finish_metrics(metrics))
+        capped = torch.minimum(terms.log_ratio.detach().square(), tau.square())
+        means = _m2_stats(terms, capped, terms.mask) | clip_stats(terms, clipped_low, clipped_high)
+    stats = _with(ratio_stats(terms), means=means, maxima={"m2_clip_log_bound": tau})
+    return LossOutput(loss_sum, normaliser, stats)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from megatron_mugrpo.algorithms.advantages import CORRECT_REWARD, INCORRECT_REWARD
+from megatron_mugrpo.errors import require
 from megatron_mugrpo.records import RolloutGroup
 
 GroupKey = tuple[int, int]
@@ -61,7 +62,7 @@ REPLAY_POLICIES = ("hdr", "recent")
 
 @dataclass(kw_only=True)
 class ReplayConfig:
-    """Headroom-Drift Replay (``replay.*``). Off by default: the stages are then purely on-policy."""
+    """``replay.*``: Headroom-Drift Replay. Off by default: the stages are then purely on-policy."""
 
     enabled: bool = False
     """Replay buffered mixed-outcome groups of earlier stages next to each stage's fresh groups."""
@@ -89,21 +90,21 @@ class ReplayConfig:
     re-scoring and the drift gate are unchanged. Needs the run's rollouts/ directory to be kept."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.policy in REPLAY_POLICIES,
             f"replay.policy={self.policy!r} is unknown; choose one of {REPLAY_POLICIES}",
         )
-        _require(
+        require(
             self.tau >= 0 and not math.isnan(self.tau),
             f"replay.tau={self.tau} must be >= 0 (the drift gate; 1e-3 for single-turn math)",
         )
-        _require(self.groups_per_step >= 0, f"replay.groups_per_step={self.groups_per_step} must be >= 0 (0: fraction)")
-        _require(
+        require(self.groups_per_step >= 0, f"replay.groups_per_step={self.groups_per_step} must be >= 0 (0: fraction)")
+        require(
             0 < self.groups_fraction <= 1,
             f"replay.groups_fraction={self.groups_fraction} must be in (0, 1] (share of the fresh groups per stage)",
         )
-        _require(self.capacity >= 0, f"replay.capacity={self.capacity} must be >= 0 (0: 8 stages of groups)")
-        _require(
+        require(self.capacity >= 0, f"replay.capacity={self.capacity} must be >= 0 (0: 8 stages of groups)")
+        require(
             self.max_scored_per_step >= 0,
             f"replay.max_scored_per_step={self.max_scored_per_step} must be >= 0 (0: 4 × K_rep)",
         )
@@ -119,14 +120,6 @@ class ReplayConfig:
     def max_scored(self, train_groups: int) -> int:
         """Re-scoring budget per stage."""
         return self.max_scored_per_step or DEFAULT_SCORED_PER_ACCEPTED * self.groups_for(train_groups)
-
-
-def _require(ok: bool, message: str) -> None:
-    # config.py imports this module for its RunConfig field: import its error class only when needed.
-    from megatron_mugrpo.config import ConfigError
-
-    if not ok:
-        raise ConfigError(message)
 
 
 # ------------------------------------------------------------------------------------ token math

@@ -25,7 +25,8 @@ import math
 import torch
 from torch import Tensor
 
-from megatron_mugrpo.config import VETO_SCOPES
+VETO_SCOPES = ("seq", "suffix", "nontrigger_suffix", "trigger", "none")
+"""NAV scopes (algo.mu_grpo.veto_scope): S_seq, S_κ, H_κ = S_κ \\ T, T, and no veto."""
 
 
 def broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
@@ -84,7 +85,7 @@ def veto_mask(
             ``nav_vetoed_tokens`` (response tokens removed from the loss).
     """
     if scope not in VETO_SCOPES:
-        raise ValueError(f"unknown NAV scope {scope!r}; choose one of {VETO_SCOPES} (config: algo.veto_scope)")
+        raise ValueError(f"unknown NAV scope {scope!r}; choose one of {VETO_SCOPES} (config: algo.mu_grpo.veto_scope)")
     mask = response_mask.bool()
     negative = mask & (broadcast_advantages(advantages, log_ratio) < 0)
     triggers = nav_triggers(log_ratio, advantages, mask, threshold)

@@ -26,16 +26,10 @@ from typing import Any
 
 import torch
 
-try:  # the typed config's error, when the full package (omegaconf) is installed
-    from megatron_mugrpo.config import ConfigError
-except ImportError:  # GPU check machines carry only torch + triton: keep the kernels importable there
-
-    class ConfigError(ValueError):  # type: ignore[no-redef]
-        """A configuration value is invalid; the message names the field and the fix."""
-
+from megatron_mugrpo.errors import ConfigError  # dependency-free: GPU check machines carry only torch + triton
 
 FP8_RECIPES = ("none", "delayed", "current", "mxfp8")
-"""Must match megatron_mugrpo.config.FP8_RECIPES (checked by tests/kernels)."""
+"""kernels.fp8: FP8 recipes of the transformer layers ('none' trains in the model dtype)."""
 
 MIN_COMPUTE_CAPABILITY = {"delayed": (8, 9), "current": (8, 9), "mxfp8": (10, 0)}
 """FP8 tensor cores: Ada / Hopper (sm_89, sm_90) for per-tensor scaling; MXFP8 needs Blackwell (sm_100)."""

@@ -20,7 +20,9 @@ Engines are built by name through a small registry (``build_engine``); the heavy
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -199,22 +201,29 @@ def available_engines() -> tuple[str, ...]:
 
 def build_engine(name: str, hf_dir: str, **kwargs: Any) -> RolloutEngine:
     """Build the engine registered as ``name`` on the Hugging Face directory ``hf_dir``."""
+    return engine_factory(name)(hf_dir, **kwargs)
+
+
+def engine_factory(name: str) -> EngineFactory:
+    """The factory registered as ``name`` (imported on first use)."""
     if name not in _ENGINES:
         raise ValueError(f"unknown rollout engine {name!r}; choose one of {available_engines()} (rollout.engine)")
     factory = _ENGINES[name]
     if isinstance(factory, str):
         module_name, attr = factory.split(":")
         factory = getattr(importlib.import_module(module_name), attr)
-    return factory(hf_dir, **kwargs)
+        _ENGINES[name] = factory
+    return factory
 
 
 def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0) -> dict[str, Any]:
-    """Engine construction knobs taken from the rollout config, per engine."""
-    if rollout.engine == "transformers":
-        return {"batch_size": rollout.batch_size}
-    if rollout.engine == "sglang":
-        return {"mem_fraction_static": rollout.sglang_mem_fraction, "seed": seed}
-    return {}
+    """Constructor keywords of the configured engine: its own section ``rollout.<engine>.*``, plus the
+    run seed for an engine that seeds its sampler at construction (SGLang's ``random_seed``; the
+    transformers engine takes a seed with every call instead)."""
+    kwargs = dataclasses.asdict(getattr(rollout, rollout.engine))
+    if "seed" in inspect.signature(engine_factory(rollout.engine)).parameters:
+        kwargs["seed"] = seed
+    return kwargs
 
 
 def build_engine_from_config(rollout: RolloutConfig, hf_dir: str, *, seed: int = 0, **overrides: Any) -> RolloutEngine:

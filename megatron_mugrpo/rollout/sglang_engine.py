@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_mugrpo.errors import MissingInputError
+from megatron_mugrpo.errors import MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
     ProgressCallback,
@@ -39,6 +40,22 @@ WEIGHT_BUCKET_BYTES = 512 * 1024**2
 """Tensors sent per ``update_weights_from_tensor`` call: bounds the serialised copy in flight."""
 REQUEST_CHUNK = 4096
 """Rows submitted per ``generate`` call: SGLang batches them internally; the chunk paces progress."""
+
+
+@dataclass(kw_only=True)
+class SGLangEngineConfig:
+    """``rollout.sglang.*``: knobs of the SGLang engine (GPU)."""
+
+    mem_fraction_static: float = 0.7
+    """GPU memory fraction SGLang takes for weights + KV cache."""
+    enable_memory_saver: bool = True
+    """Let ``release()`` hand the GPU memory back for the optimizer phase (needs torch_memory_saver)."""
+
+    def __post_init__(self) -> None:
+        require(
+            0.0 < self.mem_fraction_static < 1.0,
+            f"rollout.sglang.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)",
+        )
 
 
 class SGLangNotInstalledError(ImportError):
@@ -59,7 +76,7 @@ class SGLangEngine:
 
     Args:
         hf_dir: local Hugging Face directory (config.json, weights, tokenizer).
-        mem_fraction_static: GPU memory fraction for weights + KV cache (rollout.sglang_mem_fraction).
+        mem_fraction_static: GPU memory fraction for weights + KV cache (rollout.sglang.mem_fraction_static).
         seed: SGLang's ``random_seed``.
         tp_size: SGLang tensor parallelism.
         dtype: 'auto', 'bfloat16', 'float16' or 'float32'.

@@ -17,12 +17,13 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from megatron_mugrpo.errors import MissingInputError
+from megatron_mugrpo.errors import MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
     ProgressCallback,
@@ -32,7 +33,22 @@ from megatron_mugrpo.rollout.engine import (
     validate_generations,
 )
 
+if TYPE_CHECKING:  # transformers is imported when an engine is built, not when the config is loaded
+    from transformers import PreTrainedModel
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class TransformersEngineConfig:
+    """``rollout.transformers.*``: knobs of the transformers engine (the CPU default)."""
+
+    batch_size: int = 64
+    """Rows (prompt × response) sampled together; bounds memory."""
+
+    def __post_init__(self) -> None:
+        require(self.batch_size >= 1, f"rollout.transformers.batch_size={self.batch_size} must be >= 1")
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,6 +109,8 @@ class TransformersEngine:
         """Load (or reload) the model from a local Hugging Face directory."""
         if not (Path(path) / "config.json").is_file():
             raise MissingInputError(f"{path} is not a Hugging Face model directory (no config.json)")
+        from transformers import AutoModelForCausalLM
+
         self.release()
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=self.dtype, attn_implementation=self.attn_implementation
@@ -110,6 +128,8 @@ class TransformersEngine:
         half-updated model, so nothing is ever sampled from a mix of two policies.
         """
         if self.model is None:
+            from transformers import AutoModelForCausalLM
+
             skeleton = AutoModelForCausalLM.from_config(
                 self._config, dtype=self._param_dtype, attn_implementation=self.attn_implementation
             )
@@ -184,6 +204,8 @@ class TransformersEngine:
         unfinished responses does not pay for finished ones; ``active`` [A] maps the rows still in
         the batch to their index in ``prompts``. Outputs are written into [B, max_new_tokens] buffers.
         """
+        from transformers import DynamicCache
+
         model = self._live_model()
         input_ids, attention_mask = left_pad(prompts, self.pad_token_id, self.device)
         positions = position_ids_from_mask(attention_mask)

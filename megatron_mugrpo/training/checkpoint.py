@@ -33,7 +33,7 @@ import os
 import random
 import shutil
 from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.state import TrainerState
 
 logger = logging.getLogger(__name__)
 
@@ -62,26 +63,6 @@ VOCAB_KEYS = ("word_embeddings.weight", "output_layer.weight")
 
 class CheckpointError(InputError, RuntimeError):
     """A checkpoint is missing, truncated or incompatible; the message names the path and the fix."""
-
-
-@dataclass(kw_only=True)
-class TrainerState:
-    """Where the staged loop is; enough to resume exactly."""
-
-    stage: int = 0
-    """Stage k (0-based) the next update belongs to."""
-    update_in_stage: int = 0
-    """Updates already done within ``stage``."""
-    global_update: int = 0
-    """Updates done since the start of training (the policy version)."""
-    data_cursor: int = 0
-    """Position in the stage's minibatch permutation (groups consumed)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Anything else JSON-serialisable the loop needs (e.g. the rollout store's path)."""
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainerState:
-        return cls(**values)
 
 
 @dataclass(kw_only=True)
@@ -356,7 +337,7 @@ def _metadata(
         "distributed_optimizer": _is_distributed(optimizer),
         "optimizer_metadata": OPTIMIZER_METADATA,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "trainer_state": asdict(trainer_state or TrainerState()),
+        "trainer_state": (trainer_state or TrainerState()).to_dict(),
         "versions": _versions(),
         "run_config": run_config,
     }

@@ -3,7 +3,7 @@
     logprob[b, t] = log_softmax(logits[b, t] / T)[targets[b, t]]     over the TRUE vocabulary
 
 T is the rollout temperature, so the trainer scores exactly the distribution the behaviour policy
-sampled from (DESIGN.md: anything else biases the importance ratio). Each TP rank holds vocabulary
+sampled from (docs/method.md: anything else biases the importance ratio). Each TP rank holds vocabulary
 rows ``[vocab_start, vocab_start + V_pad/tp)``; Megatron's padding rows (ids >= the true vocab size,
 absent from Hugging Face and the rollout engine) are excluded from the softmax. Full-vocabulary
 logits are never gathered: max and sum-exp are all-reduced over the TP group.
@@ -28,9 +28,10 @@ from typing import Any
 
 import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from torch import Tensor
 
-LOGPROB_IMPLS = ("fused", "unfused")
+from megatron_mugrpo.kernels.config import LOGPROB_IMPLS
 
 
 def vocab_range(n_local: int, tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -116,6 +117,13 @@ def hidden_states_instead_of_logits(model: GPTModel) -> Iterator[OutputWeight]:
 
     def passthrough(self: Any, hidden: Tensor, weight: Tensor | None = None, **_kwargs: Any) -> tuple[Tensor, None]:
         holder.weight = self.weight if weight is None else weight
+        if getattr(self, "sequence_parallel", False):
+            # Sequence parallelism hands the output layer [s/tp, b, h]; the log-prob needs every position.
+            # The kernel all-reduces d hidden over TP itself, so the gather's backward only keeps this
+            # rank's slice (tensor_parallel_output_grad=False) instead of reduce-scattering a second time.
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False, group=self.tp_group
+            )
         return hidden, None
 
     layer.forward = types.MethodType(passthrough, layer)

@@ -28,12 +28,15 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_model_config
 
+from megatron_mugrpo import config
 from megatron_mugrpo.config import OptimConfig
+from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.training.model import build_gpt_model
 from megatron_mugrpo.training.optimizer import build_optimizer
 from megatron_mugrpo.training.parallel import ParallelGroups
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in config.DTYPES}
+"""model.dtype names → torch dtypes."""
 
 
 @dataclass
@@ -83,6 +86,7 @@ def build_model_chunks(
     dtype: torch.dtype,
     use_distributed_optimizer: bool,
     fp8: str = "none",
+    sequence_parallel: bool = False,
 ) -> list[DistributedDataParallel]:
     """This rank's GPTModel stage on its device, wrapped in Megatron DDP.
 
@@ -96,7 +100,7 @@ def build_model_chunks(
         pre_process=groups.is_first_stage,
         post_process=groups.is_last_stage,
         fp8=fp8,
-        config_overrides={"calculate_per_token_loss": True},
+        config_overrides={"calculate_per_token_loss": True, "sequence_parallel": sequence_parallel},
     )
     model.to(groups.device)
     ddp_config = DistributedDataParallelConfig(
@@ -126,6 +130,7 @@ def build_policy(
     optim: OptimConfig | None,
     use_distributed_optimizer: bool = False,
     fp8: str = "none",
+    sequence_parallel: bool = False,
 ) -> Policy:
     """Model (+ optimizer and schedule hooks when ``optim`` is given) for this rank.
 
@@ -133,8 +138,18 @@ def build_policy(
     ``conversion.load_hf_into_model(policy.unwrapped(), hf_dir)`` or
     ``checkpoint.load_checkpoint(step_dir, policy.model_chunks, ...)``.
     """
+    if sequence_parallel and groups.device.type != "cuda":
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs CUDA: Megatron's sequence-parallel communication runs on "
+            "GPUs only; set parallel.sequence_parallel=false on CPU"
+        )
     chunks = build_model_chunks(
-        hf_config, groups, dtype=dtype, use_distributed_optimizer=use_distributed_optimizer, fp8=fp8
+        hf_config,
+        groups,
+        dtype=dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+        fp8=fp8,
+        sequence_parallel=sequence_parallel,
     )
     optimizer = scheduler = None
     if optim is not None:

@@ -15,12 +15,14 @@ registry's (loss_sum, normaliser) contract: each micro-batch backpropagates its 
 schedule accumulates the normalisers, ``finalize_model_grads`` all-reduces them over DP (and
 broadcasts across PP) and divides the summed gradients by the global normaliser. The update is
 therefore Σ ∇loss_sum / Σ normaliser over micro-batches and DP ranks, independent of both counts.
-The normaliser never depends on θ (see ``algorithms.losses``), so this is exact.
+The normaliser never depends on θ (see ``algorithms.losses``), so this is exact, and so are the
+reported metrics: each micro-batch's loss returns its diagnostics as sums and counts
+(``LossStats``), merged over micro-batches and DP ranks before any fraction is taken.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from megatron_mugrpo.algorithms.losses import policy_loss
+from megatron_mugrpo.algorithms.losses import LossStats, has_update_pass, policy_loss, update_inputs
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.logprobs import (
     check_impl,
@@ -57,24 +59,34 @@ def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
         filler = torch.zeros((extra, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         return torch.cat([tensor, filler])
 
-    return TrainBatch(
-        tokens=grow(batch.tokens),
-        targets=grow(batch.targets),
-        response_mask=grow(batch.response_mask),
-        behaviour_logprobs=grow(batch.behaviour_logprobs),
-        advantages=grow(batch.advantages),
-        group_index=grow(batch.group_index),
-    )
+    return batch.map_rows(grow)
 
 
-def local_micro_batches(batch: TrainBatch, groups: ParallelGroups, micro_batch_size: int) -> list[TrainBatch]:
+def pad_length(batch: TrainBatch, multiple: int) -> TrainBatch:
+    """Append padding columns (mask 0) until the sequence length is a multiple of ``multiple``
+    (sequence parallelism splits the sequence into TP equal parts)."""
+    extra = -batch.tokens.shape[1] % multiple
+    if extra == 0:
+        return batch
+    return batch.map_rows(lambda t: torch.nn.functional.pad(t, (0, extra)) if t.dim() == 2 else t)
+
+
+def local_micro_batches(
+    batch: TrainBatch, groups: ParallelGroups, micro_batch_size: int, *, sequence_parallel: bool = False
+) -> list[TrainBatch]:
     """This DP rank's micro-batches (on its device): a contiguous, equal share of the padded rows."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 (config: parallel.micro_batch_size)")
+    if sequence_parallel:
+        batch = pad_length(batch, groups.tp)
     padded = pad_rows(batch, groups.dp * micro_batch_size)
     per_rank = padded.num_sequences // groups.dp
     mine = padded.slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank).to(groups.device)
     return [mine.slice(i, i + micro_batch_size) for i in range(0, per_rank, micro_batch_size)]
+
+
+def _sequence_parallel(policy: Policy) -> bool:
+    return bool(getattr(_bare(policy.model_chunks[0]).config, "sequence_parallel", False))
 
 
 def _position_ids(tokens: Tensor) -> Tensor:
@@ -147,8 +159,16 @@ def _run_schedule(
 def _policy_loss_fn(loss_name: str, loss_options: dict[str, Any]) -> LossFn:
     """Registry loss plus the cheap train-vs-rollout log-prob gap, in Megatron's 3-tuple form."""
 
-    def loss_fn(mb: TrainBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, dict[str, float]]:
-        out = policy_loss(loss_name, logprobs, mb.behaviour_logprobs, mb.advantages, mb.response_mask, **loss_options)
+    def loss_fn(mb: TrainBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        out = policy_loss(
+            loss_name,
+            logprobs,
+            mb.behaviour_logprobs,
+            mb.advantages,
+            mb.response_mask,
+            update_inputs=mb.loss_inputs,
+            **loss_options,
+        )
         with torch.no_grad():
             mask = mb.response_mask.bool()
             gap = torch.where(mask, (logprobs - mb.behaviour_logprobs).abs(), 0.0)
@@ -158,7 +178,7 @@ def _policy_loss_fn(loss_name: str, loss_options: dict[str, Any]) -> LossFn:
                 "gap_sum": float(gap.sum()),
                 "gap_max": float(gap.max()) if gap.numel() else 0.0,
                 "response_tokens": float(mask.sum()),
-                "metrics": out.metrics,
+                "stats": out.stats.host(),
             }
         # The normaliser counts responses or tokens: an integer, as Megatron's token count must be.
         num_tokens = out.normaliser.detach().round().to(torch.int)
@@ -167,20 +187,9 @@ def _policy_loss_fn(loss_name: str, loss_options: dict[str, Any]) -> LossFn:
     return loss_fn
 
 
-def _weighted_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
-    """Loss metrics averaged over micro-batches weighted by their normaliser (NaNs skipped)."""
-    totals: dict[str, list[float]] = {}
-    for record in records:
-        weight = record["normaliser"]
-        for name, value in record["metrics"].items():
-            if weight > 0 and not math.isnan(value):
-                acc = totals.setdefault(name, [0.0, 0.0])
-                acc[0] += weight * value
-                acc[1] += weight
-    return {name: (num / den if den > 0 else float("nan")) for name, (num, den) in totals.items()}
-
-
 def _summarise(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Update-level metrics from every micro-batch's parts: sums add, fractions are Σ num / Σ den,
+    so no figure depends on how the update was split into micro-batches or ranks."""
     normaliser = sum(r["normaliser"] for r in records)
     tokens = sum(r["response_tokens"] for r in records)
     summary = {
@@ -190,7 +199,8 @@ def _summarise(records: list[dict[str, Any]]) -> dict[str, float]:
         "train/rollout_logprob_abs_diff_mean": sum(r["gap_sum"] for r in records) / max(tokens, 1.0),
         "train/rollout_logprob_abs_diff_max": max((r["gap_max"] for r in records), default=0.0),
     }
-    summary.update({f"train/{name}": value for name, value in _weighted_metrics(records).items()})
+    loss_metrics = LossStats.merge([r["stats"] for r in records]).finish()
+    summary.update({f"train/{name}": value for name, value in loss_metrics.items()})
     return summary
 
 
@@ -222,13 +232,23 @@ def train_step(
 
     Returns (on every rank) ``train/loss`` (Σ loss_sum / Σ normaliser), ``train/grad_norm`` (before
     clipping), ``train/lr``, ``train/update_successful``, the registry loss metrics prefixed
-    ``train/`` (normaliser-weighted means over micro-batches and DP ranks), and
+    ``train/`` (exact over micro-batches and DP ranks: counts summed, fractions Σ num / Σ den), and
     ``train/rollout_logprob_abs_diff_{mean,max}`` = |log π_θ − b| over response tokens.
+
+    A loss with an update pass (M2PO) first scores the whole update without gradients
+    (``forward_logprobs``, one extra forward) so that its mask or bound covers every token of the
+    update on every rank, whatever the micro-batch split.
     """
     if policy.optimizer is None or policy.scheduler is None:
         raise ValueError("train_step needs a policy built with an optimizer (build_policy(..., optim=cfg.optim))")
     groups = policy.groups
-    micro_batches = local_micro_batches(batch, groups, micro_batch_size)
+    if has_update_pass(loss_name):  # e.g. M2PO's mask over the whole update, before any backward
+        scores = forward_logprobs(policy, batch, temperature=temperature, micro_batch_size=micro_batch_size, impl=impl)
+        inputs = update_inputs(
+            loss_name, scores, batch.behaviour_logprobs, batch.advantages, batch.response_mask, **loss_options
+        )
+        batch = dataclasses.replace(batch, loss_inputs=inputs)
+    micro_batches = local_micro_batches(batch, groups, micro_batch_size, sequence_parallel=_sequence_parallel(policy))
     for chunk in policy.model_chunks:
         chunk.train()
         chunk.zero_grad_buffer()
@@ -269,13 +289,13 @@ def forward_logprobs(
     over DP and broadcast from the last pipeline stage, so every rank returns the full [B, L].
     """
     groups = policy.groups
-    micro_batches = local_micro_batches(batch, groups, micro_batch_size)
+    micro_batches = local_micro_batches(batch, groups, micro_batch_size, sequence_parallel=_sequence_parallel(policy))
     for chunk in policy.model_chunks:
         chunk.eval()
     forward_step = _forward_step_func(impl, temperature, policy.vocab_size, groups, _logprob_only_fn)
     records = _run_schedule(policy, micro_batches, forward_step, forward_only=True)
     rows = sum(mb.num_sequences for mb in micro_batches)
-    length = batch.tokens.shape[1]
+    length = micro_batches[0].tokens.shape[1]  # sequence parallelism may have padded the columns
     if groups.is_last_stage:
         local = torch.cat([r["logprobs"] for r in records]).float()
         local = torch.where(torch.cat([mb.response_mask for mb in micro_batches]).bool(), local, 0.0)
@@ -289,4 +309,4 @@ def forward_logprobs(
         local = torch.cat(shards)
     for chunk in policy.model_chunks:
         chunk.train()
-    return local[: batch.num_sequences].cpu()
+    return local[: batch.num_sequences, : batch.tokens.shape[1]].cpu()

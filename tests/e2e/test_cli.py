@@ -56,17 +56,21 @@ def _error_line(proc: subprocess.CompletedProcess) -> str:
 
 def test_bad_config_value_is_one_clear_error(tmp_path: Path):
     line = _error_line(
-        mugrpo("train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(tmp_path / "r"), "algo.clip_low=7")
+        mugrpo(
+            "train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(tmp_path / "r"), "algo.mu_grpo.clip_low=7"
+        )
     )
-    assert "algo.clip_low" in line and "clip_high" in line
+    assert "algo.mu_grpo.clip_low" in line and "clip_high" in line
     assert not (tmp_path / "r").exists(), "nothing is written for a rejected config"
 
 
 def test_unknown_override_key(tmp_path: Path):
     line = _error_line(
-        mugrpo("train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(tmp_path / "r"), "algo.clip_hgh=5")
+        mugrpo(
+            "train", "--config", "configs/demo_cpu.yaml", "--run-dir", str(tmp_path / "r"), "algo.mu_grpo.clip_hgh=5"
+        )
     )
-    assert "algo.clip_hgh" in line
+    assert "algo.mu_grpo.clip_hgh" in line
 
 
 def test_missing_config_file(tmp_path: Path):

@@ -9,12 +9,16 @@ import torch
 
 from megatron_mugrpo import config
 from megatron_mugrpo.kernels import fp8
+from megatron_mugrpo.kernels.config import KernelConfig
 
 FP8_ONLY = tuple(r for r in fp8.FP8_RECIPES if r != "none")
 
 
-def test_recipe_names_match_the_config() -> None:
-    assert fp8.FP8_RECIPES == config.FP8_RECIPES
+def test_the_config_validates_against_the_kernels_recipes() -> None:
+    for recipe in fp8.FP8_RECIPES:
+        assert KernelConfig(fp8=recipe).fp8 == recipe
+    with pytest.raises(config.ConfigError, match=r"kernels\.fp8='fp4' is not one of"):
+        KernelConfig(fp8="fp4")
     assert fp8.ConfigError is config.ConfigError
 
 

@@ -18,7 +18,11 @@ from megatron_mugrpo.rollout.engine import (
     sampling_params,
     validate_generations,
 )
-from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, teacher_forced_logprobs
+from megatron_mugrpo.rollout.transformers_engine import (
+    TransformersEngine,
+    TransformersEngineConfig,
+    teacher_forced_logprobs,
+)
 
 LOGPROB_TOLERANCE = 1e-5
 """float32 engine log-probs vs one unpadded forward pass per sequence (measured ≈ 5e-7)."""
@@ -192,7 +196,7 @@ def test_bad_engine_output_rejected(generation, message):
 def test_registry_builds_engines(model_dirs):
     engine = build_engine("transformers", model_dirs[0], dtype="float32", batch_size=2)
     assert isinstance(engine, RolloutEngine) and isinstance(engine, TransformersEngine)
-    cfg = RolloutConfig(batch_size=5, temperature=0.5, max_new_tokens=7)
+    cfg = RolloutConfig(transformers=TransformersEngineConfig(batch_size=5), temperature=0.5, max_new_tokens=7)
     assert build_engine_from_config(cfg, model_dirs[0], dtype="float32").batch_size == 5
     assert sampling_params(cfg, seed=4) == SamplingParams(temperature=0.5, max_new_tokens=7, seed=4)
     with pytest.raises(ValueError, match="unknown rollout engine"):

@@ -68,7 +68,7 @@ def make_prompts(tokenizer, n: int) -> list[PromptRecord]:
 
 
 def rollout_cfg(**overrides) -> RolloutConfig:
-    return RolloutConfig(**({"group_size": 3, "max_new_tokens": 6, "shard_groups": 2, "batch_size": 16} | overrides))
+    return RolloutConfig(**({"group_size": 3, "max_new_tokens": 6, "shard_groups": 2} | overrides))
 
 
 def run(store_dir, engine, prompts, tokenizer, reward, cfg, **overrides):
@@ -196,7 +196,6 @@ def test_vigor_allocation_in_stage_generation(tmp_path, tokenizer, reward):
     cfg = rollout_cfg(
         allocation="vigor",
         shard_groups=8,
-        batch_size=8,
         max_new_tokens=16,
         vigor=VigorConfig(n0=2, alpha=0.25, increment=2, rounds=2, budget=32),
     )

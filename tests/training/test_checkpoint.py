@@ -14,8 +14,9 @@ import torch
 from dist_utils import run_distributed
 
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training import checkpoint
-from megatron_mugrpo.training.checkpoint import CheckpointError, TrainerState
+from megatron_mugrpo.training.checkpoint import CheckpointError
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import train_step
@@ -52,7 +53,7 @@ def _resume_is_bitwise(rank: int, world_size: int, root: str) -> None:
 
     first = _policy(seed=0)
     resumed_metrics = [_update(first, i) for i in range(2)]
-    state = TrainerState(stage=0, update_in_stage=2, global_update=2, data_cursor=2 * 2, extra={"note": "x"})
+    state = TrainerState(stage=0, update_in_stage=2, global_update=2, data_cursor=2 * 2, train_tokens=7.0)
     checkpoint.save_checkpoint(
         root,
         2,

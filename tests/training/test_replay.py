@@ -25,7 +25,8 @@ from megatron_mugrpo.config import load_config
 from megatron_mugrpo.metrics import MetricsLogger, read_metrics
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
 from megatron_mugrpo.rollout.store import RolloutStore, RolloutStoreWriter
-from megatron_mugrpo.training.checkpoint import CheckpointError, TrainerState
+from megatron_mugrpo.state import TrainerState
+from megatron_mugrpo.training.checkpoint import CheckpointError
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import build_policy
 from megatron_mugrpo.training.train_step import forward_logprobs, train_step

@@ -12,6 +12,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
+from megatron_mugrpo.algorithms.losses import MuGrpoOptions, policy_loss, update_inputs
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.parallel import initialize_parallel
@@ -89,6 +90,65 @@ def _zero_advantage_is_weight_decay_only(rank: int, world_size: int) -> None:
         torch.testing.assert_close(param, expected, atol=1e-9, rtol=0, msg=name)
 
 
+def _skewed_batch() -> TrainBatch:
+    """8 responses; odd rows' behaviour log-probs raised by 1 (ρ ≈ e^-1 there), so that NAV at
+    τ_c = 0.5 triggers on some negative-advantage responses and M2PO's budget binds."""
+    batch = make_batch(5, groups=2, group_size=4)
+    odd = (torch.arange(batch.num_sequences) % 2 == 1)[:, None]
+    shifted = torch.where(odd, (batch.behaviour_logprobs + 1.0).clamp(max=0.0), batch.behaviour_logprobs)
+    batch.behaviour_logprobs = shifted * batch.response_mask
+    return batch
+
+
+SPLIT_CASES = {
+    "mu_grpo": AlgoConfig(mu_grpo=MuGrpoOptions(veto_threshold=0.5)).loss_options(),
+    "m2po": AlgoConfig(loss="m2po").loss_options(),
+    "m2po_clip": AlgoConfig(loss="m2po_clip").loss_options(),
+}
+
+
+def _expected_update(policy: Policy, batch: TrainBatch, name: str) -> tuple[float, dict[str, float]]:
+    """The whole update's loss and metrics computed on all its tokens at once (the definition)."""
+    logprobs = forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=8)
+    options = SPLIT_CASES[name]
+    inputs = update_inputs(name, logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask, **options)
+    out = policy_loss(
+        name,
+        logprobs,
+        batch.behaviour_logprobs,
+        batch.advantages,
+        batch.response_mask,
+        update_inputs=inputs,
+        **options,
+    )
+    return float(out.loss_sum / out.normaliser), out.metrics
+
+
+def _metrics_and_masks_do_not_depend_on_the_split(rank: int, world_size: int) -> None:
+    """1 × 8 and 8 × 1 micro-batches give the same update, masks and metrics as the whole batch at once."""
+    batch = _skewed_batch()
+    for name, options in SPLIT_CASES.items():
+        results = []
+        for micro_batch_size in (8, 1):
+            policy = _policy(seed=0)
+            loss, expected = _expected_update(policy, batch, name)
+            metrics = train_step(
+                policy, batch, loss_name=name, loss_options=options, temperature=1.0, micro_batch_size=micro_batch_size
+            )
+            assert metrics["train/loss"] == pytest.approx(loss, abs=ATOL), name
+            for key, value in expected.items():
+                assert metrics[f"train/{key}"] == pytest.approx(value, abs=ATOL, nan_ok=True), (name, key)
+            results.append(_params(policy))
+        _assert_close(results[0], results[1])
+    # The example exercises what it checks: vetoed responses, M2 masking, a binding clip bound.
+    assert _expected_count(batch, "mu_grpo", "nav_vetoed_tokens") > 0
+    assert _expected_count(batch, "m2po", "m2_masked_tokens") > 0
+
+
+def _expected_count(batch: TrainBatch, name: str, key: str) -> float:
+    return _expected_update(_policy(seed=0), batch, name)[1][key]
+
+
 def _micro_batch_invariance(rank: int, world_size: int) -> None:
     batch = make_batch(1, groups=1, group_size=4)
     results = []
@@ -98,9 +158,8 @@ def _micro_batch_invariance(rank: int, world_size: int) -> None:
         results.append((metrics, _params(policy)))
     (m4, p4), (m1, p1) = results
     for a, b in zip(m4, m1):
-        # Loss metrics (ratio_mean, ...) are per-micro-batch means: not split-invariant by design.
-        for key in ("train/loss", "train/grad_norm"):
-            assert a[key] == pytest.approx(b[key], abs=ATOL), key
+        for key in a:  # every figure, loss metrics included, is exact over the split
+            assert a[key] == pytest.approx(b[key], abs=ATOL, nan_ok=True), key
     _assert_close(p4, p1)
 
 
@@ -152,6 +211,7 @@ def _padding_vocab_is_excluded(rank: int, world_size: int) -> None:
         _parameters_change,
         _zero_advantage_is_weight_decay_only,
         _micro_batch_invariance,
+        _metrics_and_masks_do_not_depend_on_the_split,
         _fused_equals_unfused,
         _first_update_gap_is_zero,
         _padding_vocab_is_excluded,
@@ -160,3 +220,23 @@ def _padding_vocab_is_excluded(rank: int, world_size: int) -> None:
 )
 def test_single_rank(body):
     run_distributed(body, 1)
+
+
+def _m2po_with_two_data_parallel_ranks(rank: int, world_size: int) -> None:
+    """DP = 2: each rank trains on half the rows, yet M2PO's mask covers the whole update."""
+    batch = _skewed_batch()
+    for name in ("m2po", "m2po_clip"):
+        policy = _policy(seed=0)
+        loss, expected = _expected_update(policy, batch, name)
+        metrics = train_step(
+            policy, batch, loss_name=name, loss_options=SPLIT_CASES[name], temperature=1.0, micro_batch_size=2
+        )
+        assert metrics["train/loss"] == pytest.approx(loss, abs=ATOL), name
+        for key in ("m2", "m2_after", "m2_masked_tokens", "m2_clip_log_bound", "trust_region_frac"):
+            if key in expected:
+                assert metrics[f"train/{key}"] == pytest.approx(expected[key], abs=ATOL), (name, key)
+
+
+@pytest.mark.multiprocess
+def test_m2po_mask_spans_data_parallel_ranks():
+    run_distributed(_m2po_with_two_data_parallel_ranks, 2)

@@ -1,0 +1,51 @@
+"""TrainerState: typed fields survive a JSON round trip, and 0.1.0 checkpoints (untyped ``extra``) still load."""
+
+from __future__ import annotations
+
+import json
+
+from megatron_mugrpo.state import BestEval, TrainerState
+
+
+def test_round_trip_through_json() -> None:
+    state = TrainerState(
+        stage=2,
+        update_in_stage=3,
+        global_update=19,
+        data_cursor=24,
+        acc_before=0.1,
+        acc_last=0.3,
+        best=BestEval(avg_pass_at_1=0.35, global_update=16),
+        train_tokens=1234.0,
+        timers={"perf/t_rollout_s": 4.5},
+        first_update_gap={"0": 1e-6, "1": 2e-6},
+    )
+    assert TrainerState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
+
+
+def test_reads_the_untyped_extra_of_a_0_1_0_checkpoint() -> None:
+    old = {
+        "stage": 1,
+        "update_in_stage": 0,
+        "global_update": 64,
+        "data_cursor": 0,
+        "extra": {
+            "acc_before": 0.16,
+            "acc_last": 0.25,
+            "best_eval": {"avg_pass@1": 0.25, "global_update": 64},
+            "train_tokens": 99.0,
+            "timers": {"perf/t_total_s": 12.0},
+            "first_update_gap": {"0": 1e-5},
+        },
+    }
+    state = TrainerState.from_dict(old)
+    assert (state.global_update, state.acc_before, state.acc_last, state.train_tokens) == (64, 0.16, 0.25, 99.0)
+    assert state.best == BestEval(avg_pass_at_1=0.25, global_update=64)
+    assert state.timers == {"perf/t_total_s": 12.0} and state.first_update_gap == {"0": 1e-5}
+
+
+def test_at_stage_resets_the_cursor_and_keeps_the_run_figures() -> None:
+    state = TrainerState(stage=1, update_in_stage=5, global_update=13, data_cursor=40, train_tokens=7.0)
+    nxt = state.at_stage(2)
+    assert (nxt.stage, nxt.update_in_stage, nxt.data_cursor, nxt.global_update, nxt.train_tokens) == (2, 0, 0, 13, 7.0)
+    assert state.stage == 1  # a new object: the old one is untouched
