@@ -253,6 +253,9 @@ def replay_uninterrupted(tmp_path_factory: pytest.TempPathFactory, demo_base_mod
 
 @pytest.mark.slow
 def test_replay_run_replays_earlier_groups_and_checkpoints_the_buffer(replay_uninterrupted: Path):
+    from megatron_mugrpo.algorithms.replay import is_mixed_outcome
+    from megatron_mugrpo.rollout.store import RolloutStore
+
     run_dir = replay_uninterrupted
     recs = records(run_dir)
     plans = [r for r in recs if "replay/accepted" in r]
@@ -265,9 +268,16 @@ def test_replay_run_replays_earlier_groups_and_checkpoints_the_buffer(replay_uni
     # Replayed groups keep their stage-0 log-probs, so updates 6–8 see the policy's drift from them.
     assert max(gaps[s] for s in (6, 7, 8)) > 1e-3
 
+    # The final checkpoint's FIFO: exactly the mixed-outcome groups of D_0 then D_1, in store order.
+    mixed = [
+        (stage, index)
+        for stage in (0, 1)
+        for index, group in enumerate(RolloutStore.open(run_dir / "rollouts" / f"stage_{stage:03d}").groups())
+        if is_mixed_outcome(group.rewards)
+    ]
     state = json.loads((run_dir / "checkpoints" / "step_00000008" / "replay" / "state.json").read_text())
-    stages_in_buffer = {entry["key"][0] for entry in state["buffer"]["entries"]}
-    assert stages_in_buffer == {0, 1} and state["plan"] is None
+    assert [tuple(entry["key"]) for entry in state["buffer"]["entries"]] == mixed and state["plan"] is None
+    assert plans[1]["replay/buffer_groups"] == sum(stage == 0 for stage, _ in mixed)
     mid_stage = json.loads((run_dir / "checkpoints" / "step_00000006" / "replay" / "state.json").read_text())
     assert mid_stage["plan"]["stage"] == 1 and len(mid_stage["plan"]["accepted"]) == plans[1]["replay/accepted"]
 
