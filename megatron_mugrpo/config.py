@@ -34,9 +34,11 @@ from megatron_mugrpo.algorithms.losses import (
     available_losses,
 )
 from megatron_mugrpo.algorithms.replay import ReplayConfig
+from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.kernels.config import KernelConfig
 from megatron_mugrpo.rollout.engine import available_engines
+from megatron_mugrpo.rollout.quantization import ModelOptConfig, available_schemes
 from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngineConfig
 
@@ -155,6 +157,11 @@ class RolloutConfig:
     """Wall-clock bound on verifying one answer; a timeout scores 0 with reason 'timeout'."""
     reward_workers: int = 2
     """Processes in the verification pool."""
+    quantization: str = "none"
+    """Behaviour policy precision: 'none' (the trainer's weights as they are), 'fp8', 'fp8_per_channel'
+    or 'nvfp4' (GPU only), quantized with NVIDIA Model Optimizer each stage (rollout.quantization module)."""
+    modelopt: ModelOptConfig = field(default_factory=ModelOptConfig)
+    """Calibration of the quantized behaviour policy (used when quantization != 'none')."""
 
     def __post_init__(self) -> None:
         require(
@@ -171,6 +178,10 @@ class RolloutConfig:
         for name in ("max_new_tokens", "max_prompt_tokens", "shard_groups", "reward_workers"):
             require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         require(self.reward_timeout_s > 0, f"rollout.reward_timeout_s={self.reward_timeout_s} must be > 0")
+        require(
+            self.quantization in available_schemes(),
+            f"rollout.quantization={self.quantization!r} is unknown; choose one of {available_schemes()}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -227,6 +238,9 @@ class AlgoConfig:
     """M2PO (paper): second-moment masking."""
     m2po_clip: M2poOptions = field(default_factory=M2poOptions)
     """M2PO (released code): one clip bound derived from the second-moment budget."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Mismatch metrics and the optional correction of a behaviour policy that differs from the
+    trainer's (e.g. an FP8 rollout engine); off by default, for any loss (algorithms.rollout_correction)."""
 
     def __post_init__(self) -> None:
         require(
@@ -401,6 +415,11 @@ class RunConfig:
         if not self.model.hf_dir:
             tiny = self.model.tiny
             check_model_parallelism(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel)
+        require(
+            not (self.replay.enabled and self.algo.rollout_correction.enabled),
+            "replay.enabled cannot be combined with algo.rollout_correction: replayed groups do not carry the "
+            "log π_old of the stage that generated them; turn one of the two off",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

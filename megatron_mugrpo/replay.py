@@ -50,6 +50,8 @@ from megatron_mugrpo.config import RunConfig
 from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.rollout.store import SCHEMA, RolloutStore, file_sha256, groups_to_table, row_to_group
 from megatron_mugrpo.training.checkpoint import CheckpointError
+from megatron_mugrpo.training.stage_reference import OldLogprobs
+from megatron_mugrpo.training.stage_reference import minibatch as fresh_minibatch
 
 if TYPE_CHECKING:
     from megatron_mugrpo.runtime import Run
@@ -86,7 +88,7 @@ class ReplayState:
 
 @dataclass(kw_only=True)
 class StageData:
-    """The data of one stage's updates: fresh D_k plus the accepted replayed groups."""
+    """The data of one stage's updates: fresh D_k plus the accepted replayed groups (none without replay)."""
 
     store: RolloutStore
     replayed: list[RolloutGroup]
@@ -94,23 +96,27 @@ class StageData:
     updates: int
     """μ: the stage's updates, over which the replayed groups are spread."""
 
-    def minibatch(self, update_index: int, mini_groups: int, seed: int) -> list[RolloutGroup]:
-        """Update ``update_index``'s groups: its share of replayed groups first, then its fresh ones."""
+    def minibatch(
+        self, update_index: int, mini_groups: int, seed: int, old_logprobs: OldLogprobs | None = None
+    ) -> list[RolloutGroup]:
+        """Update ``update_index``'s groups: its share of replayed groups first, then its fresh ones
+        (``store.minibatch``, with log π_old attached when the rollout correction is on)."""
         share = replay_slots(len(self.replayed), self.updates)[update_index] if update_index < self.updates else []
-        return [self.replayed[i] for i in share] + self.store.minibatch(update_index, mini_groups, seed)
+        fresh = fresh_minibatch(self.store, update_index, mini_groups, seed, old_logprobs)
+        return [self.replayed[i] for i in share] + fresh
 
 
 # -------------------------------------------------------------------------------- per stage
 
 
-def stage_data(run: Run, stage: int, store: RolloutStore) -> RolloutStore | StageData:
+def stage_data(run: Run, stage: int, store: RolloutStore) -> StageData:
     """B–C: the stage's replay decision (made now, or restored from the checkpoint); the data of its updates.
 
-    Collective when it scores. Without replay the store itself is the data source.
+    Collective when it scores. Without replay: D_k alone.
     """
     state = run.replay
     if state is None:
-        return store
+        return StageData(store=store, replayed=[], updates=run.cfg.stages.updates_per_stage)
     if state.plan is None or state.plan.stage != stage:
         state.plan = plan_stage(run, state, stage)
     replayed = [resolve_group(run, state, key) for key in state.plan.accepted]

@@ -300,10 +300,11 @@ def test_every_rank_takes_the_same_decisions_with_tensor_parallelism(tmp_path: P
     run_distributed(_ranks_decide_alike, 2, str(tmp_path))
 
 
-def test_replay_off_leaves_the_store_as_the_data_source(tmp_path: Path) -> None:
+def test_replay_off_leaves_d_k_alone(tmp_path: Path) -> None:
     cfg = load_config(None, [])
     run = SimpleNamespace(cfg=cfg, replay=replay.open_replay(cfg, None))
     store = object()
-    assert replay.stage_data(run, 0, store) is store
+    data = replay.stage_data(run, 0, store)
+    assert data.store is store and data.replayed == []  # D_k alone
     replay.end_stage(run, 0, store)
     assert replay.checkpoint_writer(run) is None
