@@ -65,7 +65,8 @@ class ReplayConfig:
     """``replay.*``: Headroom-Drift Replay. Off by default: the stages are then purely on-policy."""
 
     enabled: bool = False
-    """Replay buffered mixed-outcome groups of earlier stages next to each stage's fresh groups."""
+    """Replay buffered mixed-outcome groups of earlier stages next to each stage's fresh groups. Not with
+    algo.rollout_correction (a replayed group carries no log π_old of the stage that generated it)."""
     policy: str = "hdr"
     """'hdr': headroom ranking, teacher-forced re-scoring and the drift gate (the method).
     'recent': the naive baseline, the most recently pushed groups, no scoring and no gate."""
