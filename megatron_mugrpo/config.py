@@ -33,6 +33,7 @@ from megatron_mugrpo.algorithms.losses import (
     MuGrpoOptions,
     available_losses,
 )
+from megatron_mugrpo.algorithms.replay import ReplayConfig
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.kernels.config import KernelConfig
@@ -422,6 +423,8 @@ class RunConfig:
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """Headroom-Drift Replay (owned by algorithms/replay.py); off by default."""
     seed: int = 0
     deterministic: bool = True
     """Deterministic algorithms (CPU resume equals an uninterrupted run)."""
@@ -435,6 +438,11 @@ class RunConfig:
         if not self.model.hf_dir:
             tiny = self.model.tiny
             check_model_parallelism(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel)
+        require(
+            not (self.replay.enabled and self.algo.rollout_correction.enabled),
+            "replay.enabled cannot be combined with algo.rollout_correction: replayed groups do not carry the "
+            "log π_old of the stage that generated them; turn one of the two off",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,6 +1,6 @@
 """Metrics in one place: components return dicts, one logger writes JSONL, TensorBoard and console.
 
-Every metric name starts with one of ``rollout/``, ``train/``, ``perf/``, ``eval/``. Each
+Every metric name starts with one of ``rollout/``, ``train/``, ``perf/``, ``eval/``, ``replay/``. Each
 ``MetricsLogger.log`` call appends one JSON line to ``<run_dir>/metrics.jsonl``::
 
     {"step": 12, "wall_s": 84.2, "time": 1764482531.4, "train/loss": 0.31, ...}
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from megatron_mugrpo.errors import InputError, MissingInputError
 
-METRIC_PREFIXES = ("rollout/", "train/", "perf/", "eval/")
+METRIC_PREFIXES = ("rollout/", "train/", "perf/", "eval/", "replay/")
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 RESERVED_FIELDS = ("step", "wall_s", "time", "nonfinite", "source")

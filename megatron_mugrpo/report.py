@@ -1,4 +1,5 @@
-"""Plots and tables that compare runs: accuracy vs wall clock, NAV / clip fractions, E[ρ | A<0], reward.
+"""Plots and tables that compare runs: accuracy vs wall clock, NAV / clip fractions, E[ρ | A<0], reward per
+stage, replay.
 
     python -m megatron_mugrpo.report runs/mu_grpo runs/grpo --out reports/mu_vs_grpo
 
@@ -19,6 +20,9 @@ Logging convention the training loop follows (the plots rely on it):
 - **Update records**: one record per optimizer update, ``step`` = updates done (1-based after the step),
   with ``train/nav_vetoed_frac``, ``train/clip_frac_low``, ``train/clip_frac_high`` and
   ``train/ratio_mean_neg_adv`` (E[ρ | A<0]; ``train/ratio_mean_pos_adv`` is drawn too when present).
+- **Replay records** (runs with ``replay.enabled``): one per stage, ``step`` = the stage's first update,
+  with ``replay/headroom_mean`` (accepted groups; ``replay/headroom_mean_rejected`` for the rejected
+  ones), ``replay/drift_mean`` (groups scored) and ``replay/age_mean`` (updates since generation).
 - **Rollout records**: one record per stage after generation, ``step`` = updates done before the stage,
   with ``rollout/reward_mean`` and ``rollout/stage`` (0-based stage index; without it the records'
   order of appearance is used).
@@ -60,6 +64,12 @@ CLIP_HIGH = "train/clip_frac_high"
 UPDATE_FRACTIONS = (VETO_FRAC, CLIP_LOW, CLIP_HIGH)
 RATIO_NEG = "train/ratio_mean_neg_adv"
 RATIO_POS = "train/ratio_mean_pos_adv"
+REPLAY_PANELS = (
+    ("replay/headroom_mean", "replay/headroom_mean_rejected"),
+    ("replay/drift_mean",),
+    ("replay/age_mean",),
+)
+"""Headroom-Drift Replay panels, one per tuple (the first key titles it; the others share its axes)."""
 REWARD = "rollout/reward_mean"
 STAGE = "rollout/stage"
 FIGURE_DPI = 120
@@ -247,6 +257,32 @@ def _plot_per_update(runs: list[Run], out_dir: Path, notes: list[str]) -> list[P
     return written
 
 
+def _plot_replay(runs: list[Run], out_dir: Path) -> list[Path]:
+    """replay.png: headroom (accepted, and rejected dashed), drift and age of the replayed groups per stage."""
+    panels = [keys for keys in REPLAY_PANELS if _present(runs, keys[0])]
+    if not panels:  # replay is optional: runs without it get no plot and no note
+        return []
+    fig, axes = plt.subplots(1, len(panels), figsize=(SUBPLOT_SIZE[0] * len(panels), SUBPLOT_SIZE[1]), squeeze=False)
+    for ax, keys in zip(axes[0], panels):
+        for run in runs:
+            color = None
+            for key, style in zip(keys, ("-", "--")):
+                points = series(run.records, key)
+                if points.x:
+                    suffix = "" if key == keys[0] else " (rejected)"
+                    (line,) = ax.plot(points.x, points.y, style, marker=".", color=color, label=run.label + suffix)
+                    color = line.get_color()
+        ax.set_title(keys[0])
+        ax.set_xlabel("optimizer update")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = out_dir / "replay.png"
+    fig.savefig(path, dpi=FIGURE_DPI)
+    plt.close(fig)
+    return [path]
+
+
 def _plot_reward(runs: list[Run], out_dir: Path, notes: list[str]) -> list[Path]:
     if not _present(runs, REWARD):
         notes.append(f"skipped reward_per_stage.png: no run logged '{REWARD}'")
@@ -313,6 +349,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Pa
         *_plot_eval(runs, out, notes),
         *_plot_per_update(runs, out, notes),
         *_plot_reward(runs, out, notes),
+        *_plot_replay(runs, out),
     ]
     lines = ["# Run comparison", "", *summary_table(runs), "", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in written]

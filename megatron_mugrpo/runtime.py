@@ -40,6 +40,7 @@ from megatron_mugrpo.config import RunConfig, check_hf_model_parallelism, load_c
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.metrics import TENSORBOARD_DIR, MetricsLogger, Timer
+from megatron_mugrpo.replay import ReplayState, open_replay
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
@@ -89,6 +90,8 @@ class Run:
     """Writes RUN_DIR/checkpoints (in the background with checkpoint.async_save)."""
     engine: RolloutEngine | None = None
     """This rank's rollout engine when it hosts one (None elsewhere, and before the first weight sync)."""
+    replay: ReplayState | None = None
+    """Headroom-Drift Replay buffer and the current stage's decision (None: replay is off)."""
     resumed_from: Path | None = None
     extra_timers: dict[str, float] = field(default_factory=dict)
     """perf/ seconds accumulated by earlier processes of this run (restored from the checkpoint)."""
@@ -266,6 +269,7 @@ def _set_up(
         logger=logger,
         timer=Timer(sync=sync),
         resumed_from=resumed_from,
+        replay=open_replay(cfg, resumed_from),
         extra_timers=dict(state.timers),
     )
 

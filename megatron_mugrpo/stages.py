@@ -19,16 +19,18 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from megatron_mugrpo import replay
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.records import collate
+from megatron_mugrpo.replay import StageData
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity, stage_store_metrics
 from megatron_mugrpo.rollout.placement import engine_threads
 from megatron_mugrpo.rollout.store import RolloutStore, StorePlan
 from megatron_mugrpo.runtime import Run, barrier, behaviour_policy, release_engine, stage_prompts, sync_engine
 from megatron_mugrpo.state import BestEval
 from megatron_mugrpo.training.checkpoint import step_dir_name
-from megatron_mugrpo.training.stage_reference import OldLogprobs, ScoreSettings, minibatch, prepare_stage_reference
+from megatron_mugrpo.training.stage_reference import OldLogprobs, ScoreSettings, prepare_stage_reference
 from megatron_mugrpo.training.train_step import train_step
 
 if TYPE_CHECKING:
@@ -71,8 +73,9 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
     mu = cfg.stages.updates_per_stage
     with run.timer("perf/t_optimize_s"):
         old_logprobs = stage_reference(run, store)  # π_train(θ_old): rollout/mismatch_*, rollout correction
+        data = replay.stage_data(run, stage, store)  # D_k, plus the buffered groups HDR accepts (if enabled)
         for update in progress_range(run, run.state.update_in_stage, mu, f"stage {stage} updates"):
-            metrics = optimizer_update(run, store, stage, update, old_logprobs)
+            metrics = optimizer_update(run, data, stage, update, old_logprobs)
             run.logger.log(metrics, step=run.state.global_update)
             crash_point(f"update:{run.state.global_update}")
             run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
@@ -81,6 +84,7 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
                 run_evaluation(run)
             if _due(cfg.checkpoint.every_updates, run.state.global_update) and update + 1 < mu:
                 checkpoint(run)
+    replay.end_stage(run, stage, store)  # D_k's mixed-outcome groups enter the replay FIFO
     run.state = run.state.at_stage(stage + 1)
     last = stage + 1 == cfg.stages.num_stages
     if cfg.eval.every_updates == 0 or (last and not _due(cfg.eval.every_updates, run.state.global_update)):
@@ -139,12 +143,12 @@ def stage_progress(run: Run, plan: StorePlan, stage: int) -> tqdm:
 
 
 def optimizer_update(
-    run: Run, store: RolloutStore, stage: int, update: int, old_logprobs: OldLogprobs | None = None
+    run: Run, data: StageData, stage: int, update: int, old_logprobs: OldLogprobs | None = None
 ) -> dict[str, float]:
-    """One optimizer update on the ``update``-th seeded minibatch of B_mini groups of D_k."""
+    """One optimizer update on the ``update``-th seeded minibatch of B_mini groups of D_k (+ replayed groups)."""
     cfg = run.cfg
     started = time.perf_counter()
-    groups = minibatch(store, update, cfg.stages.mini_groups, cfg.stages.seed, old_logprobs)
+    groups = data.minibatch(update, cfg.stages.mini_groups, cfg.stages.seed, old_logprobs)
     batch = collate(groups, pad_id=run.tokenizer.pad_token_id or 0)
     metrics = train_step(
         run.policy,
@@ -261,6 +265,7 @@ def checkpoint(run: Run) -> None:
         trainer_state=run.state,
         run_config=run.cfg.to_dict(),
         keep=[best.global_update] if best else [],
+        write_extra=replay.checkpoint_writer(run),
     )
     if run.is_writer and best:
         step_dir = run.checkpoint_root / step_dir_name(best.global_update)

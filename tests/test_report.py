@@ -218,3 +218,21 @@ def test_sweep_report_means_over_seeds(tmp_path: Path) -> None:
     by_update, by_time = accuracy_bands(groups[0])
     assert by_update.x == [0.0, 2.0, 4.0] and by_update.mean == pytest.approx([0.15, 0.15, 0.35])
     assert by_time.x == pytest.approx([0.0, 11.0, 23.0])  # each evaluation at the seeds' mean wall clock
+
+
+def test_replay_metrics_get_their_plot(tmp_path: Path) -> None:
+    """A run with Headroom-Drift Replay gets replay.png (headroom accepted/rejected, drift, age per stage)."""
+    _fake_run(tmp_path / "hdr", updates_per_stage=4, seconds_per_update=1.0)
+    with MetricsLogger(tmp_path / "hdr", tensorboard=False, console=False) as logger:
+        for stage in range(1, 3):
+            metrics = {
+                "replay/headroom_mean": 0.3,
+                "replay/headroom_mean_rejected": 0.2,
+                "replay/drift_mean": 1e-3 * stage,
+                "replay/age_mean": 4.0 * stage,
+            }
+            logger.log(metrics, step=4 * stage + 1)
+    written = write_report([tmp_path / "hdr"], tmp_path / "out")
+    assert [p.name for p in written] == [*EXPECTED_FILES[:-1], "replay.png", "report.md"]
+    assert _is_png(written[-2])
+    assert "- none" in written[-1].read_text()

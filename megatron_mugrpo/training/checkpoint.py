@@ -362,11 +362,14 @@ class CheckpointSaver:
         run_config: dict[str, Any] | None = None,
         save_rng: bool = True,
         keep: Collection[int] = (),
+        write_extra: Callable[[Path], None] | None = None,
     ) -> Path:
         """Start writing ``root/step_XXXXXXXX`` (finishing any earlier save first); returns its final path.
 
         Everything that describes the state (trainer state, scheduler, RNG) is captured now, so the
         caller may change it right after. ``keep``: steps pruning must spare (e.g. the best one).
+        ``write_extra`` (rank 0, called now) adds other components' files (the replay buffer) to the
+        step directory; the manifest checksums them and they are published with the model.
         """
         self.wait()
         final, tmp = self.root / step_dir_name(step), self.root / (step_dir_name(step) + TMP_SUFFIX)
@@ -376,6 +379,8 @@ class CheckpointSaver:
             for sub in ("model", "optimizer" if optimizer is not None else None, "rng" if save_rng else None):
                 if sub:
                     (tmp / sub).mkdir(parents=True)
+            if write_extra is not None:
+                write_extra(tmp)
         _barrier()
         metadata = _metadata(model_chunks, self.groups, hf_config, optimizer, scheduler, trainer_state, run_config)
         parts = [(self._model_strategy, "model", _model_sharded_state_dict(model_chunks))]

@@ -219,3 +219,83 @@ def test_generate_on_two_engines_survives_sigkill_and_equals_one_engine(tmp_path
     assert not list(store.glob("*.claim")) and not list(store.glob("*.tmp"))
     last = [r for r in records(run_dir) if "perf/rollout_engines" in r][-1]
     assert last["perf/rollout_engines"] == 2 and last["perf/rollout_shards_resumed"] == len(finished)
+
+
+REPLAY = ["replay.enabled=true", "replay.groups_per_step=4", "replay.tau=1e6"]
+"""Headroom-Drift Replay on the small run: K_rep = 4 of the 16 fresh groups per stage. The gate is
+opened wide so that stage 1 certainly replays (the τ boundary itself is tested on the pure functions)."""
+
+
+@pytest.fixture(scope="session")
+def demo_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's own warm start (pass@1 ≈ 0.17): stage 0 has mixed-outcome groups to buffer.
+
+    The shorter warm start of ``base_model`` solves none of the addition problems yet, so every group
+    of its first stage is all-wrong and nothing would enter the replay buffer."""
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.warmstart import prepare_base_model
+
+    return prepare_base_model(load_config(DEMO), tmp_path_factory.mktemp("demo_base") / "model")
+
+
+@pytest.fixture(scope="session")
+def replay_uninterrupted(tmp_path_factory: pytest.TempPathFactory, demo_base_model: Path) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "replay_full"
+    train(run_dir, demo_base_model, *REPLAY)
+    return run_dir
+
+
+@pytest.mark.slow
+def test_replay_run_replays_earlier_groups_and_checkpoints_the_buffer(replay_uninterrupted: Path):
+    from megatron_mugrpo.algorithms.replay import is_mixed_outcome
+    from megatron_mugrpo.rollout.store import RolloutStore
+
+    run_dir = replay_uninterrupted
+    recs = records(run_dir)
+    plans = [r for r in recs if "replay/accepted" in r]
+    assert [r["step"] for r in plans] == [1, 5]  # one decision per stage, at its first update
+    assert plans[0]["replay/buffer_groups"] == 0 and plans[0]["replay/accepted"] == 0
+    assert plans[1]["replay/accepted"] == min(4, plans[1]["replay/buffer_groups"]) > 0
+    assert plans[1]["replay/age_mean"] == 4.0  # generated before update 1, replayed from update 5 on
+    gaps = {r["step"]: r["train/rollout_logprob_abs_diff_max"] for r in recs if "train/loss" in r}
+    assert gaps[5] < 1e-4, "the first update of a stage stays on-policy"
+    # Replayed groups keep their stage-0 log-probs, so updates 6–8 see the policy's drift from them.
+    assert max(gaps[s] for s in (6, 7, 8)) > 1e-3
+
+    # The final checkpoint's FIFO: exactly the mixed-outcome groups of D_0 then D_1, in store order.
+    mixed = [
+        (stage, index)
+        for stage in (0, 1)
+        for index, group in enumerate(RolloutStore.open(run_dir / "rollouts" / f"stage_{stage:03d}").groups())
+        if is_mixed_outcome(group.rewards)
+    ]
+    state = json.loads((run_dir / "checkpoints" / "step_00000008" / "replay" / "state.json").read_text())
+    assert [tuple(entry["key"]) for entry in state["buffer"]["entries"]] == mixed and state["plan"] is None
+    assert plans[1]["replay/buffer_groups"] == sum(stage == 0 for stage, _ in mixed)
+    mid_stage = json.loads((run_dir / "checkpoints" / "step_00000006" / "replay" / "state.json").read_text())
+    assert mid_stage["plan"]["stage"] == 1 and len(mid_stage["plan"]["accepted"]) == plans[1]["replay/accepted"]
+
+
+@pytest.mark.slow
+def test_replay_resume_after_sigkill_equals_uninterrupted(
+    tmp_path: Path, demo_base_model: Path, replay_uninterrupted: Path
+):
+    """Killed before stage 1's decision, then mid-stage after it: the restored buffer and decision give
+    the same final weights as the uninterrupted run."""
+    run_dir = tmp_path / "replay_killed"
+    proc = train(run_dir, demo_base_model, *REPLAY, crash_at="rollout:1")
+    assert proc.returncode == -signal.SIGKILL
+    proc = mugrpo("train", "--resume", str(run_dir), crash_at="update:7", check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    mugrpo("train", "--resume", str(run_dir))
+
+    expected, got = final_weights(replay_uninterrupted), final_weights(run_dir)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), f"{name} differs after resume"
+    recs = records(run_dir)
+    assert [r["step"] for r in recs if "replay/accepted" in r] == [1, 5], "each decision is logged once"
+    assert [r["step"] for r in recs if "train/loss" in r] == list(range(1, 9))
+    for key in ("replay/accepted", "replay/scored", "replay/drift_mean", "replay/headroom_mean"):
+        want = [r[key] for r in records(replay_uninterrupted) if key in r]
+        assert [r[key] for r in recs if key in r] == pytest.approx(want, nan_ok=True), key

@@ -1,0 +1,361 @@
+"""Headroom-Drift Replay, the pure parts: scores against hand-computed values, eligibility, FIFO, gate, walk."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import pytest
+import torch
+
+from megatron_mugrpo.algorithms.replay import (
+    GroupKey,
+    GroupScore,
+    ReplayBuffer,
+    ReplayConfig,
+    ReplayEntry,
+    Selection,
+    candidate_entries,
+    group_headroom_drift,
+    headroom_order,
+    is_mixed_outcome,
+    passes_drift_gate,
+    recent_order,
+    replay_policy,
+    replay_slots,
+    select_groups,
+    selection_metrics,
+)
+from megatron_mugrpo.config import ConfigError, load_config
+from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
+
+L = math.log
+
+
+def _group(stage: int, rewards: list[float], *, version: int = 0, prompt: str = "p") -> RolloutGroup:
+    samples = [
+        RolloutSample(
+            response_ids=[5, 6], behaviour_logprobs=[-0.5, -1.0], finish_reason="stop", reward=r, advantage=r - 0.5
+        )
+        for r in rewards
+    ]
+    return RolloutGroup(
+        prompt_id=prompt, prompt_ids=[1, 2], answer="3", samples=samples, stage=stage, policy_version=version
+    )
+
+
+def _entry(stage: int, index: int, version: int = 0) -> ReplayEntry:
+    return ReplayEntry(key=(stage, index), policy_version=version, group=None)
+
+
+# ------------------------------------------------------------------------------------- scores
+
+
+def test_headroom_and_drift_match_hand_computed_values() -> None:
+    """Group 0: a positive response (2 tokens), a negative one (1 token), a zero-advantage one (1 token).
+    Group 1: one negative response. Padding positions hold garbage that must not count."""
+    nan = float("nan")
+    logprobs = torch.tensor(
+        [
+            [L(0.5), L(0.25), nan],  # A = +1
+            [L(0.8), 7.0, 7.0],  # A = -1 (one token, then padding)
+            [L(0.9), 0.0, 0.0],  # A = 0
+            [L(0.1), L(0.2), 0.0],  # group 1, A = -0.5
+        ],
+        dtype=torch.float32,
+    )
+    behaviour = torch.tensor(
+        [[L(0.4), L(0.25), 3.0], [L(0.5), 0.0, 0.0], [L(0.9), 0.0, 0.0], [L(0.1), L(0.1), 0.0]], dtype=torch.float32
+    )
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0]], dtype=torch.float32)
+    advantages = torch.tensor([1.0, -1.0, 0.0, -0.5])
+    group_index = torch.tensor([0, 0, 0, 1])
+
+    headroom, drift = group_headroom_drift(logprobs, behaviour, advantages, mask, group_index, 2)
+
+    # Headroom: (1 − 0.5) + (1 − 0.25) for A > 0, 0.8 for A < 0, 0 for A = 0; 4 tokens.
+    expected_h0 = (0.5 + 0.75 + 0.8 + 0.0) / 4
+    expected_d0 = ((L(0.5) - L(0.4)) ** 2 + 0.0 + (L(0.8) - L(0.5)) ** 2 + 0.0) / 4
+    expected_h1 = (0.1 + 0.2) / 2
+    expected_d1 = (0.0 + (L(0.2) - L(0.1)) ** 2) / 2
+    assert headroom.dtype == drift.dtype == torch.float64
+    torch.testing.assert_close(
+        headroom, torch.tensor([expected_h0, expected_h1], dtype=torch.float64), rtol=1e-6, atol=0
+    )
+    torch.testing.assert_close(drift, torch.tensor([expected_d0, expected_d1], dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_scores_through_collate_are_per_group_and_order_free() -> None:
+    """Collating groups in another order permutes their scores, nothing else."""
+    rng = random.Random(0)
+    groups = []
+    for g in range(3):
+        samples = []
+        for _ in range(4):
+            n = rng.randint(1, 5)
+            samples.append(
+                RolloutSample(
+                    response_ids=[rng.randrange(3, 50) for _ in range(n)],
+                    behaviour_logprobs=[-rng.uniform(0.1, 3) for _ in range(n)],
+                    finish_reason="stop",
+                    advantage=rng.uniform(-1, 1),
+                )
+            )
+        groups.append(RolloutGroup(prompt_id=str(g), prompt_ids=[1] * (g + 2), answer="", samples=samples))
+
+    def scores(order: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = collate([groups[i] for i in order], pad_id=0)
+        # A "current policy" that is a deterministic function of the token: the same whatever the layout.
+        current = torch.where(batch.response_mask.bool(), -0.01 * batch.targets.double(), 0.0)
+        return group_headroom_drift(
+            current, batch.behaviour_logprobs, batch.advantages, batch.response_mask, batch.group_index, len(order)
+        )
+
+    h, d = scores([0, 1, 2])
+    h2, d2 = scores([2, 0, 1])
+    torch.testing.assert_close(h2, h[[2, 0, 1]])
+    torch.testing.assert_close(d2, d[[2, 0, 1]])
+
+
+def test_drift_is_zero_on_policy_and_the_square_of_a_constant_shift() -> None:
+    logprobs = torch.tensor([[-0.3, -1.2, -2.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3)
+    _, on_policy = group_headroom_drift(logprobs, logprobs, torch.tensor([1.0]), mask, torch.tensor([0]), 1)
+    _, shifted = group_headroom_drift(logprobs, logprobs - 0.03, torch.tensor([1.0]), mask, torch.tensor([0]), 1)
+    assert on_policy.item() == 0.0
+    assert shifted.item() == pytest.approx(0.03**2, rel=1e-9)
+
+
+# --------------------------------------------------------------------------------- eligibility
+
+
+@pytest.mark.parametrize(
+    ("rewards", "mixed"),
+    [
+        ([1.0, 0.0, 1.0], True),
+        ([0.0, 0.0, 1.0, 0.0], True),
+        ([1.0, 1.0, 1.0], False),  # all correct
+        ([0.0, 0.0], False),  # all wrong
+        ([0.5, 0.5], False),  # equal rewards: zero advantages
+        ([1.0], False),
+        ([], False),
+    ],
+)
+def test_mixed_outcome(rewards: list[float], mixed: bool) -> None:
+    assert is_mixed_outcome(rewards) is mixed
+
+
+def test_only_mixed_outcome_groups_enter_the_buffer_as_copies() -> None:
+    groups = [_group(3, [1, 1]), _group(3, [0, 1]), _group(3, [0, 0]), _group(3, [1, 0, 0], version=12)]
+    entries = candidate_entries(enumerate(groups))
+    assert [e.key for e in entries] == [(3, 1), (3, 3)]
+    assert entries[1].policy_version == 12
+    groups[1].samples[0].behaviour_logprobs[0] = -99.0  # the caller's object changes later ...
+    assert (
+        entries[0].group is not None and entries[0].group.samples[0].behaviour_logprobs[0] == -0.5
+    )  # ... not the copy
+    references = candidate_entries(enumerate(groups), copy_groups=False)
+    assert [e.key for e in references] == [(3, 1), (3, 3)] and all(e.group is None for e in references)
+    buffer = ReplayBuffer(capacity=10)
+    buffer.push(entries)
+    assert buffer.keys() == [(3, 1), (3, 3)]
+
+
+# -------------------------------------------------------------------------------------- FIFO
+
+
+def test_fifo_evicts_the_oldest_at_capacity_and_forgets_their_scores() -> None:
+    buffer = ReplayBuffer(capacity=3)
+    assert buffer.push([_entry(0, i) for i in range(2)]) == []
+    buffer.update_scores({(0, 0): GroupScore(headroom=0.5, drift=0.1, scored_at=4)})
+    evicted = buffer.push([_entry(1, i) for i in range(3)])
+    assert evicted == [(0, 0), (0, 1)]
+    assert buffer.keys() == [(1, 0), (1, 1), (1, 2)] and len(buffer) == 3
+    assert buffer.score((0, 0)) is None
+    with pytest.raises(ValueError, match="already in the replay buffer"):
+        buffer.push([_entry(1, 2)])
+    with pytest.raises(KeyError, match="not in the replay buffer"):
+        buffer.update_scores({(0, 0): GroupScore(headroom=0.0, drift=0.0, scored_at=0)})
+    with pytest.raises(ValueError, match="capacity"):
+        ReplayBuffer(capacity=0)
+
+
+def test_buffer_state_round_trip() -> None:
+    buffer = ReplayBuffer(capacity=4)
+    groups = [_group(0, [1, 0], prompt="a"), _group(0, [0, 1], prompt="b")]
+    buffer.push(candidate_entries(enumerate(groups)))
+    buffer.push([_entry(1, 7, version=4)])
+    buffer.update_scores({(0, 1): GroupScore(headroom=0.25, drift=3e-4, scored_at=4)})
+    copies = [e.group for e in buffer.entries() if e.group is not None]
+    restored = ReplayBuffer.from_state_dict(buffer.state_dict(), copies)
+    assert restored.state_dict() == buffer.state_dict()
+    assert restored.entries() == buffer.entries()
+    assert restored.score((0, 1)) == GroupScore(headroom=0.25, drift=3e-4, scored_at=4)
+    smaller = ReplayBuffer.from_state_dict(buffer.state_dict(), copies, capacity=2)
+    assert smaller.keys() == [(0, 1), (1, 7)]
+
+
+# ---------------------------------------------------------------------------------- ordering
+
+
+def test_headroom_order_puts_unscored_first_then_highest_headroom() -> None:
+    buffer = ReplayBuffer(capacity=10)
+    buffer.push([_entry(0, i) for i in range(5)])
+    buffer.update_scores(
+        {
+            (0, 0): GroupScore(headroom=0.2, drift=0.0, scored_at=1),
+            (0, 1): GroupScore(headroom=0.9, drift=0.0, scored_at=1),
+            (0, 3): GroupScore(headroom=0.2, drift=0.0, scored_at=1),
+        }
+    )
+    # unscored (0,4), (0,2) newest first; then 0.9; then the 0.2 tie, newest first
+    assert headroom_order(buffer) == [(0, 4), (0, 2), (0, 1), (0, 3), (0, 0)]
+    assert recent_order(buffer) == [(0, 4), (0, 3), (0, 2), (0, 1), (0, 0)]
+    assert replay_policy("hdr").gated and not replay_policy("recent").gated
+    with pytest.raises(ValueError, match=r"replay\.policy"):
+        replay_policy("oldest")
+
+
+# -------------------------------------------------------------------------------- gate, walk
+
+
+def test_drift_gate_boundary() -> None:
+    tau = 1e-3
+    assert passes_drift_gate(tau, tau)  # D = τ is admitted
+    assert passes_drift_gate(math.nextafter(tau, 0.0), tau)
+    assert not passes_drift_gate(math.nextafter(tau, 1.0), tau)
+    assert not passes_drift_gate(float("nan"), tau)
+
+
+def _fake_scores(drifts: dict[GroupKey, float], calls: list[list[GroupKey]]):
+    def score(keys: list[GroupKey]) -> list[GroupScore]:
+        calls.append(list(keys))
+        return [GroupScore(headroom=0.5, drift=drifts[k], scored_at=9) for k in keys]
+
+    return score
+
+
+def test_selection_accepts_at_the_boundary_and_rejects_above() -> None:
+    tau = 1e-3
+    order = [(0, i) for i in range(5)]
+    drifts = dict(zip(order, [2e-3, tau, math.nextafter(tau, 1.0), 5e-4, 0.0]))
+    calls: list[list[GroupKey]] = []
+    selection = select_groups(order, k=2, max_scored=10, tau=tau, score=_fake_scores(drifts, calls))
+    assert selection.accepted == [(0, 1), (0, 3)]
+    assert selection.rejected == [(0, 0), (0, 2)]
+    assert set(selection.scores) == {(0, 0), (0, 1), (0, 2), (0, 3)}
+    assert calls == [[(0, 0), (0, 1)], [(0, 2)], [(0, 3)]]  # chunk = acceptances still needed: never overshoots k
+
+
+def _walk_one_at_a_time(order, *, k, max_scored, tau, drifts) -> Selection:
+    """The walk exactly as the method states it: score one group, decide, repeat."""
+    accepted, rejected, scores = [], [], {}
+    for key in order:
+        if len(accepted) >= k or len(scores) >= max_scored:
+            break
+        scores[key] = GroupScore(headroom=0.5, drift=drifts[key], scored_at=9)
+        (accepted if drifts[key] <= tau else rejected).append(key)
+    return Selection(accepted=accepted, rejected=rejected, scores=scores)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chunked_walk_equals_the_one_at_a_time_walk(seed: int) -> None:
+    rng = random.Random(seed)
+    order = [(rng.randrange(5), i) for i in range(rng.randint(0, 30))]
+    drifts = {key: rng.choice([0.0, 5e-4, 1e-3, 2e-3, 1.0]) for key in order}
+    k, max_scored = rng.randint(1, 8), rng.randint(1, 20)
+    calls: list[list[GroupKey]] = []
+    got = select_groups(order, k=k, max_scored=max_scored, tau=1e-3, score=_fake_scores(drifts, calls))
+    assert got == _walk_one_at_a_time(order, k=k, max_scored=max_scored, tau=1e-3, drifts=drifts)
+    assert [key for chunk in calls for key in chunk] == list(got.scores)  # every group scored once, in order
+
+
+def test_naive_selection_takes_the_first_k_ungated() -> None:
+    order = [(2, 3), (2, 1), (1, 0)]
+    selection = select_groups(order, k=2, max_scored=0, tau=0.0, score=None)
+    assert selection.accepted == [(2, 3), (2, 1)] and selection.rejected == [] and selection.scores == {}
+
+
+def test_no_group_is_replayed_in_its_own_step() -> None:
+    """A loop over steps: select from the buffer, update, then push the step's candidates."""
+    buffer = ReplayBuffer(capacity=6)
+    rng = random.Random(1)
+    for step in range(6):
+        for name in ("hdr", "recent"):
+            policy = replay_policy(name)
+            score = _fake_scores({k: 0.0 for k in buffer}, []) if policy.gated else None
+            selection = select_groups(policy.order(buffer), k=3, max_scored=6, tau=1.0, score=score)
+            assert all(stage < step for stage, _ in selection.accepted)
+            assert len(selection.accepted) == min(3, len(buffer))
+        groups = [_group(step, [rng.choice([0.0, 1.0]) for _ in range(4)]) for _ in range(4)]
+        buffer.push(candidate_entries(enumerate(groups)))
+
+
+def test_selection_metrics() -> None:
+    buffer = ReplayBuffer(capacity=10)
+    buffer.push([_entry(0, 0, version=0), _entry(1, 0, version=4), _entry(1, 1, version=4)])
+    selection = Selection(
+        accepted=[(1, 0), (0, 0)],
+        rejected=[(1, 1)],
+        scores={
+            (1, 0): GroupScore(headroom=0.4, drift=1e-4, scored_at=8),
+            (0, 0): GroupScore(headroom=0.2, drift=3e-4, scored_at=8),
+            (1, 1): GroupScore(headroom=0.9, drift=5e-3, scored_at=8),
+        },
+    )
+    m = selection_metrics(selection, buffer, policy_version=8)
+    assert m["buffer_groups"] == 3 and m["scored"] == 3 and m["accepted"] == 2
+    assert m["acceptance_rate"] == pytest.approx(2 / 3)
+    assert m["headroom_mean"] == pytest.approx(0.3) and m["headroom_mean_rejected"] == pytest.approx(0.9)
+    assert m["drift_mean"] == pytest.approx((1e-4 + 3e-4 + 5e-3) / 3)
+    assert m["drift_mean_accepted"] == pytest.approx(2e-4) and m["drift_mean_rejected"] == pytest.approx(5e-3)
+    assert m["age_mean"] == pytest.approx((4 + 8) / 2)
+    empty = selection_metrics(Selection(accepted=[], rejected=[], scores={}), ReplayBuffer(capacity=1), 0)
+    assert empty["accepted"] == 0 and math.isnan(empty["acceptance_rate"]) and math.isnan(empty["age_mean"])
+
+
+# ---------------------------------------------------------------------------------- placement
+
+
+@pytest.mark.parametrize(("replayed", "updates"), [(8, 4), (7, 4), (2, 4), (0, 4), (5, 1), (3, 2), (1, 64)])
+def test_replay_slots_spread_all_groups_over_updates_after_the_first(replayed: int, updates: int) -> None:
+    slots = replay_slots(replayed, updates)
+    assert len(slots) == updates
+    assert [i for s in slots for i in s] == list(range(replayed))  # each once, priority order kept
+    if updates > 1:
+        assert len(slots[0]) == 0  # the first update of a stage stays on-policy
+        sizes = [len(s) for s in slots[1:]]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert [len(s) for s in replay_slots(8, 4)] == [0, 3, 3, 2]
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+def test_config_defaults_and_resolution() -> None:
+    cfg = ReplayConfig()
+    assert not cfg.enabled and cfg.policy == "hdr" and cfg.tau == 1e-3 and not cfg.cross_stage
+    assert cfg.groups_for(32) == 8 and cfg.capacity_groups(32) == 256 and cfg.max_scored(32) == 32
+    assert cfg.groups_for(2) == 1  # at least one group
+    custom = ReplayConfig(groups_per_step=3, capacity=50, max_scored_per_step=7)
+    assert custom.groups_for(32) == 3 and custom.capacity_groups(32) == 50 and custom.max_scored(32) == 7
+    run = load_config(None, ["replay.enabled=true", "replay.tau=2e-3", "replay.cross_stage=true"])
+    assert run.replay.enabled and run.replay.tau == 2e-3 and run.replay.cross_stage
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algo.rollout_correction.tis_cap=2", "replay.enabled cannot be combined with algo.rollout_correction"),
+        ("replay.policy=oldest", "replay.policy='oldest' is unknown"),
+        ("replay.tau=-1", "replay.tau=-1.0 must be >= 0"),
+        ("replay.groups_per_step=-2", "replay.groups_per_step=-2 must be >= 0"),
+        ("replay.groups_fraction=0", "replay.groups_fraction=0.0 must be in (0, 1]"),
+        ("replay.capacity=-1", "replay.capacity=-1 must be >= 0"),
+        ("replay.max_scored_per_step=-1", "replay.max_scored_per_step=-1 must be >= 0"),
+    ],
+)
+def test_config_validation_names_the_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["replay.enabled=true", override])

@@ -1,0 +1,310 @@
+"""Headroom-Drift Replay through the real Megatron trainer on CPU: scoring, gating, mini-batches, buffer files.
+
+Groups get behaviour log-probs from the policy itself (teacher-forced), so their drift is exactly 0;
+shifting every stored log-prob by δ makes it δ². That gives known drifts without hand-made numbers
+for a whole transformer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+from megatron_mugrpo import replay
+from megatron_mugrpo.algorithms.losses import available_losses
+from megatron_mugrpo.algorithms.replay import candidate_entries, token_headroom
+from megatron_mugrpo.config import load_config
+from megatron_mugrpo.metrics import MetricsLogger, read_metrics
+from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
+from megatron_mugrpo.rollout.store import RolloutStore, RolloutStoreWriter
+from megatron_mugrpo.state import TrainerState
+from megatron_mugrpo.training.checkpoint import CheckpointError
+from megatron_mugrpo.training.parallel import initialize_parallel
+from megatron_mugrpo.training.setup import build_policy
+from megatron_mugrpo.training.train_step import forward_logprobs, train_step
+
+from .common import VOCAB, hf_config
+
+GROUP_SIZE = 4
+TRAIN_GROUPS = 4
+MINI_GROUPS = 1  # μ = 4 updates per stage
+TAU = 1e-3
+SHIFT_OK, SHIFT_FAR = 0.02, 0.05
+"""Stored log-prob shifts: drift 4e-4 ≤ τ (admitted) and 2.5e-3 > τ (rejected)."""
+
+
+def _cfg(*extra: str):
+    return load_config(
+        None,
+        [
+            "replay.enabled=true",
+            f"replay.tau={TAU}",
+            "replay.groups_per_step=2",
+            f"stages.train_groups={TRAIN_GROUPS}",
+            f"stages.mini_groups={MINI_GROUPS}",
+            f"rollout.group_size={GROUP_SIZE}",
+            "parallel.micro_batch_size=4",
+            "kernels.logprob_impl=unfused",
+            *extra,
+        ],
+    )
+
+
+def _run(tmp: Path, cfg, tp: int = 1) -> SimpleNamespace:
+    """The parts of a runtime.Run that replay touches, with a real policy and metrics logger."""
+    groups = initialize_parallel(tp, 1, seed=0)
+    policy = build_policy(hf_config(), groups=groups, dtype=torch.float32, optim=cfg.optim)
+    return SimpleNamespace(
+        cfg=cfg,
+        policy=policy,
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        state=TrainerState(stage=1, global_update=4),
+        logger=MetricsLogger(tmp, tensorboard=False, console=False, rank=groups.rank),
+        rollout_dir=lambda stage: tmp / "rollouts" / f"stage_{stage:03d}",
+        replay=replay.open_replay(cfg, None),
+    )
+
+
+def _groups(seed: int, stage: int, count: int, version: int = 0) -> list[RolloutGroup]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(count):
+        samples = []
+        for j in range(GROUP_SIZE):
+            length = rng.randint(2, 6)
+            reward = float(j % 2)  # mixed outcome: half right, half wrong
+            samples.append(
+                RolloutSample(
+                    response_ids=[rng.randrange(3, VOCAB) for _ in range(length)],
+                    behaviour_logprobs=[-1.0] * length,
+                    finish_reason="stop",
+                    reward=reward,
+                    reward_reason="correct" if reward else "wrong",
+                    advantage=reward - 0.5,
+                )
+            )
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 4))]
+        out.append(
+            RolloutGroup(
+                prompt_id=f"{stage}-{g}",
+                prompt_ids=prompt,
+                answer="1",
+                samples=samples,
+                stage=stage,
+                policy_version=version,
+            )
+        )
+    return out
+
+
+def _set_behaviour(run: SimpleNamespace, groups: list[RolloutGroup], shifts: list[float]) -> None:
+    """Behaviour log-probs = the policy's own teacher-forced log-probs − shift (per group)."""
+    batch = collate(groups, pad_id=0)
+    logprobs = forward_logprobs(run.policy, batch, temperature=1.0, micro_batch_size=4, impl="unfused")
+    row = 0
+    for group, shift in zip(groups, shifts):
+        for sample in group.samples:
+            start = len(group.prompt_ids) - 1
+            values = logprobs[row, start : start + len(sample.response_ids)]
+            sample.behaviour_logprobs = [float(v) - shift for v in values]
+            row += 1
+
+
+def _write_store(directory: Path, groups: list[RolloutGroup], stage: int, version: int) -> RolloutStore:
+    writer = RolloutStoreWriter.create_or_resume(
+        directory,
+        stage=stage,
+        policy_version=version,
+        engine="test",
+        sampling={},
+        num_groups=len(groups),
+        shard_groups=len(groups),
+        vocab_size=VOCAB,
+    )
+    writer.write_shard(0, groups)
+    return RolloutStore.open(directory)
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str) -> None:
+    tmp_path = Path(tmp)
+    run = _run(tmp_path, _cfg())
+    old = _groups(0, stage=0, count=4)
+    shifts = [SHIFT_FAR, 0.0, SHIFT_OK, SHIFT_FAR]
+    _set_behaviour(run, old, shifts)
+    run.replay.buffer.push(candidate_entries(enumerate(old)))
+    stored = [[list(s.behaviour_logprobs) for s in g.samples] for g in old]
+
+    fresh = _groups(1, stage=1, count=TRAIN_GROUPS, version=4)
+    _set_behaviour(run, fresh, [0.0] * len(fresh))
+    store = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
+
+    data = replay.stage_data(run, 1, store)
+    # All four are unscored: newest first (index 3, 2, 1, 0); 3 is too far, 2 and 1 pass, K_rep = 2 reached.
+    assert run.replay.plan.accepted == [(0, 2), (0, 1)]
+    scores = {key: run.replay.buffer.score(key) for key in run.replay.buffer}
+    assert scores[(0, 0)] is None  # never reached: the walk stopped at K_rep
+    assert scores[(0, 3)].drift == pytest.approx(SHIFT_FAR**2, rel=1e-4)
+    assert scores[(0, 2)].drift == pytest.approx(SHIFT_OK**2, rel=1e-4)
+    assert scores[(0, 1)].drift == pytest.approx(0.0, abs=1e-12)
+    assert scores[(0, 1)].scored_at == 4
+    # Headroom against the formula on the policy's log-probs (= behaviour + shift here).
+    batch = collate([old[1]], pad_id=0)
+    current = batch.behaviour_logprobs + 0.0
+    expected = token_headroom(current, batch.advantages, batch.response_mask).sum() / batch.response_mask.sum()
+    assert scores[(0, 1)].headroom == pytest.approx(float(expected), rel=1e-5)
+
+    # Scoring refreshed scores but never the stored records.
+    assert [[list(s.behaviour_logprobs) for s in g.samples] for g in old] == stored
+    # Update 0 is all fresh; the replayed groups come first in updates 1 and 2, exactly as stored.
+    assert data.minibatch(0, MINI_GROUPS, 0) == store.minibatch(0, MINI_GROUPS, 0)
+    first, second = data.minibatch(1, MINI_GROUPS, 0), data.minibatch(2, MINI_GROUPS, 0)
+    assert first[0] is run.replay.buffer.get((0, 2)).group and second[0] is run.replay.buffer.get((0, 1)).group
+    assert first[1:] == store.minibatch(1, MINI_GROUPS, 0)
+    assert data.minibatch(3, MINI_GROUPS, 0) == store.minibatch(3, MINI_GROUPS, 0)
+
+    # The update's ratio uses the stored generation-time log-probs: fresh rows are on-policy (gap 0),
+    # the replayed rows are off by exactly SHIFT_OK, so the batch's mean |log π_θ − b| is SHIFT_OK × their share.
+    batch = collate(first, pad_id=0)
+    replayed_tokens = sum(len(s.response_ids) for s in first[0].samples)
+    metrics = train_step(
+        run.policy,
+        batch,
+        loss_name="grpo",
+        loss_options={"clip_eps": 0.2},
+        temperature=1.0,
+        micro_batch_size=4,
+        impl="unfused",
+    )
+    expected_gap = SHIFT_OK * replayed_tokens / float(batch.response_mask.sum())
+    assert metrics["train/rollout_logprob_abs_diff_mean"] == pytest.approx(expected_gap, rel=1e-3)
+    assert metrics["train/rollout_logprob_abs_diff_max"] == pytest.approx(SHIFT_OK, rel=1e-3)
+    # Replayed groups are ordinary rows to the loss: every registry loss takes the mixed batch.
+    for name in available_losses():
+        cfg = load_config(None, [f"algo.loss={name}"])
+        out = train_step(
+            run.policy,
+            batch,
+            loss_name=name,
+            loss_options=cfg.algo.loss_options(),
+            temperature=1.0,
+            micro_batch_size=4,
+            impl="unfused",
+        )
+        assert math.isfinite(out["train/loss"]) and out["train/update_successful"] == 1.0, name
+
+    run.logger.close()
+    record = next(r for r in read_metrics(tmp_path) if "replay/accepted" in r)
+    assert record["step"] == 5  # the stage's first update
+    assert record["replay/scored"] == 3 and record["replay/accepted"] == 2 and record["replay/buffer_groups"] == 4
+    assert record["replay/acceptance_rate"] == pytest.approx(2 / 3)
+    assert record["replay/drift_mean"] == pytest.approx((SHIFT_FAR**2 + SHIFT_OK**2) / 3, rel=1e-3)
+    assert record["replay/age_mean"] == 4.0
+
+    # E: the stage's mixed groups enter the FIFO after its updates; the decision is cleared.
+    replay.end_stage(run, 1, store)
+    assert run.replay.buffer.keys() == [(0, 0), (0, 1), (0, 2), (0, 3)] + [(1, i) for i in range(TRAIN_GROUPS)]
+    assert run.replay.plan is None
+
+
+def test_scoring_gate_and_stored_logprobs_through_the_trainer(tmp_path: Path) -> None:
+    run_distributed(_score_gate_and_replay_stored_logprobs, 1, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _persistence(rank: int, world_size: int, tmp: str) -> None:
+    tmp_path = Path(tmp)
+    for cross_stage in (False, True):
+        cfg = _cfg(f"replay.cross_stage={str(cross_stage).lower()}", "replay.capacity=6")
+        run = _run(tmp_path / f"cross_{cross_stage}", cfg)
+        stage0 = _groups(2, stage=0, count=4)
+        stage0[1].samples = [*stage0[1].samples[:1], *stage0[1].samples[2:3]]  # rewards 0, 0: not mixed
+        _set_behaviour(run, stage0, [0.0] * 4)
+        store0 = _write_store(run.rollout_dir(0), stage0, stage=0, version=0)
+        replay.end_stage(run, 0, store0)
+        assert run.replay.buffer.keys() == [(0, 0), (0, 2), (0, 3)]
+        assert all((e.group is None) == cross_stage for e in run.replay.buffer.entries())
+
+        stage1 = _groups(3, stage=1, count=4, version=4)
+        _set_behaviour(run, stage1, [0.0] * 4)
+        store1 = _write_store(run.rollout_dir(1), stage1, stage=1, version=4)
+        data = replay.stage_data(run, 1, store1)
+        assert run.replay.plan.accepted == [(0, 3), (0, 2)]
+        assert [g.prompt_id for g in data.replayed] == ["0-3", "0-2"]  # read back from D_0 when by reference
+
+        step_dir = tmp_path / f"step_{cross_stage}"
+        replay.checkpoint_writer(run)(step_dir)
+        restored = replay.open_replay(cfg, step_dir)
+        assert restored.buffer.state_dict() == run.replay.buffer.state_dict()
+        assert restored.buffer.entries() == run.replay.buffer.entries()
+        assert restored.plan == run.replay.plan
+        # A resumed run does not re-score: the restored decision is used as it is.
+        run.replay = restored
+        again = replay.stage_data(run, 1, store1)
+        assert again.replayed == data.replayed
+
+        replay.end_stage(run, 1, store1)  # 4 more mixed groups: capacity 6 evicts the oldest
+        assert run.replay.buffer.keys() == [(0, 2), (0, 3)] + [(1, i) for i in range(4)]
+
+        if not cross_stage:
+            groups_file = step_dir / replay.REPLAY_DIR / replay.GROUPS_FILE
+            groups_file.write_bytes(groups_file.read_bytes()[:-10] + b"0123456789")
+            with pytest.raises(CheckpointError, match="does not match its sha256"):
+                replay.open_replay(cfg, step_dir)
+        state_file = step_dir / replay.REPLAY_DIR / replay.STATE_FILE
+        state_file.write_text(json.dumps({"format": "other"}))
+        with pytest.raises(CheckpointError, match="format"):
+            replay.open_replay(cfg, step_dir)
+        run.logger.close()
+    assert replay.open_replay(load_config(None, []), tmp_path) is None  # replay off: no state at all
+
+
+def test_buffer_and_decision_survive_a_checkpoint(tmp_path: Path) -> None:
+    run_distributed(_persistence, 1, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _ranks_decide_alike(rank: int, world_size: int, tmp: str) -> None:
+    tmp_path = Path(tmp)
+    run = _run(tmp_path / f"rank{rank}", _cfg(), tp=2)
+    old = _groups(4, stage=0, count=6)
+    _set_behaviour(run, old, [SHIFT_FAR, 0.0, SHIFT_OK, 0.0, SHIFT_FAR, SHIFT_OK])
+    run.replay.buffer.push(candidate_entries(enumerate(old)))
+    fresh = _groups(5, stage=1, count=TRAIN_GROUPS, version=4)
+    _set_behaviour(run, fresh, [0.0] * TRAIN_GROUPS)
+    store = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
+    replay.stage_data(run, 1, store)
+    decisions = [None] * world_size
+    dist.all_gather_object(decisions, (run.replay.plan.accepted, run.replay.buffer.state_dict()))
+    assert decisions[0] == decisions[1]
+    assert run.replay.plan.accepted == [(0, 5), (0, 3)]
+    run.logger.close()
+
+
+@pytest.mark.multiprocess
+def test_every_rank_takes_the_same_decisions_with_tensor_parallelism(tmp_path: Path) -> None:
+    run_distributed(_ranks_decide_alike, 2, str(tmp_path))
+
+
+def test_replay_off_leaves_d_k_alone(tmp_path: Path) -> None:
+    cfg = load_config(None, [])
+    run = SimpleNamespace(cfg=cfg, replay=replay.open_replay(cfg, None))
+    store = object()
+    data = replay.stage_data(run, 0, store)
+    assert data.store is store and data.replayed == []  # D_k alone
+    replay.end_stage(run, 0, store)
+    assert replay.checkpoint_writer(run) is None
