@@ -2,6 +2,7 @@
 
     mugrpo train --config configs/demo_cpu.yaml --run-dir runs/demo [section.key=value ...]
     mugrpo train --resume runs/demo
+    torchrun --nproc_per_node 2 -m megatron_mugrpo.cli train --config configs/demo_async_cpu.yaml --run-dir runs/async
     mugrpo generate --run-dir runs/demo --stage 1          # phase 1 of one stage only
     mugrpo optimize --run-dir runs/demo --stage 1          # phase 2 only, on the stored D_1
     mugrpo eval --run-dir runs/demo [--checkpoint STEP_DIR]
@@ -21,9 +22,11 @@ import sys
 import warnings
 from pathlib import Path
 
+from megatron_mugrpo.asynchronous.liveness import RankFailedError
 from megatron_mugrpo.errors import InputError
 
 EXIT_BAD_INPUT = 2
+EXIT_RANK_FAILED = 1
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +96,7 @@ class _UsageError(InputError, ValueError):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from megatron_mugrpo import stages
+    from megatron_mugrpo.asynchronous.roles import role_from_env
     from megatron_mugrpo.runtime import load_run_config, open_run
 
     if args.resume is not None:
@@ -107,14 +111,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         from megatron_mugrpo.config import load_config
 
         cfg, run_dir = load_config(args.config, args.overrides), args.run_dir
-        if (run_dir / "config.yaml").exists():
-            raise _UsageError(
-                f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
-                "or choose another --run-dir"
-            )
-    run = open_run(cfg, run_dir, resume=args.resume is not None)
+    model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    role = role_from_env(mode=cfg.mode, rollout_ranks=cfg.async_.rollout_ranks, model_parallel=model_parallel)
+    if role.is_worker:  # async mode's rollout ranks: no Megatron, no process group, only the run directory
+        from megatron_mugrpo.asynchronous.worker import run_worker
+
+        run_worker(cfg, run_dir, role)
+        return 0
+    if args.resume is None and (run_dir / "config.yaml").exists():
+        raise _UsageError(
+            f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
+            "or choose another --run-dir"
+        )
+    run = open_run(cfg, run_dir, resume=args.resume is not None, world_size=role.trainer_world)
     try:
-        result = stages.train(run)
+        if cfg.mode == "async":
+            from megatron_mugrpo.asynchronous.loop import train_async
+
+            result = train_async(run, role)
+        else:
+            result = stages.train(run)
     finally:
         run.close()
     if run.is_writer:
@@ -137,6 +153,11 @@ def print_summary(result: dict[str, float]) -> None:
         f"eval {result['t_eval_s']:.1f}s  total {result['t_total_s']:.1f}s"
     )
     print(f"updates {int(result['updates'])}  trained response tokens {int(result['train_tokens'])}")
+    if "consumed_groups" in result:  # async mode
+        print(
+            f"rollout queue: {int(result['consumed_groups'])} groups consumed ({int(result['dropped_groups'])} "
+            f"dropped as too old), {int(result['left_in_queue'])} left unconsumed"
+        )
     print(
         f"acc_before={result['acc_before']:.4f} acc_after={result['acc_after']:.4f} t_total_s={result['t_total_s']:.1f}"
     )
@@ -148,6 +169,11 @@ def cmd_phase(args: argparse.Namespace) -> int:
     from megatron_mugrpo.runtime import open_run
 
     cfg = _resolve_config(args, args.run_dir)
+    if cfg.mode != "staged":
+        raise _UsageError(
+            f"mugrpo {args.verb} replays one phase of the staged loop; a mode: {cfg.mode} run has no stage "
+            "datasets: run it with `mugrpo train`"
+        )
     if not 0 <= args.stage < cfg.stages.num_stages:
         raise _UsageError(f"--stage {args.stage} is outside [0, stages.num_stages={cfg.stages.num_stages})")
     run = open_run(cfg, args.run_dir, resume=True)
@@ -224,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:  # bad input: one line, exit 2; anything else is a bug and keeps its traceback
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RankFailedError as exc:  # async mode: another rank died; its name and what to do, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RANK_FAILED
 
 
 if __name__ == "__main__":

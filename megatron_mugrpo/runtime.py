@@ -17,7 +17,6 @@ Run directory layout::
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.metrics import MetricsLogger, Timer
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
+from megatron_mugrpo.rollout.prompts import stage_prompts as stage_prompts  # re-exported: it moved to the prompts
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training.checkpoint import latest_checkpoint, load_checkpoint
@@ -111,10 +111,16 @@ def set_determinism(cfg: RunConfig) -> None:
     torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
 
 
-def open_run(cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | None = None) -> Run:
-    """Build this rank's Run. ``resume`` loads the latest checkpoint (or ``checkpoint``) when one exists."""
+def open_run(
+    cfg: RunConfig, run_dir: Path, *, resume: bool, checkpoint: Path | None = None, world_size: int | None = None
+) -> Run:
+    """Build this rank's Run. ``resume`` loads the latest checkpoint (or ``checkpoint``) when one exists.
+
+    ``world_size``: the trainer ranks when they are fewer than the launch's processes (async mode).
+    """
     set_determinism(cfg)
-    groups = initialize_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.seed)
+    parallel = cfg.parallel
+    groups = initialize_parallel(parallel.tensor_parallel, parallel.pipeline_parallel, cfg.seed, world_size=world_size)
     if groups.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (run_dir / CONFIG_FILE).exists():
@@ -225,17 +231,3 @@ def sync_engine(run: Run) -> None:
     if run.engine is None:
         run.engine = build_engine_from_config(run.cfg.rollout, str(run.hf_dir), seed=run.cfg.seed)
     run.engine.load_weights(tensors)
-
-
-def stage_prompts(prompts: list[PromptRecord], stage: int, count: int, seed: int) -> list[PromptRecord]:
-    """The ``count`` prompts of stage ``stage``: consecutive slices of seeded per-epoch permutations."""
-    out: list[PromptRecord] = []
-    position = stage * count
-    while len(out) < count:
-        epoch, offset = divmod(position, len(prompts))
-        order = list(range(len(prompts)))
-        random.Random(f"prompts/{seed}/{epoch}").shuffle(order)
-        take = min(count - len(out), len(prompts) - offset)
-        out.extend(prompts[i] for i in order[offset : offset + take])
-        position += take
-    return out

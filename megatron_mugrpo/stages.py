@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.metrics import progress
-from megatron_mugrpo.records import collate
+from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.rollout.generate import generate_stage, stage_store_metrics
 from megatron_mugrpo.rollout.store import RolloutStore, is_complete
 from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
@@ -111,6 +111,22 @@ def optimizer_update(run: Run, store: RolloutStore, stage: int, update: int) -> 
     cfg = run.cfg
     started = time.perf_counter()
     groups = store.minibatch(update, cfg.stages.mini_groups, cfg.stages.seed)
+    metrics, tokens = train_on_groups(run, groups)
+    if update == 0:
+        check_first_update(run, metrics, stage)
+    run.state.update_in_stage, run.state.global_update = update + 1, run.state.global_update + 1
+    run.state.data_cursor = (update + 1) * cfg.stages.mini_groups
+    seconds = time.perf_counter() - started
+    return metrics | {
+        "train/stage": float(stage),
+        "perf/update_s": seconds,
+        "perf/train_tokens_per_s": tokens / max(seconds, 1e-9),
+    }
+
+
+def train_on_groups(run: Run, groups: list[RolloutGroup]) -> tuple[dict[str, float], float]:
+    """One optimizer step on some prompt groups (also the async loop's); returns its metrics and response tokens."""
+    cfg = run.cfg
     batch = collate(groups, pad_id=run.tokenizer.pad_token_id or 0)
     metrics = train_step(
         run.policy,
@@ -121,18 +137,9 @@ def optimizer_update(run: Run, store: RolloutStore, stage: int, update: int) -> 
         micro_batch_size=cfg.parallel.micro_batch_size,
         impl=cfg.kernels.logprob_impl,
     )
-    if update == 0:
-        check_first_update(run, metrics, stage)
-    run.state.update_in_stage, run.state.global_update = update + 1, run.state.global_update + 1
-    run.state.data_cursor = (update + 1) * cfg.stages.mini_groups
     tokens = float(batch.response_mask.sum())
     run.state.train_tokens += tokens
-    seconds = time.perf_counter() - started
-    return metrics | {
-        "train/stage": float(stage),
-        "perf/update_s": seconds,
-        "perf/train_tokens_per_s": tokens / max(seconds, 1e-9),
-    }
+    return metrics, tokens
 
 
 def check_first_update(run: Run, metrics: dict[str, float], stage: int) -> None:
