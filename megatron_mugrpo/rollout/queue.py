@@ -299,11 +299,13 @@ class QueueReader:
         self._buffer: deque[_Queued] = deque()
         self._pending: list[tuple[_Queued, int]] = []
         self._dropped_now = 0
+        self._arrived: list[ShardRecord] = []  # recorded, not yet admitted
         self._restore()
 
     def _restore(self) -> None:
         """Re-read the admitted shards that still hold unconsumed groups (after a resume)."""
-        self.index.refresh()
+        admitted = set(self.cursor.shards)
+        self._arrived = [record for record in self.index.refresh() if record.name not in admitted]
         skip = self.cursor.position
         for name in self.cursor.shards:
             record = self.index.records.get(name)
@@ -323,8 +325,7 @@ class QueueReader:
 
     def admit(self) -> list[ShardRecord]:
         """Append newly recorded shards, in arrival order, to the cursor and the unconsumed groups."""
-        admitted = set(self.cursor.shards)
-        new = [record for record in self.index.refresh() if record.name not in admitted]
+        new, self._arrived = self._arrived + self.index.refresh(), []
         for record in new:
             self._buffer.extend(_Queued(g, record) for g in read_shard(self.queue_dir, record))
             self.cursor.shards.append(record.name)
