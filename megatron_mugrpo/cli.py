@@ -95,15 +95,16 @@ class _UsageError(InputError, ValueError):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from megatron_mugrpo import stages
+    # Imports stay light until the role is known: async mode's rollout workers never need Megatron.
     from megatron_mugrpo.asynchronous.roles import role_from_env
-    from megatron_mugrpo.runtime import load_run_config, open_run
 
     if args.resume is not None:
         if args.config is not None or args.run_dir is not None:
             raise _UsageError("--resume RUN_DIR takes neither --config nor --run-dir (the run's config.yaml is used)")
         if not args.resume.is_dir():
             raise _UsageError(f"--resume {args.resume}: no such run directory")
+        from megatron_mugrpo.runtime import load_run_config
+
         cfg, run_dir = load_run_config(args.resume), args.resume
     else:
         if args.config is None or args.run_dir is None:
@@ -123,16 +124,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
             "or choose another --run-dir"
         )
-    run = open_run(cfg, run_dir, resume=args.resume is not None, world_size=role.trainer_world)
-    try:
-        if cfg.mode == "async":
-            from megatron_mugrpo.asynchronous.loop import train_async
+    from megatron_mugrpo import stages
+    from megatron_mugrpo.asynchronous.loop import train_async, trainer_heartbeat
+    from megatron_mugrpo.runtime import open_run
 
-            result = train_async(run, role)
-        else:
-            result = stages.train(run)
-    finally:
-        run.close()
+    with trainer_heartbeat(run_dir, role):  # async mode: the workers watch it from start-up to the end
+        run = open_run(cfg, run_dir, resume=args.resume is not None, world_size=role.trainer_world)
+        try:
+            result = train_async(run, role) if cfg.mode == "async" else stages.train(run)
+        finally:
+            run.close()
     if run.is_writer:
         print_summary(result)
         from megatron_mugrpo.report import write_report

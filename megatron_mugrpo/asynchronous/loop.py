@@ -14,7 +14,10 @@ of the queue, the weight publications and the heartbeats) and in the modules it 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -45,23 +48,34 @@ POLL_S = 0.02
 def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
     """Run (or continue) an async run on this trainer rank; returns the end-of-run summary."""
     cfg, state = run.cfg, run.state
-    with Feed.open(run, role) as feed:  # rank 0: queue reader, worker heartbeats, the trainer's heartbeat
-        feed.publish(run)  # the workers' first policy (or, resumed, the checkpoint's)
-        if state.global_update == 0 and state.acc_before is None:
-            state.acc_before = run_evaluation(run).get(AVG_KEY, float("nan"))
-        for _ in progress_range(run, run.state.global_update, cfg.stages.total_updates, "async updates"):
-            started = time.perf_counter()
-            with run.timer("perf/t_rollout_s"):  # idle: waiting for and assembling samples
-                taken = feed.next_groups(run)
-            with run.timer("perf/t_optimize_s"):
-                metrics = async_update(run, taken)
-                if _due(cfg.async_.sync_every, run.state.global_update):
-                    metrics |= feed.publish(run)
-            run.logger.log(metrics | feed.update_metrics(taken, started), step=run.state.global_update)
-            crash_point(f"update:{run.state.global_update}")
-            end_of_update(run, feed)  # stage end: rollout summary, evaluation; checkpoint when due
+    feed = Feed.open(run, role)  # rank 0: the queue reader, the workers' heartbeats
+    feed.publish(run)  # the workers' first policy (or, resumed, the checkpoint's)
+    if state.global_update == 0 and state.acc_before is None:
+        state.acc_before = run_evaluation(run).get(AVG_KEY, float("nan"))
+    for _ in progress_range(run, run.state.global_update, cfg.stages.total_updates, "async updates"):
+        started = time.perf_counter()
+        with run.timer("perf/t_rollout_s"):  # idle: waiting for and assembling samples
+            taken = feed.next_groups(run)
+        with run.timer("perf/t_optimize_s"):
+            metrics = async_update(run, taken)
+            if _due(cfg.async_.sync_every, run.state.global_update):
+                metrics |= feed.publish(run)
+        run.logger.log(metrics | feed.update_metrics(taken, started), step=run.state.global_update)
+        crash_point(f"update:{run.state.global_update}")
+        end_of_update(run, feed)  # stage end: rollout summary, evaluation; checkpoint when due
     export_final(run)
     return summary(run) | feed.summary()
+
+
+@contextmanager
+def trainer_heartbeat(run_dir: Path, role: ProcessRole) -> Iterator[None]:
+    """Rank 0 of an async launch beats for the trainer from start-up (before Megatron is even built) to
+    the end; the last beat says done, or failed with the error, and the workers stop on reading it."""
+    if role.rank != 0 or role.num_workers == 0:
+        yield
+        return
+    with Heartbeat(AsyncPaths(run_dir).trainer_heartbeat):
+        yield
 
 
 def async_update(run: Run, taken: Taken) -> dict[str, float]:
@@ -99,7 +113,6 @@ class Feed:
     is_writer: bool
     reader: QueueReader | None = None
     workers: list[Peer] = field(default_factory=list)
-    heartbeat: Heartbeat | None = None
     max_lag: int = 0
     verify_weights: bool = False
     digests: dict[str, str] = field(default_factory=dict)
@@ -116,7 +129,6 @@ class Feed:
         feed.verify_weights = cfg.verify_weights
         if run.is_writer:
             feed.paths.make()
-            feed.heartbeat = Heartbeat(feed.paths.trainer_heartbeat)
             feed.workers = [
                 Peer(feed.paths.worker_heartbeat(i), _worker_name(role, i), timeout_s=cfg.worker_timeout_s)
                 for i in range(role.num_workers)
@@ -127,15 +139,6 @@ class Feed:
             feed.reader.publish_cursor(run.state.global_update)  # the workers' queue bound, as of this checkpoint
             feed.digests = publication_digests(feed.paths.weights)
         return feed
-
-    def __enter__(self) -> Feed:
-        if self.heartbeat is not None:
-            self.heartbeat.start()
-        return self
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
-        if self.heartbeat is not None:  # done or failed (with the message): the workers stop when they read it
-            self.heartbeat.__exit__(exc_type, exc, tb)
 
     # ------------------------------------------------------------------------------ weights
 
