@@ -219,6 +219,8 @@ class QueueWriter:
         self.queue_dir, self.worker, self.vocab_size = queue_dir, worker, vocab_size
         queue_dir.mkdir(parents=True, exist_ok=True)
         self.index = RecordIndex(queue_dir)
+        self.appended = 0
+        """Shards this writer (this process) has written."""
 
     def resume_batch(self) -> int:
         """Delete this worker's half-written leftovers; return the first batch index it has not recorded."""
@@ -262,14 +264,17 @@ class QueueWriter:
             stats=shard_stats(groups),
             **record,
         )
-        _crash_point(f"worker:{self.worker}:record:{batch}")
+        self.appended += 1
+        _crash_point(f"worker:{self.worker}:shard:{self.appended}")
         write_json(self.queue_dir / (name + RECORD_SUFFIX), dataclasses.asdict(info))
         return info
 
 
 def _crash_point(name: str) -> None:
-    """``stages.crash_point`` (the resume tests' fault injection), imported only when it will fire: the
-    staged loop's module pulls in Megatron, which a rollout worker never needs otherwise."""
+    """``stages.crash_point``: the resume tests' fault injection. ``worker:W:shard:N`` SIGKILLs rollout
+    worker W after the N-th shard this process wrote is in place but before its record is: a
+    half-written batch. Imported only when it fires: ``stages`` pulls in Megatron, which a rollout
+    worker never needs otherwise."""
     if os.environ.get("MUGRPO_CRASH_AT") == name:
         from megatron_mugrpo.stages import crash_point
 
