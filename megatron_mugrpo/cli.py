@@ -124,11 +124,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
             "or choose another --run-dir"
         )
-    from megatron_mugrpo import stages
-    from megatron_mugrpo.asynchronous.loop import train_async, trainer_heartbeat
-    from megatron_mugrpo.runtime import open_run
+    from megatron_mugrpo.asynchronous.files import AsyncPaths
+    from megatron_mugrpo.asynchronous.liveness import beating
 
-    with trainer_heartbeat(run_dir, role):  # async mode: the workers watch it from start-up to the end
+    # Async mode: rank 0 beats for the trainer from here (before Megatron is even imported) to the end; the
+    # last beat says done, or failed with the error, and the workers stop on reading it.
+    with beating(AsyncPaths(run_dir).trainer_heartbeat, enabled=role.rank == 0 and role.num_workers > 0):
+        from megatron_mugrpo import stages
+        from megatron_mugrpo.asynchronous.loop import train_async
+        from megatron_mugrpo.runtime import open_run
+
         run = open_run(cfg, run_dir, resume=args.resume is not None, world_size=role.trainer_world)
         try:
             result = train_async(run, role) if cfg.mode == "async" else stages.train(run)

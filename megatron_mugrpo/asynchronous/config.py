@@ -29,7 +29,10 @@ class AsyncConfig:
     """Prompt groups a worker generates per batch (one queue shard); weights never change within one."""
     worker_timeout_s: float = 300.0
     """A trainer or worker whose heartbeat has not changed for this long is dead: the run stops with
-    an error naming it. Must exceed a rank's start-up time."""
+    an error naming it."""
+    startup_timeout_s: float = 900.0
+    """How long a rank waits for the other side's first heartbeat (ranks on other nodes may start
+    later; a trainer loads its model before it watches the workers)."""
     verify_weights: bool = False
     """Workers hash the weights they loaded and the trainer checks the hash against the publication's
     (costs one pass over all weights per sync; the tests switch it on)."""
@@ -44,4 +47,5 @@ class AsyncConfig:
             "in every interval would be dropped as too old. Set async.max_lag >= async.sync_every (equal: no "
             "staleness beyond the sync interval, as async GRPO)",
         )
-        require(self.worker_timeout_s > 0, f"async.worker_timeout_s={self.worker_timeout_s} must be > 0")
+        for name in ("worker_timeout_s", "startup_timeout_s"):
+            require(getattr(self, name) > 0, f"async.{name}={getattr(self, name)} must be > 0")

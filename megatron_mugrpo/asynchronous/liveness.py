@@ -11,7 +11,7 @@ file left by an earlier launch of the same run directory never passes for a live
 
     with Heartbeat(beat_dir / "worker_000.json"):           # in the worker
         ...
-    peer = Peer(beat_dir / "worker_000.json", "rollout worker 0 (rank 1)", timeout_s=300)
+    peer = Peer(beat_dir / "worker_000.json", "rollout worker 0 (rank 1)", timeout_s=300, startup_s=900)
     peer.check()                                             # in the trainer's wait loop: raises RankFailedError
 """
 
@@ -22,7 +22,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -102,12 +103,30 @@ class Heartbeat:
             self.finish(FAILED, f"{type(exc).__name__}: {exc}")
 
 
+@contextmanager
+def beating(path: Path, *, enabled: bool) -> Iterator[None]:
+    """``with Heartbeat(path)`` when ``enabled``, else nothing (the CLI's trainer rank 0 in async mode)."""
+    if not enabled:
+        yield
+        return
+    with Heartbeat(path):
+        yield
+
+
 class Peer:
     """Watch another process's heartbeat file (see the module docstring)."""
 
-    def __init__(self, path: Path, name: str, *, timeout_s: float, clock: Callable[[], float] = time.monotonic):
-        self.path, self.name, self.timeout_s, self._clock = path, name, timeout_s, clock
-        self._seen = read_beat(path)  # what an earlier launch may have left: not a sign of life
+    def __init__(
+        self,
+        path: Path,
+        name: str,
+        *,
+        timeout_s: float,
+        startup_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.path, self.name, self.timeout_s, self.startup_s, self._clock = path, name, timeout_s, startup_s, clock
+        self._seen = self._stale = read_beat(path)  # what an earlier launch may have left: not a sign of life
         self._changed_at = clock()
         self.live: Beat | None = None
         """The latest record written since this watcher started (None: nothing yet)."""
@@ -131,9 +150,19 @@ class Peer:
         if beat is not None and beat.status == DONE:
             return
         silent = self._clock() - self._changed_at
-        if silent > self.timeout_s:
-            what = "sent no heartbeat for" if beat is not None else "not sent a single heartbeat in"
+        if beat is not None and silent > self.timeout_s:
             raise RankFailedError(
-                f"{self.name} has {what} {silent:.0f} s (async.worker_timeout_s={self.timeout_s:g}; {self.path}): "
-                "it died or hangs. See its log, then continue with `mugrpo train --resume RUN_DIR`"
+                f"{self.name} has sent no heartbeat for {silent:.0f} s (async.worker_timeout_s={self.timeout_s:g}; "
+                f"{self.path}): it died or hangs. See its log, then continue with `mugrpo train --resume RUN_DIR`"
+            )
+        if beat is None and silent > self.startup_s:
+            older = ""
+            if (
+                self._stale is not None and self._stale.status == FAILED
+            ):  # maybe this launch's, written before we looked
+                older = f"; the file holds an older record: failed: {self._stale.message}"
+            raise RankFailedError(
+                f"{self.name} has not sent a heartbeat in the {silent:.0f} s since this rank started watching "
+                f"(async.startup_timeout_s={self.startup_s:g}; {self.path}){older}. It never started or died "
+                "at once: see its log"
             )

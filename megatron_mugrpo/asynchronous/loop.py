@@ -14,16 +14,13 @@ of the queue, the weight publications and the heartbeats) and in the modules it 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from megatron_mugrpo.asynchronous.files import AsyncPaths
-from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer, RankFailedError
+from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError
 from megatron_mugrpo.asynchronous.publish import Publication, publication_digests, publish_policy
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.evaluation import AVG_KEY
@@ -67,17 +64,6 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
     return summary(run) | feed.summary()
 
 
-@contextmanager
-def trainer_heartbeat(run_dir: Path, role: ProcessRole) -> Iterator[None]:
-    """Rank 0 of an async launch beats for the trainer from start-up (before Megatron is even built) to
-    the end; the last beat says done, or failed with the error, and the workers stop on reading it."""
-    if role.rank != 0 or role.num_workers == 0:
-        yield
-        return
-    with Heartbeat(AsyncPaths(run_dir).trainer_heartbeat):
-        yield
-
-
 def async_update(run: Run, taken: Taken) -> dict[str, float]:
     """One optimizer update on the groups taken from the queue; the state's cursor advances with it."""
     metrics, _ = train_on_groups(run, taken.groups)
@@ -106,8 +92,9 @@ def end_of_update(run: Run, feed: Feed) -> None:
 
 @dataclass
 class Feed:
-    """The trainer's end of async mode. Rank 0 reads the queue, watches the workers' heartbeats and
-    beats for the trainer; every trainer rank publishes (collectively) and receives the groups."""
+    """The trainer's end of async mode. Rank 0 reads the queue and watches the workers' heartbeats
+    (its own heartbeat is the CLI's, from start-up); every trainer rank publishes (collectively) and
+    receives the groups."""
 
     paths: AsyncPaths
     is_writer: bool
@@ -130,7 +117,12 @@ class Feed:
         if run.is_writer:
             feed.paths.make()
             feed.workers = [
-                Peer(feed.paths.worker_heartbeat(i), _worker_name(role, i), timeout_s=cfg.worker_timeout_s)
+                Peer(
+                    feed.paths.worker_heartbeat(i),
+                    _worker_name(role, i),
+                    timeout_s=cfg.worker_timeout_s,
+                    startup_s=cfg.startup_timeout_s,
+                )
                 for i in range(role.num_workers)
             ]
             run.state.queue = run.state.queue or QueueCursor()

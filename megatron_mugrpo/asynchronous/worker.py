@@ -96,12 +96,17 @@ class Worker:
 
 def run_worker(cfg: RunConfig, run_dir: Path, role: ProcessRole) -> None:
     """Generate into the run's queue until the trainer is done (see the module docstring)."""
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # a "Loading weights" bar at every weight pick-up is noise
-    paths = AsyncPaths(run_dir)
+    paths, timeouts = AsyncPaths(run_dir), cfg.async_
     with Heartbeat(paths.worker_heartbeat(role.worker_index)):  # a failure reaches the trainer with its message
-        trainer = Peer(paths.trainer_heartbeat, "the trainer (rank 0)", timeout_s=cfg.async_.worker_timeout_s)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # a "Loading weights" bar at every weight pick-up is noise
+        trainer = Peer(
+            paths.trainer_heartbeat,
+            "the trainer (rank 0)",
+            timeout_s=timeouts.worker_timeout_s,
+            startup_s=timeouts.startup_timeout_s,
+        )
         worker = Worker(cfg=cfg, role=role, paths=paths, trainer=trainer, subscription=Subscription(paths.weights))
         if _wait(worker, worker.first_weights) is None:
             return  # the trainer finished before this worker got weights: nothing left to do

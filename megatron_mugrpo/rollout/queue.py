@@ -305,6 +305,7 @@ class QueueReader:
         self._pending: list[tuple[_Queued, int]] = []
         self._dropped_now = 0
         self._arrived: list[ShardRecord] = []  # recorded, not yet admitted
+        self._published = -1  # the position last written to cursor.json
         self._restore()
 
     def _restore(self) -> None:
@@ -371,5 +372,9 @@ class QueueReader:
         return len(self._buffer)
 
     def publish_cursor(self, global_update: int) -> None:
-        """Tell the workers how far the trainer has consumed (their queue bound reads it)."""
+        """Tell the workers how far the trainer has consumed (their queue bound reads it); a no-op when
+        nothing was consumed since the last call (the trainer calls it at every look at the queue)."""
+        if self.cursor.position == self._published:
+            return
         write_json(self.queue_dir / CURSOR_FILE, {"position": self.cursor.position, "global_update": global_update})
+        self._published = self.cursor.position

@@ -27,7 +27,7 @@ def wait_for_count(path: Path, count: int) -> None:
 
 def test_a_beating_peer_is_alive_and_a_silent_one_is_named(tmp_path: Path) -> None:
     path, clock = tmp_path / "worker_000.json", Clock()
-    peer = Peer(path, "rollout worker 0 (rank 1)", timeout_s=10, clock=clock)
+    peer = Peer(path, "rollout worker 0 (rank 1)", timeout_s=10, startup_s=60, clock=clock)
     beat = Heartbeat(path, interval_s=0.01).start()
     wait_for_count(path, 3)
     clock.now = 9.0
@@ -37,7 +37,7 @@ def test_a_beating_peer_is_alive_and_a_silent_one_is_named(tmp_path: Path) -> No
     clock.now = 100.0
     peer.check()  # finished normally: silence is expected
 
-    other = Peer(tmp_path / "worker_001.json", "rollout worker 1 (rank 2)", timeout_s=10, clock=clock)
+    other = Peer(tmp_path / "worker_001.json", "rollout worker 1 (rank 2)", timeout_s=10, startup_s=60, clock=clock)
     Heartbeat(tmp_path / "worker_001.json", interval_s=1e6).start()  # one beat, then silence (as if killed)
     other.check()
     clock.now = 111.0
@@ -47,7 +47,7 @@ def test_a_beating_peer_is_alive_and_a_silent_one_is_named(tmp_path: Path) -> No
 
 def test_a_failure_travels_with_its_message(tmp_path: Path) -> None:
     path = tmp_path / "trainer.json"
-    peer = Peer(path, "the trainer (rank 0)", timeout_s=60)
+    peer = Peer(path, "the trainer (rank 0)", timeout_s=60, startup_s=60)
     with pytest.raises(ValueError), Heartbeat(path, interval_s=0.01):
         raise ValueError("optimizer diverged")
     assert read_beat(path).status == FAILED
@@ -60,8 +60,18 @@ def test_an_earlier_launchs_file_is_not_a_live_process(tmp_path: Path) -> None:
     old = Heartbeat(path)
     old.start()
     old.finish(DONE)  # the previous launch finished: its 'done' must not end this one
-    peer = Peer(path, "the trainer (rank 0)", timeout_s=5, clock=clock)
+    peer = Peer(path, "the trainer (rank 0)", timeout_s=5, startup_s=30, clock=clock)
     assert not peer.done and peer.poll() is None
-    clock.now = 6.0
-    with pytest.raises(RankFailedError, match="has not sent a single heartbeat in 6 s"):
+    clock.now = 29.0
+    peer.check()  # not started yet: ranks get startup_s for their first beat
+    clock.now = 31.0
+    with pytest.raises(RankFailedError, match=r"has not sent a heartbeat in the 31 s since .*startup_timeout_s=30;"):
         peer.check()
+
+    failed = tmp_path / "worker_000.json"
+    with pytest.raises(RuntimeError), Heartbeat(failed):
+        raise RuntimeError("engine out of memory")  # perhaps this launch's, written before the watcher looked
+    watcher = Peer(failed, "rollout worker 0 (rank 1)", timeout_s=5, startup_s=1, clock=clock)
+    clock.now = 40.0
+    with pytest.raises(RankFailedError, match="older record: failed: RuntimeError: engine out of memory"):
+        watcher.check()
