@@ -28,6 +28,9 @@ setup(
     ],
     extras_require={
         "sglang": ["sglang>=0.4.6"],
+        # FP8 rollouts (rollout.quantization): NVIDIA Model Optimizer, which imports requests without
+        # declaring it. Installs without CUDA packages; needs torch >= 2.8 and setuptools >= 80.
+        "fp8": ["nvidia-modelopt>=0.47", "requests>=2.31", "setuptools>=80"],
         "te": ["transformer-engine[pytorch]>=2.0"],
         "triton": ["triton>=3.7.1"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],

@@ -33,10 +33,12 @@ from megatron_mugrpo.algorithms.losses import (
     MuGrpoOptions,
     available_losses,
 )
+from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.asynchronous.config import AsyncConfig
 from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.kernels.config import KernelConfig
 from megatron_mugrpo.rollout.engine import available_engines
+from megatron_mugrpo.rollout.quantization import ModelOptConfig, available_schemes
 from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngineConfig
 
@@ -157,6 +159,11 @@ class RolloutConfig:
     """Wall-clock bound on verifying one answer; a timeout scores 0 with reason 'timeout'."""
     reward_workers: int = 2
     """Processes in the verification pool."""
+    quantization: str = "none"
+    """Behaviour policy precision: 'none' (the trainer's weights as they are), 'fp8', 'fp8_per_channel'
+    or 'nvfp4' (GPU only), quantized with NVIDIA Model Optimizer each stage (rollout.quantization module)."""
+    modelopt: ModelOptConfig = field(default_factory=ModelOptConfig)
+    """Calibration of the quantized behaviour policy (used when quantization != 'none')."""
 
     def __post_init__(self) -> None:
         require(
@@ -173,6 +180,10 @@ class RolloutConfig:
         for name in ("max_new_tokens", "max_prompt_tokens", "shard_groups", "reward_workers"):
             require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         require(self.reward_timeout_s > 0, f"rollout.reward_timeout_s={self.reward_timeout_s} must be > 0")
+        require(
+            self.quantization in available_schemes(),
+            f"rollout.quantization={self.quantization!r} is unknown; choose one of {available_schemes()}",
+        )
 
 
 @dataclass(kw_only=True)
@@ -229,6 +240,9 @@ class AlgoConfig:
     """M2PO (paper): second-moment masking."""
     m2po_clip: M2poOptions = field(default_factory=M2poOptions)
     """M2PO (released code): one clip bound derived from the second-moment budget."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Mismatch metrics and the optional correction of a behaviour policy that differs from the
+    trainer's (e.g. an FP8 rollout engine); off by default, for any loss (algorithms.rollout_correction)."""
 
     def __post_init__(self) -> None:
         require(
@@ -400,12 +414,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, f"mode={self.mode!r} is not one of {MODES}")
-        require(
-            self.mode != "async" or self.async_.queue_groups >= self.stages.mini_groups,
-            f"async.queue_groups={self.async_.queue_groups} is smaller than stages.mini_groups="
-            f"{self.stages.mini_groups}: the trainer takes B_mini groups per update from the queue, so it must "
-            "hold at least that many; raise async.queue_groups",
-        )
+        if self.mode == "async":
+            self._check_async()
         require(
             self.stages.mini_groups * self.rollout.group_size >= self.parallel.micro_batch_size,
             "parallel.micro_batch_size is larger than one update's responses "
@@ -414,6 +424,26 @@ class RunConfig:
         if not self.model.hf_dir:
             tiny = self.model.tiny
             check_model_parallelism(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel)
+
+    def _check_async(self) -> None:
+        """What mode: async cannot combine with (the staged loop's per-stage passes have no async twin)."""
+        require(
+            self.async_.queue_groups >= self.stages.mini_groups,
+            f"async.queue_groups={self.async_.queue_groups} is smaller than stages.mini_groups="
+            f"{self.stages.mini_groups}: the trainer takes B_mini groups per update from the queue, so it must "
+            "hold at least that many; raise async.queue_groups",
+        )
+        require(
+            not self.algo.rollout_correction.enabled,
+            "algo.rollout_correction (tis_cap / mask_bound) needs log π_old at each group's behaviour weights, "
+            "which the staged loop computes once per stage; mode: async has no such pass. Set both to 0 or use "
+            "mode: staged",
+        )
+        require(
+            self.rollout.quantization == "none",
+            f"rollout.quantization={self.rollout.quantization!r} is not supported in mode: async (the rollout "
+            "workers load the published weights as they are); set rollout.quantization=none or use mode: staged",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values with the user's key spellings (``async``, not the field name ``async_``)."""

@@ -29,12 +29,17 @@ class RolloutSample:
     """Why the reward is what it is ('correct', 'no_box', 'unparsable', 'wrong', 'timeout')."""
     advantage: float = 0.0
     """Group-normalised advantage; every token of the response shares it."""
+    old_logprobs: list[float] | None = None
+    """Per-token log π_train(θ_old): the trainer's own log-prob at the stage's starting weights. Only
+    attached (never stored in the rollout shards) when the loss uses the rollout correction."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.behaviour_logprobs):
             raise ValueError(
                 f"response has {len(self.response_ids)} tokens but {len(self.behaviour_logprobs)} behaviour log-probs"
             )
+        if self.old_logprobs is not None and len(self.old_logprobs) != len(self.response_ids):
+            raise ValueError(f"response has {len(self.response_ids)} tokens but {len(self.old_logprobs)} old log-probs")
 
 
 @dataclass(kw_only=True)
@@ -81,6 +86,9 @@ class TrainBatch:
     loss_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """Extra keyword inputs of the loss computed once per optimizer update by its update pass
     (``algorithms.losses.update_inputs``): [B, L] tensors travel with their rows, 0-d ones are shared."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, L] float32 log π_train(θ_old) aligned with targets, 0 outside the response; present only
+    when every response carries it (the rollout correction, ``algorithms.rollout_correction``)."""
 
     @property
     def num_sequences(self) -> int:
@@ -94,7 +102,8 @@ class TrainBatch:
         """A batch whose per-row tensors (every field, and the [B, ...] loss inputs) are ``fn(tensor)``."""
         rows = {k: fn(getattr(self, k)) for k in _BATCH_FIELDS}
         inputs = {k: (fn(v) if v.dim() > 0 else v) for k, v in self.loss_inputs.items()}
-        return TrainBatch(**rows, loss_inputs=inputs)
+        old = fn(self.old_logprobs) if self.old_logprobs is not None else None
+        return TrainBatch(**rows, loss_inputs=inputs, old_logprobs=old)
 
     def to(self, device: torch.device | str) -> TrainBatch:
         moved = self.map_rows(lambda tensor: tensor.to(device))
@@ -117,6 +126,8 @@ def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -
     targets = torch.full((batch, length), pad_id, dtype=torch.long)
     mask = torch.zeros(batch, length)
     behaviour = torch.zeros(batch, length)
+    with_old = all(s.old_logprobs is not None for _, _, s in rows)
+    old = torch.zeros(batch, length) if with_old else None
     for b, (_, prompt, sample) in enumerate(rows):
         seq = torch.tensor(prompt + sample.response_ids, dtype=torch.long)
         tokens[b, : len(seq)] = seq
@@ -125,6 +136,8 @@ def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -
         start, stop = len(prompt) - 1, len(prompt) - 1 + len(sample.response_ids)
         mask[b, start:stop] = 1.0
         behaviour[b, start:stop] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+        if old is not None:
+            old[b, start:stop] = torch.tensor(sample.old_logprobs, dtype=torch.float32)
     return TrainBatch(
         tokens=tokens,
         targets=targets,
@@ -132,4 +145,5 @@ def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -
         behaviour_logprobs=behaviour,
         advantages=torch.tensor([s.advantage for _, _, s in rows], dtype=torch.float32),
         group_index=torch.tensor([g for g, _, _ in rows], dtype=torch.long),
+        old_logprobs=old,
     )

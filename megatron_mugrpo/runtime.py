@@ -12,6 +12,7 @@ Run directory layout::
     RUN_DIR/base_model/          the demo's built model (absent with model.hf_dir)
     RUN_DIR/rollouts/stage_K/    rollout dataset D_k (sharded, checksummed manifest)
     RUN_DIR/checkpoints/         step_XXXXXXXX/ directories and the `latest` pointer
+    RUN_DIR/behaviour_policy/    the stage's quantized checkpoint (rollout.quantization with SGLang only)
     RUN_DIR/metrics.jsonl, RUN_DIR/tensorboard/, RUN_DIR/report/
 """
 
@@ -32,6 +33,7 @@ from megatron_mugrpo.metrics import MetricsLogger, Timer
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
 from megatron_mugrpo.rollout.prompts import stage_prompts as stage_prompts  # re-exported: it moved to the prompts
+from megatron_mugrpo.rollout.quantization import behaviour_quantizer, load_behaviour_policy
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training.checkpoint import latest_checkpoint, load_checkpoint
@@ -219,7 +221,8 @@ def sync_engine(run: Run) -> None:
     """Push the current policy weights to rank 0's rollout engine (built on first use).
 
     Every model-parallel rank iterates ``export_hf`` (its tensors are gathered collectively); only
-    rank 0 hands them to the engine. Weights travel in memory, never through disk.
+    rank 0 hands them to the engine. Weights travel in memory, never through disk, unless
+    ``rollout.quantization`` needs a quantized checkpoint (SGLang; see ``rollout.quantization``).
     """
     from conversion import export_hf
 
@@ -228,6 +231,13 @@ def sync_engine(run: Run) -> None:
         for _ in tensors:
             pass
         return
-    if run.engine is None:
-        run.engine = build_engine_from_config(run.cfg.rollout, str(run.hf_dir), seed=run.cfg.seed)
-    run.engine.load_weights(tensors)
+    cfg = run.cfg
+    calibration = stage_prompts(run.prompts, run.state.stage, cfg.stages.train_groups, cfg.data.seed)
+    run.engine = load_behaviour_policy(
+        run.engine,
+        tensors,
+        engine_name=cfg.rollout.engine,
+        hf_dir=run.hf_dir,
+        build=lambda hf_dir: build_engine_from_config(cfg.rollout, hf_dir, seed=cfg.seed),
+        quantizer=behaviour_quantizer(cfg.rollout, calibration, run.run_dir / "behaviour_policy"),
+    )

@@ -25,6 +25,7 @@ from megatron_mugrpo.rollout.store import RolloutStore, is_complete
 from megatron_mugrpo.runtime import Run, barrier, stage_prompts, sync_engine
 from megatron_mugrpo.state import BestEval
 from megatron_mugrpo.training.checkpoint import save_checkpoint, step_dir_name
+from megatron_mugrpo.training.stage_reference import OldLogprobs, ScoreSettings, minibatch, prepare_stage_reference
 from megatron_mugrpo.training.train_step import train_step
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
         run.state = run.state.at_stage(stage)
     mu = cfg.stages.updates_per_stage
     with run.timer("perf/t_optimize_s"):
+        old_logprobs = stage_reference(run, store)  # π_train(θ_old): rollout/mismatch_*, rollout correction
         for update in progress_range(run, run.state.update_in_stage, mu, f"stage {stage} updates"):
-            metrics = optimizer_update(run, store, stage, update)
+            metrics = optimizer_update(run, store, stage, update, old_logprobs)
             run.logger.log(metrics, step=run.state.global_update)
             crash_point(f"update:{run.state.global_update}")
             if _due(cfg.checkpoint.every_updates, run.state.global_update) and update + 1 < mu:
@@ -106,11 +108,13 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
     return RolloutStore.open(store_dir)
 
 
-def optimizer_update(run: Run, store: RolloutStore, stage: int, update: int) -> dict[str, float]:
+def optimizer_update(
+    run: Run, store: RolloutStore, stage: int, update: int, old_logprobs: OldLogprobs | None = None
+) -> dict[str, float]:
     """One optimizer update on the ``update``-th seeded minibatch of B_mini groups of D_k."""
     cfg = run.cfg
     started = time.perf_counter()
-    groups = store.minibatch(update, cfg.stages.mini_groups, cfg.stages.seed)
+    groups = minibatch(store, update, cfg.stages.mini_groups, cfg.stages.seed, old_logprobs)
     metrics, tokens = train_on_groups(run, groups)
     if update == 0:
         check_first_update(run, metrics, stage)
@@ -136,6 +140,7 @@ def train_on_groups(run: Run, groups: list[RolloutGroup]) -> tuple[dict[str, flo
         temperature=cfg.rollout.temperature,
         micro_batch_size=cfg.parallel.micro_batch_size,
         impl=cfg.kernels.logprob_impl,
+        rollout_correction=cfg.algo.rollout_correction,
     )
     tokens = float(batch.response_mask.sum())
     run.state.train_tokens += tokens
@@ -143,10 +148,13 @@ def train_on_groups(run: Run, groups: list[RolloutGroup]) -> tuple[dict[str, flo
 
 
 def check_first_update(run: Run, metrics: dict[str, float], stage: int) -> None:
-    """At a stage's first update π_θ is β: trainer and engine log-probs must agree."""
+    """At a stage's first update π_θ is β: trainer and engine log-probs must agree, unless the engine
+    runs a quantized copy of the policy, whose gap is expected (and measured by rollout/mismatch_*)."""
     gap, tolerance = metrics.get(GAP_KEY, float("nan")), run.cfg.logging.logprob_gap_tolerance
     run.state.first_update_gap[str(stage)] = gap
-    if not gap <= tolerance:
+    if run.cfg.rollout.quantization != "none":
+        log.info("stage %d: first-update log-prob gap %.3g = the quantized behaviour policy's mismatch", stage, gap)
+    elif not gap <= tolerance:
         log.warning(
             "STAGE %d: trainer vs rollout log-prob gap %.3g exceeds logging.logprob_gap_tolerance=%.3g at the first "
             "update, where the policy equals the behaviour policy. Converter, engine and trainer disagree "
@@ -155,6 +163,32 @@ def check_first_update(run: Run, metrics: dict[str, float], stage: int) -> None:
             gap,
             tolerance,
         )
+
+
+def stage_reference(run: Run, store: RolloutStore) -> OldLogprobs | None:
+    """Score D_k with the trainer before the stage's first update (training.stage_reference): logs
+    rollout/mismatch_* when rollout.quantization is on, returns log π_old when a rollout correction is on."""
+    cfg = run.cfg
+    settings = ScoreSettings(
+        temperature=cfg.rollout.temperature,
+        micro_batch_size=cfg.parallel.micro_batch_size,
+        impl=cfg.kernels.logprob_impl,
+        pad_id=run.tokenizer.pad_token_id or 0,
+        chunk_groups=cfg.stages.mini_groups,
+    )
+    old_logprobs, metrics = prepare_stage_reference(
+        run.policy,
+        store,
+        correction=cfg.algo.rollout_correction,
+        measure=cfg.rollout.quantization != "none",
+        first_update=run.state.update_in_stage == 0,
+        settings=settings,
+        seed=cfg.stages.seed,
+        write=run.is_writer,
+    )
+    if metrics:
+        run.logger.log(metrics, step=run.state.global_update)
+    return old_logprobs
 
 
 def run_evaluation(run: Run) -> dict[str, float]:

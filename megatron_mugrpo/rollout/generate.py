@@ -213,8 +213,12 @@ def derive_seed(*parts: int) -> int:
 
 
 def _sampling_record(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
-    """What the manifest records about how the store was sampled (resume must match it exactly)."""
-    return {
+    """What the manifest records about how the store was sampled (resume must match it exactly).
+
+    A quantized behaviour policy is recorded only when on, so stores written before the key existed
+    still resume."""
+    quantized = {"quantization": cfg.quantization} if cfg.quantization != "none" else {}
+    return quantized | {
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,

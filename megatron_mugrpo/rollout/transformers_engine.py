@@ -135,7 +135,7 @@ class TransformersEngine:
             )
             self._set_model(skeleton)
         try:
-            _copy_weights(self._live_model(), named_tensors)
+            copy_weights(self._live_model(), named_tensors)
         except Exception:
             self.release()
             raise
@@ -260,7 +260,7 @@ class TransformersEngine:
         return teacher_forced_logprobs(self._live_model(), prompts, responses, temperature)
 
 
-def _copy_weights(model: PreTrainedModel, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def copy_weights(model: PreTrainedModel, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into ``model``'s parameters; every parameter must receive one."""
     targets = model.state_dict(keep_vars=True)
     received: set[int] = set()

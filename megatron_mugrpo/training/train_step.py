@@ -31,7 +31,12 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from megatron_mugrpo.algorithms.losses import LossStats, has_update_pass, policy_loss, update_inputs
+from megatron_mugrpo.algorithms.losses import LossStats, has_update_pass, update_inputs
+from megatron_mugrpo.algorithms.rollout_correction import (
+    RolloutCorrectionConfig,
+    corrected_policy_loss,
+    correction_inputs,
+)
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.logprobs import (
     check_impl,
@@ -156,17 +161,20 @@ def _run_schedule(
 # ---------------------------------------------------------------------------------- train step
 
 
-def _policy_loss_fn(loss_name: str, loss_options: dict[str, Any]) -> LossFn:
-    """Registry loss plus the cheap train-vs-rollout log-prob gap, in Megatron's 3-tuple form."""
+def _policy_loss_fn(loss_name: str, loss_options: dict[str, Any], caps: dict[str, float]) -> LossFn:
+    """Registry loss (with the rollout correction's ``caps`` when one is on) plus the cheap
+    train-vs-rollout log-prob gap, in Megatron's 3-tuple form."""
 
     def loss_fn(mb: TrainBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        out = policy_loss(
+        out = corrected_policy_loss(
             loss_name,
             logprobs,
             mb.behaviour_logprobs,
             mb.advantages,
             mb.response_mask,
+            old_logprobs=mb.old_logprobs,
             update_inputs=mb.loss_inputs,
+            **caps,
             **loss_options,
         )
         with torch.no_grad():
@@ -227,8 +235,11 @@ def train_step(
     temperature: float,
     micro_batch_size: int,
     impl: str = "fused",
+    rollout_correction: RolloutCorrectionConfig | None = None,
 ) -> dict[str, float]:
     """One optimizer update on ``batch`` (the whole update's rows, identical on every rank).
+
+    With a ``rollout_correction`` that is on, the batch must carry ``old_logprobs`` (log π_old).
 
     Returns (on every rank) ``train/loss`` (Σ loss_sum / Σ normaliser), ``train/grad_norm`` (before
     clipping), ``train/lr``, ``train/update_successful``, the registry loss metrics prefixed
@@ -242,11 +253,14 @@ def train_step(
     if policy.optimizer is None or policy.scheduler is None:
         raise ValueError("train_step needs a policy built with an optimizer (build_policy(..., optim=cfg.optim))")
     groups = policy.groups
+    caps = rollout_correction.loss_options() if rollout_correction is not None else {}
     if has_update_pass(loss_name):  # e.g. M2PO's mask over the whole update, before any backward
         scores = forward_logprobs(policy, batch, temperature=temperature, micro_batch_size=micro_batch_size, impl=impl)
-        inputs = update_inputs(
-            loss_name, scores, batch.behaviour_logprobs, batch.advantages, batch.response_mask, **loss_options
+        # The pass sees what the loss will see: under the rollout correction, π_old and w·A.
+        anchor, advantages, _ = correction_inputs(
+            batch.behaviour_logprobs, batch.advantages, batch.response_mask, old_logprobs=batch.old_logprobs, **caps
         )
+        inputs = update_inputs(loss_name, scores, anchor, advantages, batch.response_mask, **loss_options)
         batch = dataclasses.replace(batch, loss_inputs=inputs)
     micro_batches = local_micro_batches(batch, groups, micro_batch_size, sequence_parallel=_sequence_parallel(policy))
     for chunk in policy.model_chunks:
@@ -254,7 +268,7 @@ def train_step(
         chunk.zero_grad_buffer()
     policy.optimizer.zero_grad()
     forward_step = _forward_step_func(
-        impl, temperature, policy.vocab_size, groups, _policy_loss_fn(loss_name, loss_options)
+        impl, temperature, policy.vocab_size, groups, _policy_loss_fn(loss_name, loss_options, caps)
     )
     records = _run_schedule(policy, micro_batches, forward_step, forward_only=False)
     update_successful, grad_norm, _ = policy.optimizer.step()

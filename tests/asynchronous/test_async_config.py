@@ -42,6 +42,8 @@ def test_inherited_async_sections_merge(tmp_path: Path) -> None:
         (["async.worker_timeout_s=0"], r"async\.worker_timeout_s=0\.0 must be > 0"),
         (["mode=async", "async.queue_groups=16"], r"async\.queue_groups=16 is smaller than stages\.mini_groups=32"),
         (["mode=streaming"], r"mode='streaming' is not one of \('staged', 'async'\)"),
+        (["mode=async", "algo.rollout_correction.tis_cap=2"], r"algo\.rollout_correction .* mode: async has no"),
+        (["mode=async", "rollout.quantization=fp8"], r"rollout\.quantization='fp8' is not supported in mode: async"),
         (["async.max_lagg=3"], r"'async\.max_lagg' is not a configuration key"),
         (["async_.max_lag=8"], r"'async_\.max_lag' is not a configuration key"),
         (["async.max_lag=soon"], r"async\.max_lag: Value 'soon'"),

@@ -1,8 +1,9 @@
 """End to end: the staged loop through the real engine, converter and Megatron backend (CPU).
 
-A small base model is warm-started once per session; runs point `model.hf_dir` at it so each test
-pays only for its stages. Runs go through the `mugrpo` CLI in subprocesses, as a user would, so the
-resume tests can SIGKILL them at named points ($MUGRPO_CRASH_AT) and continue with `--resume`.
+A small base model is warm-started once per session (``base_model`` in conftest.py); runs point
+`model.hf_dir` at it so each test pays only for its stages. Runs go through the `mugrpo` CLI in
+subprocesses, as a user would, so the resume tests can SIGKILL them at named points
+($MUGRPO_CRASH_AT) and continue with `--resume`.
 """
 
 from __future__ import annotations
@@ -49,16 +50,6 @@ def mugrpo(*args: str, crash_at: str | None = None, check: bool = True) -> subpr
             f"mugrpo {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
-
-
-@pytest.fixture(scope="session")
-def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A warm-started tiny model (some problems solved, so advantages are non-zero)."""
-    from megatron_mugrpo.config import load_config
-    from megatron_mugrpo.warmstart import prepare_base_model
-
-    cfg = load_config(DEMO, ["warmstart.steps=150"])
-    return prepare_base_model(cfg, tmp_path_factory.mktemp("base") / "model")
 
 
 def train(run_dir: Path, base: Path, *extra: str, crash_at: str | None = None) -> subprocess.CompletedProcess:

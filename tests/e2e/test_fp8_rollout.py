@@ -1,0 +1,64 @@
+"""End to end with an FP8 behaviour policy (rollout.quantization=fp8) and the rollout correction on:
+the demo-scale run trains, reports the mismatch instead of warning, stores log π_old next to each
+stage's rollouts, and a run killed in the middle of a stage resumes from that file.
+
+Needs NVIDIA Model Optimizer (the ``fp8`` extra); skipped without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_stages import final_weights, mugrpo, records, train
+
+from megatron_mugrpo.training.stage_reference import OLD_LOGPROBS_FILE
+
+if importlib.util.find_spec("modelopt") is None:
+    pytest.skip("NVIDIA Model Optimizer is not installed (pip install 'megatron_mugrpo[fp8]')", allow_module_level=True)
+
+FP8 = [
+    "rollout.quantization=fp8",
+    "rollout.modelopt.calibration_prompts=64",
+    "algo.rollout_correction.tis_cap=2",
+    "algo.rollout_correction.mask_bound=8",
+]
+
+
+@pytest.mark.slow
+def test_fp8_rollout_trains_and_resumes_mid_stage(tmp_path: Path, base_model: Path):
+    run_dir = tmp_path / "fp8"
+    # checkpoint.every_updates=2 (SMALL): killed after update 3, the run resumes stage 0 at update 2,
+    # after θ has moved, so log π_old must come from the stored file.
+    proc = train(run_dir, base_model, *FP8, crash_at="update:3")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    proc = mugrpo("train", "--resume", str(run_dir))
+    assert "exceeds logging.logprob_gap_tolerance" not in proc.stderr
+
+    for stage in (0, 1):
+        stage_dir = run_dir / "rollouts" / f"stage_{stage:03d}"
+        assert json.loads((stage_dir / "manifest.json").read_text())["sampling"]["quantization"] == "fp8"
+        assert (stage_dir / OLD_LOGPROBS_FILE).is_file()
+
+    recs = records(run_dir)
+    mismatch = [r for r in recs if "rollout/mismatch_kl" in r]
+    assert [r["step"] for r in mismatch] == [0, 4], "measured once per stage, before its first update"
+    for r in mismatch:
+        assert r["rollout/mismatch_kl"] > 0 and r["rollout/mismatch_logprob_abs_max"] > 1e-4
+    updates = [r for r in recs if "train/loss" in r]
+    assert [r["step"] for r in updates] == list(range(1, 9))
+    for first in (updates[0], updates[4]):
+        # π_θ = π_old at a stage's first update: the corrected ratio is 1, the gap to β is the FP8 mismatch.
+        assert first["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert first["train/rollout_logprob_abs_diff_max"] > 1e-4
+    assert all(0 < r["train/rollout_corr_weight_mean"] <= 2.0 for r in updates)
+    assert any(abs(r["train/loss"]) > 0 for r in updates)
+    assert any("eval/avg_pass@1" in r for r in recs)
+
+    start, end = load_file(str(base_model / "model.safetensors")), final_weights(run_dir)
+    assert any(not torch.equal(start[k], end[k]) for k in start), "parameters did not change"
