@@ -13,7 +13,7 @@ Both evaluate only before training and after the last update (the same 256 held-
 samples), so evaluation, identical work in both, does not dilute the comparison; the times below
 exclude it (T_total − T_eval; totals with it are printed too).
 
-    .venv/bin/python benchmarks/async_vs_sync.py [--out runs/bench_async] [override ...]
+    .venv/bin/python benchmarks/async_vs_sync.py [--out runs/bench_async] [--base-model HF_DIR] [override ...]
 
 Trainer idle ratio = time waiting for and assembling samples / (that + training time): staged mode's
 T_rollout / (T_rollout + T_optimize), async mode's summed sample waits over the same sum. The last
@@ -84,6 +84,7 @@ def _mean(values: list[float]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_async_vs_sync")
+    parser.add_argument("--base-model", type=Path, help="an existing warm-started HF directory (default: build one)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
@@ -93,7 +94,7 @@ def main() -> int:
     from megatron_mugrpo.warmstart import prepare_base_model
 
     cfg = load_config(STAGED, args.overrides)
-    base = prepare_base_model(cfg, args.out / "base_model")
+    base = args.base_model or prepare_base_model(cfg, args.out / "base_model")
     overrides = [*args.overrides, f"model.hf_dir={base}", f"eval.every_updates={cfg.stages.total_updates}"]
     results = {mode: run(mode, args.out / mode, overrides) for mode in ("staged", "async")}
     header = f"{'mode':<8}{'updates':>9}{'time s':>9}{'(+eval) s':>11}{'idle':>8}{'acc before':>12}{'acc after':>11}"
