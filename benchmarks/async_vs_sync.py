@@ -46,15 +46,17 @@ def _free_port() -> int:
 
 def command(mode: str, run_dir: Path, overrides: list[str]) -> tuple[list[str], dict[str, str]]:
     """The `mugrpo train` command of one run and its environment (threads per process)."""
-    train = ["-m", "megatron_mugrpo.cli", "train", "--run-dir", str(run_dir), "logging.progress_bars=false"]
+    config = STAGED if mode == "staged" else ASYNC
+    train = ["-m", "megatron_mugrpo.cli", "train", "--config", str(config), "--run-dir", str(run_dir)]
+    train += ["logging.progress_bars=false", *overrides]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if mode == "staged":  # generation and training take both cores in turn
         env["OMP_NUM_THREADS"] = str(CORES)
-        return [sys.executable, *train, "--config", str(STAGED), *overrides], env
+        return [sys.executable, *train], env
     env["OMP_NUM_THREADS"] = "1"  # one core for the rollout worker, one for the trainer
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(CORES)]
     launcher += ["--master_port", str(_free_port())]
-    return [*launcher, *train, "--config", str(ASYNC), f"async.rollout_ranks={CORES - 1}", *overrides], env
+    return [*launcher, *train, f"async.rollout_ranks={CORES - 1}"], env
 
 
 def run(mode: str, run_dir: Path, overrides: list[str]) -> dict[str, float]:

@@ -13,6 +13,7 @@ of the queue, the weight publications and the heartbeats) and in the modules it 
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,7 @@ def end_of_update(run: Run, feed: Feed) -> None:
         run_evaluation(run)  # before the checkpoint, so that it holds the result
     stage_due = stage_end and _due(cfg.checkpoint.every_stages, run.state.stage)
     if stage_due or last or _due(cfg.checkpoint.every_updates, done):
+        run.state.queue = feed.cursor()  # a copy: a background save must not see the cursor move on
         checkpoint(run)
 
 
@@ -125,9 +127,7 @@ class Feed:
                 )
                 for i in range(role.num_workers)
             ]
-            run.state.queue = run.state.queue or QueueCursor()
             feed.reader = QueueReader(feed.paths.queue, run.state.queue)
-            run.state.queue = feed.reader.cursor  # checkpoints save the reader's live cursor
             feed.reader.publish_cursor(run.state.global_update)  # the workers' queue bound, as of this checkpoint
             feed.digests = publication_digests(feed.paths.weights)
         return feed
@@ -187,6 +187,10 @@ class Feed:
                     f"publication {record.publication}: the weight pick-up is broken"
                 )
         return records
+
+    def cursor(self) -> QueueCursor | None:
+        """A copy of the consumer cursor as of the last update (rank 0; None elsewhere)."""
+        return copy.deepcopy(self.reader.cursor) if self.reader is not None else None
 
     # ------------------------------------------------------------------------------ metrics
 

@@ -108,19 +108,24 @@ def run_worker(cfg: RunConfig, run_dir: Path, role: ProcessRole) -> None:
             startup_s=timeouts.startup_timeout_s,
         )
         worker = Worker(cfg=cfg, role=role, paths=paths, trainer=trainer, subscription=Subscription(paths.weights))
-        if _wait(worker, worker.first_weights) is None:
+        first = _wait(worker, worker.first_weights)
+        if first is None:
             return  # the trainer finished before this worker got weights: nothing left to do
         _setup(worker)
         try:
-            worker_loop(worker)
+            worker_loop(worker, idle_s=first[1])
         finally:
             worker.reward_fn.close()
 
 
-def worker_loop(worker: Worker) -> None:
-    """Wait for room → pick up new weights → generate batch b → append it; until the trainer is done."""
+def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
+    """Wait for room → pick up new weights → generate batch b → append it; until the trainer is done.
+
+    ``idle_s``: seconds already spent waiting (for the first weights), counted with the first batch.
+    """
     cfg = worker.cfg.async_
     batch = worker.queue.resume_batch()
+    log.info("%s: generating from batch %d", worker.role.describe(), batch)
     while True:
         waited = _wait(worker, lambda: worker.queue.unconsumed() < cfg.queue_groups or None)
         if waited is None:
@@ -131,13 +136,13 @@ def worker_loop(worker: Worker) -> None:
         worker.queue.append(
             batch,
             groups,
-            idle_s=waited[1],
+            idle_s=idle_s + waited[1],
             load_s=load_s,
             generate_s=time.perf_counter() - started,
             publication=worker.subscription.current.name,
             weights_digest=worker.digest,
         )
-        batch += 1
+        batch, idle_s = batch + 1, 0.0
 
 
 def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:

@@ -29,6 +29,7 @@ exactly the groups whose updates were lost, never one twice and never one less.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -298,8 +299,7 @@ class QueueReader:
     def __init__(self, queue_dir: Path, cursor: QueueCursor | None = None):
         self.queue_dir = queue_dir
         queue_dir.mkdir(parents=True, exist_ok=True)
-        self.cursor = dataclasses.replace(cursor) if cursor is not None else QueueCursor()
-        self.cursor.shards = list(self.cursor.shards)
+        self.cursor = copy.deepcopy(cursor) if cursor is not None else QueueCursor()
         self.index = RecordIndex(queue_dir)
         self._buffer: deque[_Queued] = deque()
         self._pending: list[tuple[_Queued, int]] = []
