@@ -96,7 +96,7 @@ def sync(policy, hf_config, engine) -> tuple[float, int]:
 
     def counted():
         nonlocal total
-        for name, tensor in export_hf(policy.unwrapped(), hf_config):
+        for name, tensor in export_hf(policy.unwrapped(), hf_config, policy.groups):
             total += tensor.numel() * tensor.element_size()
             yield name, tensor
 
@@ -143,7 +143,9 @@ def hf_gap(model_dir: Path, policy, hf_config, prompts, generations, temperature
     from megatron_mugrpo.rollout.transformers_engine import teacher_forced_logprobs
 
     model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    loaded = model.load_state_dict({n: t.cpu() for n, t in export_hf(policy.unwrapped(), hf_config)}, strict=False)
+    loaded = model.load_state_dict(
+        {n: t.cpu() for n, t in export_hf(policy.unwrapped(), hf_config, policy.groups)}, strict=False
+    )
     if loaded.unexpected_keys:  # tied output weights may be absent from the export; nothing else may be
         raise RuntimeError(f"exported tensors the HF model does not have: {loaded.unexpected_keys[:5]}")
     model = model.cuda().eval()
@@ -181,7 +183,7 @@ def main() -> int:
         hf_config = load_hf_config(model_dir)
         groups = initialize_parallel(1, 1, seed=0)
         policy = build_policy(hf_config, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-4))
-        load_hf_into_model(policy.unwrapped(), model_dir)
+        load_hf_into_model(policy.unwrapped(), model_dir, policy.groups)
         with torch.no_grad():  # the engine starts from model_dir; only a working sync gives it these weights
             for param in (p for chunk in policy.unwrapped() for p in chunk.parameters()):
                 param.mul_(1.05)

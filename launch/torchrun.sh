@@ -13,6 +13,9 @@
 #   MASTER_PORT     rendezvous port [29500]; change it to run two jobs on one node
 #   OMP_NUM_THREADS CPU threads per rank [8]
 #   PYTHON          interpreter that runs torch.distributed.run when no `torchrun` is on PATH [python]
+#
+# Async mode (mode: async): the last async.rollout_ranks processes are rollout workers, the others
+# train; NPROC_PER_NODE counts both (Table 2: NPROC_PER_NODE=4 with async.rollout_ranks=2).
 set -euo pipefail
 
 # --- processes ---------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
     mugrpo train --config configs/demo_cpu.yaml --run-dir runs/demo [section.key=value ...]
     mugrpo train --resume runs/demo
     mugrpo generate --run-dir runs/demo --stage 1          # phase 1 of one stage only (also under torchrun)
+    torchrun --nproc_per_node 2 -m megatron_mugrpo.cli train --config configs/demo_async_cpu.yaml --run-dir runs/async
     mugrpo optimize --run-dir runs/demo --stage 1          # phase 2 only, on the stored D_1
     mugrpo eval --run-dir runs/demo [--checkpoint STEP_DIR]
     mugrpo report runs/mu_grpo runs/grpo --out reports/cmp
@@ -24,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_mugrpo.asynchronous.liveness import RankFailedError
 from megatron_mugrpo.errors import InputError
 
 if TYPE_CHECKING:
     from megatron_mugrpo.config import RunConfig
 
 EXIT_BAD_INPUT = 2
+EXIT_RANK_FAILED = 1
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -142,10 +145,10 @@ def _created(verb: str, args: argparse.Namespace) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from megatron_mugrpo import stages
+    # Imports stay light until the role is known: async mode's rollout workers never need Megatron.
+    from megatron_mugrpo.asynchronous.roles import role_from_env
     from megatron_mugrpo.config import load_config
     from megatron_mugrpo.rundir import is_run, produced_nothing
-    from megatron_mugrpo.runtime import open_run
 
     if args.resume is not None:
         if args.config is not None or args.run_dir is not None:
@@ -155,27 +158,40 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not is_run(args.resume):
             raise _UsageError(f"{args.resume} is not a run (no config.yaml): start one with --config C --run-dir DIR")
         run_dir, resolved = args.resume, resolve_config(args, args.resume, "train --resume")
-        run = open_run(resolved.cfg, run_dir, resume=True, record=resolved.record, redo_after_checkpoint=True)
+        cfg = resolved.cfg
+        open_args = {"resume": True, "record": resolved.record, "redo_after_checkpoint": True}
     else:
         if args.config is None or args.run_dir is None:
             raise _UsageError("train needs --config C and --run-dir DIR (or --resume RUN_DIR)")
         run_dir, cfg = args.run_dir, load_config(args.config, args.overrides)
-        if is_run(run_dir) and not produced_nothing(run_dir):
-            raise _UsageError(
-                f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
-                "or choose another --run-dir"
-            )
-        run = open_run(
-            cfg,
-            run_dir,
-            resume=False,
-            record=_created("train", args),
-            replace_failed_start=is_run(run_dir),
+        open_args = {"resume": False, "record": _created("train", args), "replace_failed_start": is_run(run_dir)}
+    model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    role = role_from_env(mode=cfg.mode, rollout_ranks=cfg.async_.rollout_ranks, model_parallel=model_parallel)
+    if role.is_worker:  # async mode's rollout ranks: no Megatron, no process group, only the run directory
+        from megatron_mugrpo.asynchronous.worker import run_worker
+
+        run_worker(cfg, run_dir, role)
+        return 0
+    if args.resume is None and is_run(run_dir) and not produced_nothing(run_dir):
+        raise _UsageError(
+            f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
+            "or choose another --run-dir"
         )
-    try:
-        result = stages.train(run)
-    finally:
-        run.close()
+    from megatron_mugrpo.asynchronous.files import AsyncPaths
+    from megatron_mugrpo.asynchronous.liveness import beating
+
+    # Async mode: rank 0 beats for the trainer from here (before Megatron is even imported) to the end; the
+    # last beat says done, or failed with the error, and the workers stop on reading it.
+    with beating(AsyncPaths(run_dir).trainer_heartbeat, enabled=role.rank == 0 and role.num_workers > 0):
+        from megatron_mugrpo import stages
+        from megatron_mugrpo.asynchronous.loop import train_async
+        from megatron_mugrpo.runtime import open_run
+
+        run = open_run(cfg, run_dir, world_size=role.trainer_world, **open_args)
+        try:
+            result = train_async(run, role) if cfg.mode == "async" else stages.train(run)
+        finally:
+            run.close()
     if run.is_writer:
         print_summary(result)
         from megatron_mugrpo.report import write_report
@@ -196,6 +212,11 @@ def print_summary(result: dict[str, float]) -> None:
         f"eval {result['t_eval_s']:.1f}s  total {result['t_total_s']:.1f}s"
     )
     print(f"updates {int(result['updates'])}  trained response tokens {int(result['train_tokens'])}")
+    if "consumed_groups" in result:  # async mode
+        print(
+            f"rollout queue: {int(result['consumed_groups'])} groups consumed ({int(result['dropped_groups'])} "
+            f"dropped as too old), {int(result['left_in_queue'])} left unconsumed"
+        )
     print(
         f"acc_before={result['acc_before']:.4f} acc_after={result['acc_after']:.4f} t_total_s={result['t_total_s']:.1f}"
     )
@@ -208,6 +229,11 @@ def cmd_phase(args: argparse.Namespace) -> int:
 
     resolved = resolve_config(args, args.run_dir, args.verb)
     cfg = resolved.cfg
+    if cfg.mode != "staged":
+        raise _UsageError(
+            f"mugrpo {args.verb} replays one phase of the staged loop; a mode: {cfg.mode} run has no stage "
+            "datasets: run it with `mugrpo train`"
+        )
     if not 0 <= args.stage < cfg.stages.num_stages:
         raise _UsageError(f"--stage {args.stage} is outside [0, stages.num_stages={cfg.stages.num_stages})")
     # `optimize` continues from the latest checkpoint and redoes the updates logged after it.
@@ -296,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:  # bad input: one line, exit 2; anything else is a bug and keeps its traceback
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RankFailedError as exc:  # async mode: another rank died; its name and what to do, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RANK_FAILED
 
 
 if __name__ == "__main__":

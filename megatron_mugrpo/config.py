@@ -35,6 +35,7 @@ from megatron_mugrpo.algorithms.losses import (
 )
 from megatron_mugrpo.algorithms.replay import ReplayConfig
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
+from megatron_mugrpo.asynchronous.config import AsyncConfig
 from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.kernels.config import KernelConfig
 from megatron_mugrpo.rollout.engine import available_engines
@@ -44,6 +45,8 @@ from megatron_mugrpo.rollout.transformers_engine import TransformersEngineConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 """model.dtype choices (training.setup maps them to torch dtypes)."""
+MODES = ("staged", "async")
+"""mode choices: the staged loop (stages.py) or asynchronous rollout workers (asynchronous/)."""
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "save_config"]
 
@@ -425,11 +428,20 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """Headroom-Drift Replay (owned by algorithms/replay.py); off by default."""
+    mode: str = "staged"
+    """'staged': generate D_k, then μ updates on it, stage after stage (every rank does both).
+    'async': the last async.rollout_ranks ranks generate continuously while the others train; the
+    run makes stages.num_stages × μ updates and evaluates / checkpoints at every stage end."""
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    """The ``async`` section (YAML and command-line key ``async``; the field name avoids the keyword)."""
     seed: int = 0
     deterministic: bool = True
     """Deterministic algorithms (CPU resume equals an uninterrupted run)."""
 
     def __post_init__(self) -> None:
+        require(self.mode in MODES, f"mode={self.mode!r} is not one of {MODES}")
+        if self.mode == "async":
+            self._check_async()
         require(
             self.stages.mini_groups * self.rollout.group_size >= self.parallel.micro_batch_size,
             "parallel.micro_batch_size is larger than one update's responses "
@@ -444,8 +456,56 @@ class RunConfig:
             "log π_old of the stage that generated them; turn one of the two off",
         )
 
+    def _check_async(self) -> None:
+        """What mode: async cannot combine with (the staged loop's per-stage passes have no async twin)."""
+        require(
+            self.async_.queue_groups >= self.stages.mini_groups,
+            f"async.queue_groups={self.async_.queue_groups} is smaller than stages.mini_groups="
+            f"{self.stages.mini_groups}: the trainer takes B_mini groups per update from the queue, so it must "
+            "hold at least that many; raise async.queue_groups",
+        )
+        require(
+            not self.algo.rollout_correction.enabled,
+            "algo.rollout_correction (tis_cap / mask_bound) needs log π_old at each group's behaviour weights, "
+            "which the staged loop computes once per stage; mode: async has no such pass. Set both to 0 or use "
+            "mode: staged",
+        )
+        require(
+            not self.replay.enabled,
+            "replay.enabled (Headroom-Drift Replay) chooses earlier stages' groups at each stage start; mode: async "
+            "has no stages of stored data to replay from. Set replay.enabled=false or use mode: staged",
+        )
+        require(
+            self.rollout.quantization == "none",
+            f"rollout.quantization={self.rollout.quantization!r} is not supported in mode: async (the rollout "
+            "workers load the published weights as they are); set rollout.quantization=none or use mode: staged",
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain values with the user's key spellings (``async``, not the field name ``async_``)."""
+        return _rename_top_level(dataclasses.asdict(self), FIELD_ALIASES)
+
+
+FIELD_ALIASES = {"async_": "async"}
+"""RunConfig fields whose name avoids a Python keyword → their YAML / command-line key."""
+KEY_ALIASES = {key: name for name, key in FIELD_ALIASES.items()}
+
+
+def _rename_top_level(values: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    return {names.get(key, key): value for key, value in values.items()}
+
+
+def _field_key(dotted: str) -> str:
+    """A dotted key as the user writes it (``async.max_lag``) → the schema's (``async_.max_lag``)."""
+    head, _, rest = dotted.partition(".")
+    return KEY_ALIASES.get(head, head) + ("." + rest if rest else "")
+
+
+def _user_spelling(text: str) -> str:
+    """Schema names in an error message back to the user's keys (``async_.max_lag`` → ``async.max_lag``)."""
+    for name, key in FIELD_ALIASES.items():
+        text = text.replace(name, key)
+    return text
 
 
 def check_model_parallelism(num_heads: int, num_kv_heads: int, num_layers: int, parallel: ParallelConfig) -> None:
@@ -556,7 +616,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         if path is not None:
             path = Path(path)
-            node = _load_yaml_with_inherit(path, ())
+            node = _aliased(_load_yaml_with_inherit(path, ()), path)
             _refuse_moved_keys(
                 [k for k in MOVED_KEYS if OmegaConf.select(node, k, default=_MISSING) is not _MISSING], path
             )
@@ -565,10 +625,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             require("=" in item, f"override {item!r} must look like section.key=value (e.g. algo.mu_grpo.clip_high=5)")
         _refuse_moved_keys([item.split("=", 1)[0] for item in overrides], "the command-line overrides")
         for item in overrides:
-            key, value = item.split("=", 1)
+            user_key, value = item.split("=", 1)
+            key = _field_key(user_key)
             require(
-                OmegaConf.select(merged, key, default=_MISSING) is not _MISSING,
-                f"override {item!r}: {key!r} is not a configuration key (see configs/ and config.py)",
+                OmegaConf.select(merged, key, default=_MISSING) is not _MISSING
+                and user_key.partition(".")[0] not in FIELD_ALIASES,
+                f"override {item!r}: {user_key!r} is not a configuration key (see configs/ and config.py)",
             )
             try:
                 parsed = yaml.safe_load(value) if value else ""
@@ -581,16 +643,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         where = f" in {path}" if path is not None else ""
         key = getattr(exc, "full_key", None)
         detail = str(exc).split("\n")[0]
-        raise ConfigError(f"invalid configuration{where}: {key + ': ' if key else ''}{detail}") from exc
+        message = f"invalid configuration{where}: {key + ': ' if key else ''}{detail}"
+        raise ConfigError(_user_spelling(message)) from exc
     return _instantiate(container)
+
+
+def _aliased(node: Any, where: object) -> Any:
+    """A loaded YAML tree with its top-level ``async:`` section under the schema's field name ``async_``."""
+    for name in FIELD_ALIASES:
+        require(name not in node, f"{where}: write the section as {FIELD_ALIASES[name]!r}, not {name!r}")
+    for key, name in KEY_ALIASES.items():
+        if key in node:
+            node[name] = node.pop(key)
+    return node
 
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
     """Rebuild a RunConfig from ``RunConfig.to_dict()`` output (e.g. a checkpoint's metadata)."""
+    values = _rename_top_level(values, KEY_ALIASES)
     merged = OmegaConf.merge(_schema(), OmegaConf.create(values))
     return _instantiate(OmegaConf.to_container(merged, resolve=True))
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML (the run directory's snapshot)."""
+    """Write the resolved config as YAML (the run directory's snapshot; sections under their user keys)."""
     Path(path).write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))

@@ -1,5 +1,5 @@
 """Plots and tables that compare runs: accuracy vs wall clock, NAV / clip fractions, E[ρ | A<0], reward per
-stage, replay.
+stage, replay, and for async-mode runs the lag and idle ratios.
 
     python -m megatron_mugrpo.report runs/mu_grpo runs/grpo --out reports/mu_vs_grpo
 
@@ -26,9 +26,16 @@ Logging convention the training loop follows (the plots rely on it):
 - **Rollout records**: one record per stage after generation, ``step`` = updates done before the stage,
   with ``rollout/reward_mean`` and ``rollout/stage`` (0-based stage index; without it the records'
   order of appearance is used).
+- **Async updates** (``mode: async``): each update record also holds ``rollout/lag_mean``,
+  ``rollout/lag_max`` (updates between the behaviour policy and the trained one),
+  ``rollout/dropped_groups_total``, ``perf/trainer_idle_ratio`` (time waiting for and assembling samples
+  / the update's time) and, when shards arrived during it, ``perf/rollout_idle_ratio``. With them come
+  ``async_lag.png`` and ``idle_ratio.png``; the latter also draws every run's cumulative trainer idle
+  ratio, ``perf/t_rollout_s / (perf/t_rollout_s + perf/t_optimize_s)`` from the timers of its eval
+  records, against wall-clock seconds, so staged and async runs compare on one axis.
 
-A metric missing from every run is skipped with a note; a directory without ``metrics.jsonl`` is an
-error.
+A metric missing from every run is skipped with a note (the async plots, without one, when no run is
+an async one); a directory without ``metrics.jsonl`` is an error.
 
 Sweep bands are aligned by update: at every update (or evaluation) that all of a group's seeds
 logged, the line is the mean over seeds and the band ±1 sample standard deviation (none for a
@@ -72,6 +79,9 @@ REPLAY_PANELS = (
 """Headroom-Drift Replay panels, one per tuple (the first key titles it; the others share its axes)."""
 REWARD = "rollout/reward_mean"
 STAGE = "rollout/stage"
+LAG_KEYS = ("rollout/lag_mean", "rollout/lag_max", "rollout/dropped_groups_total")
+IDLE_KEYS = ("perf/trainer_idle_ratio", "perf/rollout_idle_ratio")
+T_ROLLOUT, T_OPTIMIZE = "perf/t_rollout_s", "perf/t_optimize_s"
 FIGURE_DPI = 120
 SMOOTH_MIN_POINTS = 200
 """Series at least this long (per-update metrics of a long run) also get a moving average."""
@@ -168,6 +178,21 @@ def stage_series(records: list[dict[str, Any]]) -> Series:
         by_stage[float(record.get(STAGE, index))] = float(record[REWARD])
     stages = sorted(by_stage)
     return Series(x=stages, y=[by_stage[k] for k in stages])
+
+
+def idle_series(records: list[dict[str, Any]]) -> Series:
+    """Cumulative trainer idle ratio t_rollout / (t_rollout + t_optimize) against perf/t_total_s.
+
+    Staged mode's trainer idles while its stage's data is generated; async mode's while it waits for
+    and assembles samples; both accumulate that time in perf/t_rollout_s.
+    """
+    out = Series()
+    for record in records:
+        if T_ROLLOUT in record and T_OPTIMIZE in record and EVAL_X in record:
+            busy = record[T_ROLLOUT] + record[T_OPTIMIZE]
+            out.x.append(float(record[EVAL_X]))
+            out.y.append(record[T_ROLLOUT] / busy if busy > 0 else 0.0)
+    return out
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -291,6 +316,24 @@ def _plot_reward(runs: list[Run], out_dir: Path, notes: list[str]) -> list[Path]
     return [_plot_panels(runs, panels, out_dir / "reward_per_stage.png", xlabel="stage", marker="o")]
 
 
+def _plot_async(runs: list[Run], out_dir: Path) -> list[Path]:
+    """Lag and idle ratios of async runs (nothing, and no note, when no run is an async one)."""
+    written = []
+    lags = [key for key in LAG_KEYS if _present(runs, key)]
+    if lags:
+        panels = [
+            (key, [series(run.records, key) for run in runs], "updates" if "lag" in key else "groups") for key in lags
+        ]
+        written.append(_plot_panels(runs, panels, out_dir / "async_lag.png", xlabel="optimizer update"))
+    idle = [key for key in IDLE_KEYS if _present(runs, key)]
+    if idle:
+        cumulative = ("trainer idle ratio (cumulative)", [idle_series(run.records) for run in runs], "fraction")
+        per_update = [(key, [series(run.records, key, "wall_s") for run in runs], "fraction") for key in idle]
+        path = out_dir / "idle_ratio.png"
+        written.append(_plot_panels(runs, [cumulative, *per_update], path, xlabel="wall-clock seconds"))
+    return written
+
+
 def summary_table(runs: list[Run]) -> list[str]:
     """Markdown rows: updates, final / best eval/avg_pass@1 and perf/t_total_s per run."""
     rows = ["| run | updates | final avg pass@1 | best avg pass@1 | t_total_s |", "|---|---|---|---|---|"]
@@ -350,6 +393,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Pa
         *_plot_per_update(runs, out, notes),
         *_plot_reward(runs, out, notes),
         *_plot_replay(runs, out),
+        *_plot_async(runs, out),
     ]
     lines = ["# Run comparison", "", *summary_table(runs), "", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in written]

@@ -25,7 +25,6 @@ Run directory layout (its guarantees, lock and config written last, are in ``run
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ from megatron_mugrpo.replay import ReplayState, open_replay
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
+from megatron_mugrpo.rollout.prompts import stage_prompts as stage_prompts  # re-exported: it moved to the prompts
 from megatron_mugrpo.rollout.quantization import behaviour_quantizer, load_behaviour_policy
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 from megatron_mugrpo.rundir import CONFIG_FILE, RunLock, claim, record_config
@@ -157,6 +157,7 @@ def open_run(
     redo_after_checkpoint: bool = False,
     standalone: str | None = None,
     replace_failed_start: bool = False,
+    world_size: int | None = None,
 ) -> Run:
     """Build this rank's Run. ``resume`` loads the latest checkpoint (or ``checkpoint``) when one exists.
 
@@ -166,9 +167,11 @@ def open_run(
     directory it created. ``redo_after_checkpoint``: this verb redoes the work logged after the
     checkpoint (train --resume, optimize), whose metrics records are dropped first. ``standalone``
     (e.g. 'eval') marks every metrics record as that command's, never dropped by a later resume.
+    ``world_size``: the trainer ranks when they are fewer than the launch's processes (async mode).
     """
     set_determinism(cfg)
-    groups = initialize_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.seed)
+    parallel = cfg.parallel
+    groups = initialize_parallel(parallel.tensor_parallel, parallel.pipeline_parallel, cfg.seed, world_size=world_size)
     claimed = claim(run_dir, replace_failed_start=replace_failed_start) if groups.rank == 0 else None
     try:
         run = _set_up(
@@ -203,7 +206,7 @@ def _set_up(
 ) -> Run:
     """Base model, policy, weights, prompts, benchmarks, verifier and metrics logger of one rank."""
     placement = EnginePlacement.from_env(
-        tensor_parallel=cfg.rollout.tensor_parallel, cpu_threads=cfg.rollout.cpu_threads
+        tensor_parallel=cfg.rollout.tensor_parallel, cpu_threads=cfg.rollout.cpu_threads, world_size=groups.world_size
     )
     hosts = HostGroup.create(placement)
     hf_dir = _base_model(cfg, run_dir, is_writer=groups.rank == 0)
@@ -445,17 +448,3 @@ def behaviour_policy(run: Run, version: int) -> Iterator[None]:
             run.policy.scheduler,
             groups=run.policy.groups,
         )
-
-
-def stage_prompts(prompts: list[PromptRecord], stage: int, count: int, seed: int) -> list[PromptRecord]:
-    """The ``count`` prompts of stage ``stage``: consecutive slices of seeded per-epoch permutations."""
-    out: list[PromptRecord] = []
-    position = stage * count
-    while len(out) < count:
-        epoch, offset = divmod(position, len(prompts))
-        order = list(range(len(prompts)))
-        random.Random(f"prompts/{seed}/{epoch}").shuffle(order)
-        take = min(count - len(out), len(prompts) - offset)
-        out.extend(prompts[i] for i in order[offset : offset + take])
-        position += take
-    return out

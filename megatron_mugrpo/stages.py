@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from megatron_mugrpo import replay
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.metrics import progress
-from megatron_mugrpo.records import collate
+from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.replay import StageData
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity, stage_store_metrics
 from megatron_mugrpo.rollout.placement import engine_threads
@@ -149,6 +149,22 @@ def optimizer_update(
     cfg = run.cfg
     started = time.perf_counter()
     groups = data.minibatch(update, cfg.stages.mini_groups, cfg.stages.seed, old_logprobs)
+    metrics, tokens = train_on_groups(run, groups)
+    if update == 0:
+        check_first_update(run, metrics, stage)
+    run.state.update_in_stage, run.state.global_update = update + 1, run.state.global_update + 1
+    run.state.data_cursor = (update + 1) * cfg.stages.mini_groups
+    seconds = time.perf_counter() - started
+    return metrics | {
+        "train/stage": float(stage),
+        "perf/update_s": seconds,
+        "perf/train_tokens_per_s": tokens / max(seconds, 1e-9),
+    }
+
+
+def train_on_groups(run: Run, groups: list[RolloutGroup]) -> tuple[dict[str, float], float]:
+    """One optimizer step on some prompt groups (also the async loop's); returns its metrics and response tokens."""
+    cfg = run.cfg
     batch = collate(groups, pad_id=run.tokenizer.pad_token_id or 0)
     metrics = train_step(
         run.policy,
@@ -161,18 +177,9 @@ def optimizer_update(
         rollout_correction=cfg.algo.rollout_correction,
         logits_budget_mib=cfg.kernels.logits_budget_mib,
     )
-    if update == 0:
-        check_first_update(run, metrics, stage)
-    run.state.update_in_stage, run.state.global_update = update + 1, run.state.global_update + 1
-    run.state.data_cursor = (update + 1) * cfg.stages.mini_groups
     tokens = float(batch.response_mask.sum())
     run.state.train_tokens += tokens
-    seconds = time.perf_counter() - started
-    return metrics | {
-        "train/stage": float(stage),
-        "perf/update_s": seconds,
-        "perf/train_tokens_per_s": tokens / max(seconds, 1e-9),
-    }
+    return metrics, tokens
 
 
 def check_first_update(run: Run, metrics: dict[str, float], stage: int) -> None:

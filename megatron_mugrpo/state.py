@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_mugrpo.rollout.queue import QueueCursor
+
 _V1_EXTRA_KEYS = {"acc_before", "acc_last", "train_tokens", "timers", "first_update_gap"}
 """Fields that megatron_mugrpo 0.1.0 kept in an untyped ``extra`` dict (read from old checkpoints)."""
 
@@ -51,6 +53,8 @@ class TrainerState:
     metrics_records: int | None = None
     """Records in metrics.jsonl when the checkpoint was taken: a run resumed from it drops exactly the
     ones logged after (the work it redoes). None in checkpoints written before it was recorded."""
+    queue: QueueCursor | None = None
+    """Async mode: how far the trainer has consumed the rollout queue (None in staged mode)."""
 
     def at_stage(self, stage: int) -> TrainerState:
         """The state at the start of ``stage`` (same run figures, cursor reset)."""
@@ -71,4 +75,6 @@ class TrainerState:
         best = values.get("best")
         if isinstance(best, dict):
             values["best"] = BestEval(**best)
+        if isinstance(values.get("queue"), dict):
+            values["queue"] = QueueCursor.from_dict(values["queue"])
         return cls(**values)

@@ -91,18 +91,21 @@ class EnginePlacement:
         return cls(rank=0, world_size=1, local_rank=0, local_world_size=1, tensor_parallel=1, cores=cores)
 
     @classmethod
-    def from_env(cls, *, tensor_parallel: int, cpu_threads: int = 0, cores: int | None = None) -> EnginePlacement:
+    def from_env(
+        cls, *, tensor_parallel: int, cpu_threads: int = 0, cores: int | None = None, world_size: int | None = None
+    ) -> EnginePlacement:
         """The placement of this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE.
 
         Without LOCAL_WORLD_SIZE every rank is taken to be on one node. ``cores`` defaults to the CPUs
-        this process may run on.
+        this process may run on. ``world_size`` overrides WORLD_SIZE when only the launch's first ranks
+        train (async mode: its rollout workers host no engine of the trainer's).
         """
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
         return cls(
             rank=int(os.environ.get("RANK", "0")),
             world_size=world,
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))),
             tensor_parallel=tensor_parallel,
             cores=cores if cores is not None else available_cores(),
             cpu_threads_override=cpu_threads,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -273,3 +274,17 @@ def _check_report(report: PromptLoadReport, prompt_field: str, answer_field: str
             answer_field,
             max_prompt_tokens,
         )
+
+
+def stage_prompts(prompts: list[PromptRecord], stage: int, count: int, seed: int) -> list[PromptRecord]:
+    """The ``count`` prompts of stage ``stage``: consecutive slices of seeded per-epoch permutations."""
+    out: list[PromptRecord] = []
+    position = stage * count
+    while len(out) < count:
+        epoch, offset = divmod(position, len(prompts))
+        order = list(range(len(prompts)))
+        random.Random(f"prompts/{seed}/{epoch}").shuffle(order)
+        take = min(count - len(out), len(prompts) - offset)
+        out.extend(prompts[i] for i in order[offset : offset + take])
+        position += take
+    return out

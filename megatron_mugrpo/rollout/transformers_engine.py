@@ -140,6 +140,10 @@ class TransformersEngine:
             self.release()
             raise
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The live model's Hugging Face-named tensors (tied ones under each name), for checks."""
+        return self._live_model().state_dict()
+
     def release(self) -> None:
         """Drop the model and return its memory (``load_hf_dir`` / ``load_weights`` bring it back)."""
         if self.model is None:

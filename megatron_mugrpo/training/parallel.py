@@ -55,14 +55,19 @@ class ParallelGroups:
         return self.pp_rank == self.pp - 1
 
 
-def _init_process_group() -> None:
-    """Start torch.distributed from the environment (torchrun's variables), single process if absent."""
+def _init_process_group(world_size: int | None = None) -> None:
+    """Start torch.distributed from the environment (torchrun's variables), single process if absent.
+
+    ``world_size`` below the launch's WORLD_SIZE makes ranks [0, world_size) a process group of their
+    own (async mode's trainers; the launch's remaining ranks never join it). Rank 0 is in it and hosts
+    the rendezvous store as usual.
+    """
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
@@ -90,14 +95,16 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def initialize_parallel(tp: int, pp: int, seed: int) -> ParallelGroups:
+def initialize_parallel(tp: int, pp: int, seed: int, *, world_size: int | None = None) -> ParallelGroups:
     """Initialise torch.distributed (NCCL with CUDA, gloo without) and Megatron's TP/PP/DP state.
 
     Activates the CPU compatibility layer when CUDA is absent. Re-initialising with the same sizes
     is allowed (the existing groups are reused); different sizes need ``destroy_parallel()`` first.
+    ``world_size``: the ranks that train, when fewer than the launch's (async mode's rollout workers
+    are the launch's last ranks and stay outside).
     """
     cpu_compat.activate()
-    _init_process_group()
+    _init_process_group(world_size)
     world = dist.get_world_size()
     if tp < 1 or pp < 1 or world % (tp * pp) != 0:
         raise ValueError(

@@ -1,0 +1,51 @@
+"""The ``async`` section of a run config (``mode: async``): placement, queue bound, lag and weight sync.
+
+The YAML and command-line key is ``async`` (``async.max_lag=8``); ``async`` is a Python keyword, so the
+``RunConfig`` field is ``async_`` and ``megatron_mugrpo.config`` translates the spelling both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_mugrpo.errors import require
+
+
+@dataclass(kw_only=True)
+class AsyncConfig:
+    """Asynchronous execution: rollout workers stream groups to the trainer through a bounded queue."""
+
+    rollout_ranks: int = 1
+    """R: the last R ranks of the launch are rollout workers (one engine each); the others train."""
+    queue_groups: int = 256
+    """Bound of the rollout queue: workers pause while this many generated groups are unconsumed."""
+    max_lag: int = 4
+    """Groups whose behaviour policy is more than this many trainer updates old are dropped (counted in
+    rollout/dropped_groups). Equal to sync_every: no staleness beyond the sync interval (async GRPO)."""
+    sync_every: int = 4
+    """The trainer publishes its weights every this many updates (the paper: 4); workers pick them up
+    between generation batches."""
+    batch_groups: int = 64
+    """Prompt groups a worker generates per batch (one queue shard); weights never change within one."""
+    worker_timeout_s: float = 300.0
+    """A trainer or worker whose heartbeat has not changed for this long is dead: the run stops with
+    an error naming it."""
+    startup_timeout_s: float = 900.0
+    """How long a rank waits for the other side's first heartbeat (ranks on other nodes may start
+    later; a trainer loads its model before it watches the workers)."""
+    verify_weights: bool = False
+    """Workers hash the weights they loaded and the trainer checks the hash against the publication's
+    (costs one pass over all weights per sync; the tests switch it on)."""
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_ranks", "queue_groups", "sync_every", "batch_groups"):
+            require(getattr(self, name) >= 1, f"async.{name}={getattr(self, name)} must be >= 1")
+        require(
+            self.max_lag >= self.sync_every,
+            f"async.max_lag={self.max_lag} < async.sync_every={self.sync_every}: a worker samples with each "
+            "published policy until the next publication sync_every updates later, so the groups it makes late "
+            "in every interval would be dropped as too old. Set async.max_lag >= async.sync_every (equal: no "
+            "staleness beyond the sync interval, as async GRPO)",
+        )
+        for name in ("worker_timeout_s", "startup_timeout_s"):
+            require(getattr(self, name) > 0, f"async.{name}={getattr(self, name)} must be > 0")

@@ -1,0 +1,63 @@
+"""Small files that processes on different ranks (or nodes) read while others rewrite them.
+
+Every such file is written to a temporary name, flushed, and renamed over the old one, so a reader
+sees the old content or the new, never half of it; a writer killed mid-write leaves a ``.tmp`` file
+that nobody reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+TMP_SUFFIX = ".tmp"
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Replace ``path`` with ``data`` in one rename (the temporary is fsynced first)."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "wb") as handle:
+        handle.write(data.encode() if isinstance(data, str) else data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, value: Any) -> None:
+    write_atomic(path, json.dumps(value, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value in ``path``, or None when the file does not exist (yet)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+class AsyncPaths:
+    """Where async mode keeps its files in a run directory.
+
+    RUN_DIR/rollouts/queue/       the rollout queue (``rollout.queue``)
+    RUN_DIR/async/weights/        published policies (``asynchronous.publish``)
+    RUN_DIR/async/heartbeat/      trainer.json and worker_NNN.json (``asynchronous.liveness``)
+    """
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.queue = run_dir / "rollouts" / "queue"
+        self.weights = run_dir / "async" / "weights"
+        self.heartbeats = run_dir / "async" / "heartbeat"
+
+    @property
+    def trainer_heartbeat(self) -> Path:
+        return self.heartbeats / "trainer.json"
+
+    def worker_heartbeat(self, index: int) -> Path:
+        return self.heartbeats / f"worker_{index:03d}.json"
+
+    def make(self) -> None:
+        for path in (self.queue, self.weights, self.heartbeats):
+            path.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,168 @@
+"""Heartbeats between the trainer and the rollout workers, through the run directory.
+
+Each process runs a ``Heartbeat``: a daemon thread that rewrites ``<dir>/<name>.json`` every
+``HEARTBEAT_S`` seconds with a growing count, a nonce of its own and a status (running, done, or
+failed with a message). Another process watches that file with a ``Peer``: the peer is alive while
+the file keeps changing. A file unchanged for ``timeout_s`` (timed on the watcher's own clock, so
+the clocks of different nodes never matter) means the process died or hangs; a failed status
+carries the process's own error message. Only changes seen after the watcher started count: a stale
+file left by an earlier launch of the same run directory never passes for a live process, and its
+'done' or 'failed' status never for this launch's.
+
+    with Heartbeat(beat_dir / "worker_000.json"):           # in the worker
+        ...
+    peer = Peer(beat_dir / "worker_000.json", "rollout worker 0 (rank 1)", timeout_s=300, startup_s=900)
+    peer.check()                                             # in the trainer's wait loop: raises RankFailedError
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megatron_mugrpo.asynchronous.files import read_json, write_json
+
+HEARTBEAT_S = 1.0
+"""Seconds between two beats; a timeout of many beats tolerates a busy file system."""
+RUNNING, DONE, FAILED = "running", "done", "failed"
+
+
+class RankFailedError(RuntimeError):
+    """Another rank of the run died, hangs or failed: the message names it and what to do."""
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat record."""
+
+    nonce: str
+    """Random per process: a restarted process never repeats an old record."""
+    count: int
+    status: str
+    """running | done | failed."""
+    message: str
+    """Why it failed (the exception's text), else ''."""
+    pid: int
+    host: str
+
+
+def read_beat(path: Path) -> Beat | None:
+    values = read_json(path)
+    return Beat(**values) if values is not None else None
+
+
+class Heartbeat:
+    """Announce that this process is alive (a daemon thread), and how it ended."""
+
+    def __init__(self, path: Path, interval_s: float = HEARTBEAT_S):
+        self.path, self.interval_s = path, interval_s
+        self._nonce, self._count = uuid.uuid4().hex, 0
+        self._status, self._message = RUNNING, ""
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Heartbeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat:{self.path.stem}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._write()
+
+    def _write(self) -> None:
+        with self._lock:
+            self._count += 1
+            beat = Beat(self._nonce, self._count, self._status, self._message, os.getpid(), socket.gethostname())
+            write_json(self.path, asdict(beat))
+
+    def finish(self, status: str, message: str = "") -> None:
+        """Stop beating; the last record says ``status`` (done or failed, with ``message``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._status, self._message = status, message
+        self._write()
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.finish(DONE)
+        else:
+            self.finish(FAILED, f"{type(exc).__name__}: {exc}")
+
+
+@contextmanager
+def beating(path: Path, *, enabled: bool) -> Iterator[None]:
+    """``with Heartbeat(path)`` when ``enabled``, else nothing (the CLI's trainer rank 0 in async mode)."""
+    if not enabled:
+        yield
+        return
+    with Heartbeat(path):
+        yield
+
+
+class Peer:
+    """Watch another process's heartbeat file (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: Path,
+        name: str,
+        *,
+        timeout_s: float,
+        startup_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.path, self.name, self.timeout_s, self.startup_s, self._clock = path, name, timeout_s, startup_s, clock
+        self._seen = self._stale = read_beat(path)  # what an earlier launch may have left: not a sign of life
+        self._changed_at = clock()
+        self.live: Beat | None = None
+        """The latest record written since this watcher started (None: nothing yet)."""
+
+    def poll(self) -> Beat | None:
+        beat = read_beat(self.path)
+        if beat is not None and beat != self._seen:
+            self._seen, self._changed_at, self.live = beat, self._clock(), beat
+        return self.live
+
+    @property
+    def done(self) -> bool:
+        """The process ended normally (during this launch)."""
+        return self.live is not None and self.live.status == DONE
+
+    def check(self) -> None:
+        """Raise RankFailedError when the process failed, or has been silent for longer than the timeout."""
+        beat = self.poll()
+        if beat is not None and beat.status == FAILED:
+            raise RankFailedError(f"{self.name} failed: {beat.message} (pid {beat.pid} on {beat.host}; see its log)")
+        if beat is not None and beat.status == DONE:
+            return
+        silent = self._clock() - self._changed_at
+        if beat is not None and silent > self.timeout_s:
+            raise RankFailedError(
+                f"{self.name} has sent no heartbeat for {silent:.0f} s (async.worker_timeout_s={self.timeout_s:g}; "
+                f"{self.path}): it died or hangs. See its log, then continue with `mugrpo train --resume RUN_DIR`"
+            )
+        if beat is None and silent > self.startup_s:
+            older = ""
+            if (
+                self._stale is not None and self._stale.status == FAILED
+            ):  # maybe this launch's, written before we looked
+                older = f"; the file holds an older record: failed: {self._stale.message}"
+            raise RankFailedError(
+                f"{self.name} has not sent a heartbeat in the {silent:.0f} s since this rank started watching "
+                f"(async.startup_timeout_s={self.startup_s:g}; {self.path}){older}. It never started or died "
+                "at once: see its log"
+            )

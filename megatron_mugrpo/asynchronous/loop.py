@@ -1,0 +1,274 @@
+"""The trainer's loop in async mode, ``train_async``: the twin of ``stages.train``, and as short.
+
+    publish π → evaluate → per update: take B_mini fresh groups from the rollout queue (waiting for
+    them is the trainer's idle time) → one optimizer update → publish every async.sync_every updates
+    → log → at stage ends: rollout summary, evaluation, checkpoint (the queue cursor with it)
+
+The run makes ``stages.num_stages × μ`` updates; a "stage" is only the evaluation and checkpoint
+period here, since nothing is generated in bulk. The mechanics live in ``Feed`` (the trainer's end
+of the queue, the weight publications and the heartbeats) and in the modules it uses.
+
+    mugrpo train --config configs/demo_async_cpu.yaml ...   under torchrun, on the trainer ranks
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_mugrpo.asynchronous.files import AsyncPaths
+from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError
+from megatron_mugrpo.asynchronous.publish import Publication, publication_digests, publish_policy
+from megatron_mugrpo.asynchronous.roles import ProcessRole
+from megatron_mugrpo.evaluation import AVG_KEY
+from megatron_mugrpo.rollout.queue import QueueCursor, QueueReader, ShardRecord, Taken
+from megatron_mugrpo.rollout.store import StoreError, shard_stats, store_metrics
+from megatron_mugrpo.runtime import Run
+from megatron_mugrpo.stages import (
+    check_first_update,
+    checkpoint,
+    crash_point,
+    export_final,
+    progress_range,
+    run_evaluation,
+    summary,
+    train_on_groups,
+)
+
+POLL_S = 0.02
+"""Seconds between two looks at the queue while the trainer waits for groups."""
+
+
+def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
+    """Run (or continue) an async run on this trainer rank; returns the end-of-run summary."""
+    cfg, state = run.cfg, run.state
+    feed = Feed.open(run, role)  # rank 0: the queue reader, the workers' heartbeats
+    feed.publish(run)  # the workers' first policy (or, resumed, the checkpoint's)
+    if state.global_update == 0 and state.acc_before is None:
+        state.acc_before = run_evaluation(run).get(AVG_KEY, float("nan"))
+    for _ in progress_range(run, run.state.global_update, cfg.stages.total_updates, "async updates"):
+        started = time.perf_counter()
+        with run.timer("perf/t_rollout_s"):  # idle: waiting for and assembling samples
+            taken = feed.next_groups(run)
+        with run.timer("perf/t_optimize_s"):
+            metrics = async_update(run, taken)
+            if _due(cfg.async_.sync_every, run.state.global_update):
+                metrics |= feed.publish(run)
+        run.logger.log(metrics | feed.update_metrics(taken, started), step=run.state.global_update)
+        crash_point(f"update:{run.state.global_update}")
+        end_of_update(run, feed)  # stage end: rollout summary, evaluation; checkpoint when due
+    export_final(run)
+    return summary(run) | feed.summary()
+
+
+def async_update(run: Run, taken: Taken) -> dict[str, float]:
+    """One optimizer update on the groups taken from the queue; the state's cursor advances with it."""
+    metrics, _ = train_on_groups(run, taken.groups)
+    state, mu = run.state, run.cfg.stages.updates_per_stage
+    if all(v == state.global_update for v in taken.versions) and str(state.stage) not in state.first_update_gap:
+        check_first_update(run, metrics, state.stage)  # fresh weights: π_θ = β, ratios must be 1
+    state.global_update += 1
+    state.stage, state.update_in_stage = divmod(state.global_update, mu)
+    state.data_cursor = state.update_in_stage * run.cfg.stages.mini_groups
+    return metrics
+
+
+def end_of_update(run: Run, feed: Feed) -> None:
+    """At a stage end, the stage's rollout summary and evaluation; a checkpoint when one is due."""
+    cfg, done = run.cfg, run.state.global_update
+    run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
+    stage_end, last = run.state.update_in_stage == 0, done == cfg.stages.total_updates
+    if stage_end:
+        run.logger.log(feed.stage_summary(run.state.stage - 1), step=done)
+    every = cfg.eval.every_updates
+    if _due(every, done) or (every == 0 and stage_end) or last:
+        run_evaluation(run)  # before the checkpoint, so that it holds the result
+    stage_due = stage_end and _due(cfg.checkpoint.every_stages, run.state.stage)
+    if stage_due or last or _due(cfg.checkpoint.every_updates, done):
+        run.state.queue = feed.cursor()  # a copy: a background save must not see the cursor move on
+        checkpoint(run)
+
+
+@dataclass
+class Feed:
+    """The trainer's end of async mode. Rank 0 reads the queue and watches the workers' heartbeats
+    (its own heartbeat is the CLI's, from start-up); every trainer rank publishes (collectively) and
+    receives the groups."""
+
+    paths: AsyncPaths
+    is_writer: bool
+    reader: QueueReader | None = None
+    workers: list[Peer] = field(default_factory=list)
+    max_lag: int = 0
+    verify_weights: bool = False
+    digests: dict[str, str] = field(default_factory=dict)
+    """Publication name → digest, to check what workers report they loaded (async.verify_weights)."""
+    admitted: list[ShardRecord] = field(default_factory=list)
+    """Shards admitted during the current update (their workers' idle time is logged with it)."""
+    wait_s: float = 0.0
+    sync_s: float = 0.0
+
+    @classmethod
+    def open(cls, run: Run, role: ProcessRole) -> Feed:
+        cfg = run.cfg.async_
+        feed = cls(paths=AsyncPaths(run.run_dir), is_writer=run.is_writer, max_lag=cfg.max_lag)
+        feed.verify_weights = cfg.verify_weights
+        if run.is_writer:
+            feed.paths.make()
+            feed.workers = [
+                Peer(
+                    feed.paths.worker_heartbeat(i),
+                    _worker_name(role, i),
+                    timeout_s=cfg.worker_timeout_s,
+                    startup_s=cfg.startup_timeout_s,
+                )
+                for i in range(role.num_workers)
+            ]
+            feed.reader = QueueReader(feed.paths.queue, run.state.queue)
+            feed.reader.publish_cursor(run.state.global_update)  # the workers' queue bound, as of this checkpoint
+            feed.digests = publication_digests(feed.paths.weights)
+        return feed
+
+    # ------------------------------------------------------------------------------ weights
+
+    def publish(self, run: Run) -> dict[str, float]:
+        """Publish the current policy for the workers (collective over the trainer ranks)."""
+        started = time.perf_counter()
+        publication = publish_policy(
+            run, self.paths.weights, version=run.state.global_update, digest=self.verify_weights
+        )
+        if isinstance(publication, Publication):
+            self.digests[publication.name] = publication.digest
+        self.sync_s = time.perf_counter() - started
+        return {"perf/weight_sync_s": self.sync_s}
+
+    # ------------------------------------------------------------------------------ groups
+
+    def next_groups(self, run: Run) -> Taken:
+        """The next update's B_mini groups: assembled on rank 0 (waiting as needed), sent to every trainer rank."""
+        started = time.perf_counter()
+        payload: Taken | str
+        if self.is_writer:
+            try:
+                payload = self._assemble(run.state.global_update, run.cfg.stages.mini_groups)
+            except RankFailedError as exc:
+                _broadcast(str(exc))  # the other trainer ranks stop with the same message
+                raise
+        payload = _broadcast(payload if self.is_writer else None)
+        if isinstance(payload, str):
+            raise RankFailedError(payload)
+        self.wait_s = time.perf_counter() - started
+        return payload
+
+    def _assemble(self, update: int, count: int) -> Taken:
+        reader = self.reader
+        while True:
+            self.admitted += self._checked(reader.admit())
+            taken = reader.take(update=update, count=count, max_lag=self.max_lag)
+            reader.publish_cursor(update)  # room freed by what was consumed, even before the update is made
+            if taken is not None:
+                return taken
+            for peer in self.workers:
+                peer.check()
+                if peer.done:
+                    raise RankFailedError(f"{peer.name} exited while the trainer still needs groups")
+            time.sleep(POLL_S)
+
+    def _checked(self, records: list[ShardRecord]) -> list[ShardRecord]:
+        """Records whose reported weights match the trainer's publication (when both were hashed)."""
+        for record in records:
+            published = self.digests.get(record.publication, "")
+            if record.weights_digest and published and record.weights_digest != published:
+                raise StoreError(
+                    f"rollout worker {record.worker} sampled batch {record.batch} with weights that differ from "
+                    f"publication {record.publication}: the weight pick-up is broken"
+                )
+        return records
+
+    def cursor(self) -> QueueCursor | None:
+        """A copy of the consumer cursor as of the last update (rank 0; None elsewhere)."""
+        return copy.deepcopy(self.reader.cursor) if self.reader is not None else None
+
+    # ------------------------------------------------------------------------------ metrics
+
+    def update_metrics(self, taken: Taken, started: float) -> dict[str, float]:
+        """Lag, drops, queue and idle figures of the update that just ended (rank 0 has them all)."""
+        total = time.perf_counter() - started
+        metrics = {
+            "perf/trainer_idle_ratio": self.wait_s / total if total > 0 else 0.0,
+            "perf/sample_wait_s": self.wait_s,
+            "rollout/lag_mean": sum(taken.lags) / len(taken.lags),
+            "rollout/lag_max": float(max(taken.lags)),
+            "rollout/dropped_groups": float(taken.dropped),
+        }
+        if self.reader is None:
+            return metrics
+        cursor = self.reader.cursor
+        metrics |= {
+            "rollout/dropped_groups_total": float(cursor.dropped),
+            "rollout/queue_position": float(cursor.position),
+            "rollout/queue_backlog": float(self.reader.index.total_groups - cursor.position),
+        }
+        cursor.window = _summed(cursor.window, shard_stats(taken.groups))
+        if self.admitted:
+            busy = sum(r.generate_s + r.load_s for r in self.admitted)
+            idle = sum(r.idle_s for r in self.admitted)
+            metrics["perf/rollout_idle_ratio"] = idle / (idle + busy) if idle + busy > 0 else 0.0
+            self.admitted = []
+        return metrics
+
+    def stage_summary(self, stage: int) -> dict[str, float]:
+        """rollout/* of the groups trained on during ``stage`` (then the window restarts)."""
+        if self.reader is None:
+            return {}
+        cursor = self.reader.cursor
+        # store_metrics sums the ``stats`` of a manifest's shards; the window is one such sum.
+        metrics = store_metrics(_Summed([_Stats(cursor.window)])) | {"rollout/stage": float(stage)}
+        cursor.window = {}
+        return metrics
+
+    def summary(self) -> dict[str, float]:
+        """End-of-run queue figures: groups consumed, dropped, and left unconsumed in the queue."""
+        if self.reader is None:
+            return {}
+        cursor = self.reader.cursor
+        return {
+            "consumed_groups": float(cursor.position),
+            "dropped_groups": float(cursor.dropped),
+            "left_in_queue": float(self.reader.index.total_groups - cursor.position),
+        }
+
+
+@dataclass
+class _Stats:
+    stats: dict[str, float]
+
+
+@dataclass
+class _Summed:
+    shards: list[_Stats]
+
+
+def _due(every: int, count: int) -> bool:
+    return every > 0 and count % every == 0
+
+
+def _summed(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {key: a.get(key, 0.0) + b.get(key, 0.0) for key in a.keys() | b.keys()}
+
+
+def _worker_name(role: ProcessRole, index: int) -> str:
+    return f"rollout worker {index} (rank {role.trainer_world + index})"
+
+
+def _broadcast(value: Any) -> Any:
+    """``value`` from trainer rank 0 on every trainer rank (the groups are small next to the model)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,196 @@
+"""The rollout worker of async mode: generate prompt groups continuously with the latest published weights.
+
+``run_worker`` runs on the last ``async.rollout_ranks`` ranks of an async launch (``cli.cmd_train``
+dispatches by role). Its loop, one queue shard per turn::
+
+    wait for room in the queue (workers pause while async.queue_groups groups are unconsumed)
+    → load newly published weights, if any (between batches only: a whole batch, every VIGOR
+      round included, is sampled by one policy)
+    → generate and score batch b: its prompts are slice b · R + w of the seeded prompt stream
+      (R workers, this one w) and every engine call is seeded from (stages.seed, w, b, round)
+    → normalise advantages per group, tag every group with the policy version, append the shard
+
+It never joins torch.distributed and never imports Megatron. It ends when the trainer's heartbeat
+says the run is done, and fails with a message naming the trainer when that heartbeat stops. A
+worker restarted after a crash continues at its first unrecorded batch (what it left half-written
+is deleted first), so batch b holds the same prompts whichever process made it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from megatron_mugrpo.algorithms.advantages import assign_advantages
+from megatron_mugrpo.asynchronous.files import AsyncPaths
+from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer
+from megatron_mugrpo.asynchronous.publish import Subscription, engine_digest
+from megatron_mugrpo.asynchronous.roles import ProcessRole
+from megatron_mugrpo.config import RunConfig
+from megatron_mugrpo.records import RolloutGroup
+from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
+from megatron_mugrpo.rollout.generate import generate_groups
+from megatron_mugrpo.rollout.prompts import PromptRecord, load_prompts, stage_prompts
+from megatron_mugrpo.rollout.queue import QueueWriter
+from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+"""Seconds between two looks at the queue bound or the publications while a worker waits."""
+_GPU_PLACEMENT: dict[str, Callable[[int], dict[str, Any]]] = {
+    "transformers": lambda gpu: {"device": f"cuda:{gpu}"},
+    "sglang": lambda gpu: {"base_gpu_id": gpu},
+}
+"""Engine keywords that put a worker's engine on its own local GPU (torchrun's LOCAL_RANK)."""
+
+T = TypeVar("T")
+
+
+@dataclass
+class Worker:
+    """What one rollout worker holds."""
+
+    cfg: RunConfig
+    role: ProcessRole
+    paths: AsyncPaths
+    trainer: Peer
+    subscription: Subscription
+    engine: RolloutEngine | None = None
+    tokenizer: Any = None
+    prompts: list[PromptRecord] = field(default_factory=list)
+    reward_fn: RewardFn | None = None
+    queue: QueueWriter | None = None
+    digest: str = ""
+    """``publish.weights_digest`` of the loaded weights (async.verify_weights), else ''."""
+
+    @property
+    def index(self) -> int:
+        return self.role.worker_index
+
+    def load(self, path: str) -> None:
+        """Build the engine on the first publication; later ones replace its weights."""
+        if self.engine is None:
+            overrides = {}
+            if torch.cuda.is_available():
+                gpu = int(os.environ.get("LOCAL_RANK", "0"))
+                overrides = _GPU_PLACEMENT.get(self.cfg.rollout.engine, lambda _: {})(gpu)
+            self.engine = build_engine_from_config(self.cfg.rollout, path, seed=self.cfg.seed, **overrides)
+        else:
+            self.engine.load_hf_dir(path)
+        if self.cfg.async_.verify_weights:
+            self.digest = engine_digest(self.engine, Path(path))
+
+    def first_weights(self) -> bool | None:
+        """Load the first publication if there is one yet (True), else None."""
+        self.subscription.refresh(self.load)
+        return True if self.subscription.current is not None else None
+
+
+def run_worker(cfg: RunConfig, run_dir: Path, role: ProcessRole) -> None:
+    """Generate into the run's queue until the trainer is done (see the module docstring)."""
+    paths, timeouts = AsyncPaths(run_dir), cfg.async_
+    with Heartbeat(paths.worker_heartbeat(role.worker_index)):  # a failure reaches the trainer with its message
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # a "Loading weights" bar at every weight pick-up is noise
+        trainer = Peer(
+            paths.trainer_heartbeat,
+            "the trainer (rank 0)",
+            timeout_s=timeouts.worker_timeout_s,
+            startup_s=timeouts.startup_timeout_s,
+        )
+        worker = Worker(cfg=cfg, role=role, paths=paths, trainer=trainer, subscription=Subscription(paths.weights))
+        first = _wait(worker, worker.first_weights)
+        if first is None:
+            return  # the trainer finished before this worker got weights: nothing left to do
+        _setup(worker)
+        try:
+            worker_loop(worker, idle_s=first[1])
+        finally:
+            worker.reward_fn.close()
+
+
+def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
+    """Wait for room → pick up new weights → generate batch b → append it; until the trainer is done.
+
+    ``idle_s``: seconds already spent waiting (for the first weights), counted with the first batch.
+    """
+    cfg = worker.cfg.async_
+    batch = worker.queue.resume_batch()
+    log.info("%s: generating from batch %d", worker.role.describe(), batch)
+    while True:
+        waited = _wait(worker, lambda: worker.queue.unconsumed() < cfg.queue_groups or None)
+        if waited is None:
+            return
+        load_s = worker.subscription.refresh(worker.load)  # new weights only here, between batches
+        started = time.perf_counter()
+        groups = generate_batch(worker, batch)
+        worker.queue.append(
+            batch,
+            groups,
+            idle_s=idle_s + waited[1],
+            load_s=load_s,
+            generate_s=time.perf_counter() - started,
+            publication=worker.subscription.current.name,
+            weights_digest=worker.digest,
+        )
+        batch, idle_s = batch + 1, 0.0
+
+
+def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
+    """Batch ``batch`` of this worker, sampled and scored by the policy it holds now."""
+    cfg, publication = worker.cfg, worker.subscription.current
+    position = batch * worker.role.num_workers + worker.index
+    records = stage_prompts(worker.prompts, position, cfg.async_.batch_groups, cfg.data.seed)
+    groups = generate_groups(
+        engine=worker.engine,
+        records=records,
+        tokenizer=worker.tokenizer,
+        reward_fn=worker.reward_fn,
+        cfg=cfg.rollout,
+        seeds=(cfg.stages.seed, worker.index, batch),
+        vocab_size=worker.queue.vocab_size,
+    )
+    for group in groups:
+        group.policy_version = publication.version
+        group.stage = publication.version // cfg.stages.updates_per_stage
+    assign_advantages(groups, cfg.algo.adv_eps)
+    return groups
+
+
+def _setup(worker: Worker) -> None:
+    """Tokenizer, prompts, verifier and queue, once the first publication (an HF directory) is loaded."""
+    from transformers import AutoTokenizer
+
+    from conversion.hf_io import load_hf_config
+
+    cfg, path = worker.cfg, worker.subscription.path(worker.subscription.current)
+    worker.tokenizer = AutoTokenizer.from_pretrained(str(path))
+    worker.prompts = load_prompts(cfg.data, worker.tokenizer, cfg.rollout.max_prompt_tokens)
+    worker.reward_fn = build_reward(
+        cfg.rollout.reward, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
+    )
+    vocab_size = int(load_hf_config(path)["vocab_size"])
+    worker.queue = QueueWriter(worker.paths.queue, worker=worker.index, vocab_size=vocab_size)
+
+
+def _wait(worker: Worker, ready: Callable[[], T | None]) -> tuple[T, float] | None:
+    """Poll ``ready()`` until it returns a value; returns it with the seconds waited, or None once the
+    trainer is done. Raises RankFailedError when the trainer failed or went silent."""
+    started = time.perf_counter()
+    while True:
+        worker.trainer.check()
+        if worker.trainer.done:
+            return None
+        value = ready()
+        if value is not None:
+            return value, time.perf_counter() - started
+        time.sleep(POLL_S)

@@ -1,0 +1,380 @@
+"""The rollout queue of async mode: append-only, checksummed shards from the rollout workers, read by
+the trainer in arrival order through a cursor that the checkpoints carry.
+
+Layout of the queue directory (``RUN_DIR/rollouts/queue``)::
+
+    w000_b0000012.arrow    batch 12 of worker 0: its prompt groups, one row each (the rollout store's
+                           SCHEMA, as an Arrow IPC file)
+    w000_b0000012.json     the shard's record, written last: sha256, groups, behaviour policy version,
+                           summable statistics, and the worker's idle / weight-load / generation seconds
+    cursor.json            the trainer's progress: groups consumed so far (the workers' queue bound)
+
+A worker validates a batch with the rollout store's checks, writes the shard and then its record,
+each under a temporary name renamed into place: a shard exists for readers exactly when its record
+does. A worker killed mid-write leaves temporaries or a shard without a record; when it restarts it
+deletes them and continues at its next batch index, so nothing half-written is ever read. Workers
+pause while ``written − consumed`` groups reach ``async.queue_groups``.
+
+The trainer (``QueueReader``, trainer rank 0) admits recorded shards in the order their records
+appeared (the record's modification time, then its name) and appends their names to the cursor;
+``position`` counts the groups of that sequence consumed so far, each one either trained on or
+dropped because its policy was more than ``max_lag`` updates old when its turn came (``scan``). The
+cursor is saved with every checkpoint (``TrainerState.queue``): a resumed trainer consumes again
+exactly the groups whose updates were lost, never one twice and never one less.
+
+    reader = QueueReader(queue_dir, cursor=state.queue)
+    reader.admit()                                   # shards that arrived, in arrival order
+    taken = reader.take(update=u, count=B_mini, max_lag=4)   # None: not enough fresh groups yet
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from megatron_mugrpo.asynchronous.files import TMP_SUFFIX, read_json, write_json
+from megatron_mugrpo.records import RolloutGroup
+from megatron_mugrpo.rollout.store import (
+    SCHEMA,
+    StoreError,
+    file_sha256,
+    groups_to_table,
+    row_to_group,
+    shard_stats,
+    validate_group,
+)
+
+FORMAT = "megatron_mugrpo.rollout_queue/1"
+CURSOR_FILE = "cursor.json"
+SHARD_SUFFIX, RECORD_SUFFIX = ".arrow", ".json"
+_NAME = re.compile(r"^w(\d{3,})_b(\d{7,})$")
+
+
+def shard_name(worker: int, batch: int) -> str:
+    """File stem of worker ``worker``'s batch ``batch``."""
+    return f"w{worker:03d}_b{batch:07d}"
+
+
+@dataclass(kw_only=True)
+class ShardRecord:
+    """One queued shard, as its record file describes it."""
+
+    name: str
+    worker: int
+    batch: int
+    groups: int
+    responses: int
+    sha256: str
+    policy_version: int
+    """Trainer updates behind the weights that generated every group of the shard."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Summable statistics of the groups (``rollout.store.shard_stats``)."""
+    idle_s: float = 0.0
+    """Seconds the worker waited before this batch (queue full, or no weights yet)."""
+    load_s: float = 0.0
+    """Seconds it spent loading newly published weights before this batch."""
+    generate_s: float = 0.0
+    """Seconds it spent sampling and scoring this batch."""
+    publication: str = ""
+    """Name of the weight publication the worker sampled with (``asynchronous.publish``)."""
+    weights_digest: str = ""
+    """``publish.weights_digest`` of the weights the worker had loaded (async.verify_weights), else ''."""
+    format: str = FORMAT
+
+
+@dataclass(kw_only=True)
+class QueueCursor:
+    """How far the trainer has consumed the queue; saved in checkpoints (``TrainerState.queue``)."""
+
+    shards: list[str] = field(default_factory=list)
+    """Admitted shard names in admission (arrival) order."""
+    position: int = 0
+    """Groups of that sequence consumed so far: trained on, or dropped for their lag."""
+    dropped: int = 0
+    """Of those, how many were dropped."""
+    window: dict[str, float] = field(default_factory=dict)
+    """Summed ``shard_stats`` of the groups trained on since the last stage end (its rollout summary)."""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> QueueCursor:
+        return cls(**values)
+
+
+@dataclass(kw_only=True)
+class Taken:
+    """One update's groups and what assembling them consumed."""
+
+    groups: list[RolloutGroup]
+    versions: list[int]
+    """Each group's behaviour policy version."""
+    lags: list[int]
+    """Updates between each group's behaviour policy and the policy being updated (>= 0)."""
+    dropped: int
+    """Groups dropped as too old while assembling this update."""
+
+
+def group_lag(update: int, policy_version: int) -> int:
+    """Updates between the behaviour policy (published after ``policy_version`` updates) and the policy
+    about to make update ``update + 1``.
+
+    A group can be *newer* than the trainer after a resume: a worker sampled it with weights published
+    after the checkpoint the trainer restarted from. Its behaviour log-probs are exact, so it is a valid
+    off-policy sample; its lag counts as 0.
+    """
+    return max(update - policy_version, 0)
+
+
+def scan(versions: Sequence[int], *, update: int, need: int, max_lag: int) -> tuple[list[int], list[int]]:
+    """Walk queued groups (their policy versions, in arrival order) for update ``update + 1``.
+
+    A group whose lag exceeds ``max_lag`` is dropped, any other is taken, until ``need`` are taken.
+    Returns (taken, dropped) index lists; together they are exactly the scanned prefix.
+    """
+    taken: list[int] = []
+    dropped: list[int] = []
+    for index, version in enumerate(versions):
+        if len(taken) == need:
+            break
+        (dropped if group_lag(update, version) > max_lag else taken).append(index)
+    return taken, dropped
+
+
+# ---------------------------------------------------------------------------------------------------
+# Records on disk
+# ---------------------------------------------------------------------------------------------------
+
+
+class RecordIndex:
+    """The queue's shard records, read once each (records never change after they are written)."""
+
+    def __init__(self, queue_dir: Path):
+        self.queue_dir = queue_dir
+        self.records: dict[str, ShardRecord] = {}
+        self._arrival: dict[str, tuple[int, str]] = {}
+
+    def refresh(self) -> list[ShardRecord]:
+        """Read the records that appeared since the last call; returns them in arrival order."""
+        new = []
+        with os.scandir(self.queue_dir) as entries:
+            for entry in entries:
+                stem, suffix = os.path.splitext(entry.name)
+                if suffix != RECORD_SUFFIX or stem in self.records or not _NAME.match(stem):
+                    continue
+                values = read_json(Path(entry.path))
+                if values is None:  # deleted between the listing and the read: a restarted worker's leftover
+                    continue
+                self.records[stem] = _record(values, Path(entry.path))
+                self._arrival[stem] = (entry.stat().st_mtime_ns, stem)
+                new.append(stem)
+        return [self.records[name] for name in sorted(new, key=self._arrival.__getitem__)]
+
+    @property
+    def total_groups(self) -> int:
+        return sum(record.groups for record in self.records.values())
+
+
+def _record(values: dict[str, Any], path: Path) -> ShardRecord:
+    if values.get("format") != FORMAT:
+        raise StoreError(f"{path}: format {values.get('format')!r} is not {FORMAT!r}; not a rollout queue record")
+    return ShardRecord(**values)
+
+
+def read_shard(queue_dir: Path, record: ShardRecord) -> list[RolloutGroup]:
+    """The groups of a recorded shard, after checking its sha256."""
+    path = queue_dir / (record.name + SHARD_SUFFIX)
+    if not path.is_file():
+        raise StoreError(f"queue shard {path} is missing although its record exists; the queue was modified")
+    if file_sha256(path) != record.sha256:
+        raise StoreError(f"queue shard {path} does not match the sha256 in its record (corrupted or modified)")
+    with pa.memory_map(str(path)) as source:
+        table = pa.ipc.open_file(source).read_all()
+    if table.schema != SCHEMA or table.num_rows != record.groups:
+        raise StoreError(f"queue shard {path} holds {table.num_rows} rows of another schema than its record says")
+    return [row_to_group(row) for row in table.to_pylist()]
+
+
+def consumed_groups(queue_dir: Path) -> int:
+    """Groups the trainer has consumed (its cursor.json; 0 before it wrote one)."""
+    values = read_json(queue_dir / CURSOR_FILE)
+    return int(values["position"]) if values else 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------------------------------
+
+
+class QueueWriter:
+    """Appends one worker's batches to the queue."""
+
+    def __init__(self, queue_dir: Path, *, worker: int, vocab_size: int):
+        self.queue_dir, self.worker, self.vocab_size = queue_dir, worker, vocab_size
+        queue_dir.mkdir(parents=True, exist_ok=True)
+        self.index = RecordIndex(queue_dir)
+        self.appended = 0
+        """Shards this writer (this process) has written."""
+
+    def resume_batch(self) -> int:
+        """Delete this worker's half-written leftovers; return the first batch index it has not recorded."""
+        prefix = f"w{self.worker:03d}_b"
+        self.index.refresh()
+        done = [r.batch for r in self.index.records.values() if r.worker == self.worker]
+        for path in self.queue_dir.glob(prefix + "*"):
+            stem = path.name.split(".")[0]
+            if path.name.endswith(TMP_SUFFIX) or stem not in self.index.records:
+                path.unlink(missing_ok=True)
+        return max(done, default=-1) + 1
+
+    def unconsumed(self) -> int:
+        """Groups written by every worker and not yet consumed by the trainer."""
+        self.index.refresh()
+        return self.index.total_groups - consumed_groups(self.queue_dir)
+
+    def append(self, batch: int, groups: Sequence[RolloutGroup], **record: Any) -> ShardRecord:
+        """Validate and write one batch (shard, then record); ``record`` fills ShardRecord's timing fields."""
+        if not groups:
+            raise StoreError(f"worker {self.worker} batch {batch}: a queue shard needs at least one group")
+        for group in groups:
+            validate_group(group, self.vocab_size)
+        versions = {g.policy_version for g in groups}
+        if len(versions) != 1:
+            raise StoreError(f"worker {self.worker} batch {batch} mixes policy versions {sorted(versions)}")
+        name = shard_name(self.worker, batch)
+        path = self.queue_dir / (name + SHARD_SUFFIX)
+        tmp = path.with_name(path.name + TMP_SUFFIX)
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+            writer.write_table(groups_to_table(groups))
+        os.replace(tmp, path)
+        info = ShardRecord(
+            name=name,
+            worker=self.worker,
+            batch=batch,
+            groups=len(groups),
+            responses=sum(len(g.samples) for g in groups),
+            sha256=file_sha256(path),
+            policy_version=versions.pop(),
+            stats=shard_stats(groups),
+            **record,
+        )
+        self.appended += 1
+        _crash_point(f"worker:{self.worker}:shard:{self.appended}")
+        write_json(self.queue_dir / (name + RECORD_SUFFIX), dataclasses.asdict(info))
+        return info
+
+
+def _crash_point(name: str) -> None:
+    """``stages.crash_point``: the resume tests' fault injection. ``worker:W:shard:N`` SIGKILLs rollout
+    worker W after the N-th shard this process wrote is in place but before its record is: a
+    half-written batch. Imported only when it fires: ``stages`` pulls in Megatron, which a rollout
+    worker never needs otherwise."""
+    if os.environ.get("MUGRPO_CRASH_AT") == name:
+        from megatron_mugrpo.stages import crash_point
+
+        crash_point(name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trainer side
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Queued:
+    group: RolloutGroup
+    shard: ShardRecord
+
+
+class QueueReader:
+    """The trainer's view of the queue: admitted groups not yet consumed, and the cursor."""
+
+    def __init__(self, queue_dir: Path, cursor: QueueCursor | None = None):
+        self.queue_dir = queue_dir
+        queue_dir.mkdir(parents=True, exist_ok=True)
+        self.cursor = copy.deepcopy(cursor) if cursor is not None else QueueCursor()
+        self.index = RecordIndex(queue_dir)
+        self._buffer: deque[_Queued] = deque()
+        self._pending: list[tuple[_Queued, int]] = []
+        self._dropped_now = 0
+        self._arrived: list[ShardRecord] = []  # recorded, not yet admitted
+        self._published = -1  # the position last written to cursor.json
+        self._restore()
+
+    def _restore(self) -> None:
+        """Re-read the admitted shards that still hold unconsumed groups (after a resume)."""
+        admitted = set(self.cursor.shards)
+        self._arrived = [record for record in self.index.refresh() if record.name not in admitted]
+        skip = self.cursor.position
+        for name in self.cursor.shards:
+            record = self.index.records.get(name)
+            if record is None:
+                raise StoreError(
+                    f"the checkpoint's queue cursor admitted shard {name}, but {self.queue_dir} has no record of it; "
+                    "the queue directory was modified or belongs to another run"
+                )
+            if skip >= record.groups:
+                skip -= record.groups
+                continue
+            groups = read_shard(self.queue_dir, record)
+            self._buffer.extend(_Queued(g, record) for g in groups[skip:])
+            skip = 0
+        if skip:
+            raise StoreError(f"the queue cursor's position {self.cursor.position} lies beyond its admitted shards")
+
+    def admit(self) -> list[ShardRecord]:
+        """Append newly recorded shards, in arrival order, to the cursor and the unconsumed groups."""
+        new, self._arrived = self._arrived + self.index.refresh(), []
+        for record in new:
+            self._buffer.extend(_Queued(g, record) for g in read_shard(self.queue_dir, record))
+            self.cursor.shards.append(record.name)
+        return new
+
+    def take(self, *, update: int, count: int, max_lag: int) -> Taken | None:
+        """Consume groups in arrival order until ``count`` fresh ones are held for update ``update + 1``.
+
+        Groups too old are dropped as they are reached. What has been scanned stays consumed when fewer
+        than ``count`` are available (None is returned, call again after ``admit``): the update's
+        groups are assembled across calls, and the workers see the room freed at once.
+        """
+        versions = [queued.group.policy_version for queued in self._buffer]
+        taken, dropped = scan(versions, update=update, need=count - len(self._pending), max_lag=max_lag)
+        scanned = len(taken) + len(dropped)
+        chosen = set(taken)
+        for index in range(scanned):
+            queued = self._buffer.popleft()
+            if index in chosen:
+                self._pending.append((queued, group_lag(update, queued.group.policy_version)))
+        self.cursor.position += scanned
+        self.cursor.dropped += len(dropped)
+        self._dropped_now += len(dropped)
+        if len(self._pending) < count:
+            return None
+        result = Taken(
+            groups=[queued.group for queued, _ in self._pending],
+            versions=[queued.group.policy_version for queued, _ in self._pending],
+            lags=[lag for _, lag in self._pending],
+            dropped=self._dropped_now,
+        )
+        self._pending, self._dropped_now = [], 0
+        return result
+
+    @property
+    def unconsumed(self) -> int:
+        """Admitted groups not yet consumed."""
+        return len(self._buffer)
+
+    def publish_cursor(self, global_update: int) -> None:
+        """Tell the workers how far the trainer has consumed (their queue bound reads it); a no-op when
+        nothing was consumed since the last call (the trainer calls it at every look at the queue)."""
+        if self.cursor.position == self._published:
+            return
+        write_json(self.queue_dir / CURSOR_FILE, {"position": self.cursor.position, "global_update": global_update})
+        self._published = self.cursor.position

@@ -1,0 +1,86 @@
+"""Weight publication: after each publication a worker's engine holds exactly the trainer's weights;
+pointer, log and pruning; the digest that lets the trainer check what workers loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from dist_utils import run_distributed
+
+from megatron_mugrpo.asynchronous.publish import (
+    KEEP_PUBLICATIONS,
+    LOG,
+    Subscription,
+    engine_digest,
+    latest_publication,
+    publication_digests,
+    publish_policy,
+    weights_digest,
+)
+
+
+def test_digest_ignores_order_and_sees_any_change() -> None:
+    a, b = torch.arange(6.0).reshape(2, 3), torch.ones(4)
+    assert weights_digest([("a", a), ("b", b)]) == weights_digest([("b", b), ("a", a.clone())])
+    changed = a.clone()
+    changed[1, 2] += 1e-6
+    assert weights_digest([("a", changed), ("b", b)]) != weights_digest([("a", a), ("b", b)])
+    assert weights_digest([("a", a.reshape(3, 2)), ("b", b)]) != weights_digest([("a", a), ("b", b)])
+
+
+def test_worker_weights_equal_each_publication(tmp_path: Path) -> None:
+    run_distributed(_publish_and_pick_up, 1, str(tmp_path))
+
+
+def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
+    from conversion import export_hf
+    from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
+    from megatron_mugrpo.training.model import tiny_hf_config
+    from megatron_mugrpo.training.parallel import initialize_parallel
+    from megatron_mugrpo.training.setup import build_policy
+
+    groups = initialize_parallel(1, 1, seed=0)
+    hf_config = tiny_hf_config("qwen2")
+    policy = build_policy(hf_config, groups=groups, dtype=torch.float32, optim=None)
+    trainer = SimpleNamespace(policy=policy, hf_config=hf_config, is_writer=True, hf_dir=Path(tmp) / "no_tokenizer")
+    root = Path(tmp) / "weights"
+    root.mkdir()
+    engine: list[TransformersEngine] = []
+
+    def load(path: str) -> None:  # what a worker does: build the engine once, then reload weights
+        if engine:
+            engine[0].load_hf_dir(path)
+        else:
+            engine.append(TransformersEngine(path, dtype="float32", device="cpu"))
+
+    subscription = Subscription(root)
+    assert subscription.refresh(load) >= 0 and subscription.current is None  # nothing published yet
+    published = []
+    for version in (0, 4, 8):
+        if version:  # an optimizer update's worth of change
+            with torch.no_grad():
+                for param in policy.unwrapped()[0].parameters():
+                    param.add_(0.01 * torch.randn_like(param))
+        publication = publish_policy(trainer, root, version=version, digest=True)
+        published.append(publication)
+        assert latest_publication(root) == publication
+        subscription.refresh(load)
+        assert subscription.current == publication
+        expected = dict(export_hf(policy.unwrapped(), hf_config))
+        held = engine[0].weights()
+        for name, tensor in expected.items():
+            assert torch.equal(held[name], tensor), f"{name} differs from publication {version}"
+        assert engine_digest(engine[0], root / publication.name) == publication.digest
+    assert len({p.digest for p in published}) == 3
+    assert subscription.refresh(load) < 1.0 and subscription.current == published[-1]  # no new one: no reload
+
+    for version in range(12, 12 + 4 * KEEP_PUBLICATIONS, 4):
+        publish_policy(trainer, root, version=version, digest=False)
+    kept = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert len(kept) == KEEP_PUBLICATIONS and latest_publication(root).name == kept[-1]
+    assert publication_digests(root)[published[1].name] == published[1].digest  # the log outlives pruning
+    lines = [json.loads(line) for line in (root / LOG).read_text().splitlines()]
+    assert [line["version"] for line in lines] == [0, 4, 8, 12, 16, 20, 24]

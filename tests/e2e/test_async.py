@@ -1,0 +1,228 @@
+"""End to end, async mode: a trainer rank and a rollout worker rank through the `mugrpo` CLI (CPU).
+
+Runs go through torchrun with two processes (rank 0 trains, rank 1 generates), as a user launches
+them; the resume test SIGKILLs either side at named points ($MUGRPO_CRASH_AT) and continues with
+`--resume`; the dead-worker test launches the two ranks by hand, as separate nodes would be, so that
+nothing but the trainer itself notices that the worker is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "demo_async_cpu.yaml"
+MINI_GROUPS = 4
+UPDATES = 8
+SMALL = [
+    "stages.num_stages=2",
+    "stages.train_groups=16",
+    f"stages.mini_groups={MINI_GROUPS}",
+    "parallel.micro_batch_size=16",
+    "rollout.max_new_tokens=40",
+    "async.batch_groups=4",
+    "async.queue_groups=8",
+    "eval.benchmarks.0.limit=16",
+    "eval.benchmarks.0.k=2",
+    "checkpoint.every_updates=2",
+    "logging.progress_bars=false",
+    "optim.lr=1e-4",
+]
+TIMEOUT_S = 900
+
+
+def _env(crash_at: str | None = None, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+    env.pop("MUGRPO_CRASH_AT", None)
+    if crash_at:
+        env["MUGRPO_CRASH_AT"] = crash_at
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    """`mugrpo train ARGS` on 2 processes: rank 0 trains, rank 1 is the rollout worker."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    cmd += ["-m", "megatron_mugrpo.cli", "train", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(crash_at), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def start(run_dir: Path, base: Path, *extra: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    args = ["--config", str(CONFIG), "--run-dir", str(run_dir), f"model.hf_dir={base}", *SMALL, *extra]
+    return torchrun(*args, crash_at=crash_at)
+
+
+def resume(run_dir: Path, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    return torchrun("--resume", str(run_dir), crash_at=crash_at)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def queue_records(run_dir: Path) -> dict[str, dict]:
+    queue = run_dir / "rollouts" / "queue"
+    return {p.stem: json.loads(p.read_text()) for p in queue.glob("w*_b*.json")}
+
+
+def final_cursor(run_dir: Path) -> dict:
+    ckpts = run_dir / "checkpoints"
+    meta = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "metadata.json").read_text())
+    return meta["trainer_state"]["queue"]
+
+
+def check_exactly_once(run_dir: Path) -> list[dict]:
+    """Every update logged once; each consumed B_mini groups plus what it dropped, from where the last
+    one stopped; everything written is consumed or still in the queue, no shard twice."""
+    updates = [r for r in records(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in updates] == list(range(1, UPDATES + 1))
+    position = 0
+    for r in updates:
+        position += MINI_GROUPS + r["rollout/dropped_groups"]
+        assert r["rollout/queue_position"] == position, f"update {r['step']} consumed out of turn"
+    cursor, written = final_cursor(run_dir), queue_records(run_dir)
+    assert cursor["position"] == position
+    assert len(set(cursor["shards"])) == len(cursor["shards"]) and set(cursor["shards"]) <= set(written)
+    consumed_shards = sum(written[name]["groups"] for name in cursor["shards"])
+    assert cursor["position"] <= consumed_shards <= cursor["position"] + 2 * 4  # only the last may be partial
+    assert cursor["dropped"] == sum(r["rollout/dropped_groups"] for r in updates)
+    return updates
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.warmstart import prepare_base_model
+
+    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", ["warmstart.steps=150"])
+    return prepare_base_model(cfg, tmp_path_factory.mktemp("base") / "model")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_async_run_streams_groups_with_bounded_lag(tmp_path: Path, base_model: Path):
+    """max_lag = sync_every (async GRPO's setting): no trained group is older than one sync interval,
+    the worker's weights equal each publication, and every group is accounted for."""
+    run_dir = tmp_path / "async"
+    proc = ok(start(run_dir, base_model, "async.sync_every=2", "async.max_lag=2", "async.verify_weights=true"))
+    assert proc.stdout.strip().splitlines()[-1].startswith("acc_before=")
+    assert "rollout queue:" in proc.stdout
+
+    updates = check_exactly_once(run_dir)
+    assert max(r["rollout/lag_max"] for r in updates) <= 2
+    assert all(0 <= r["rollout/lag_mean"] <= r["rollout/lag_max"] for r in updates)
+    assert updates[0]["train/rollout_logprob_abs_diff_max"] < 1e-4  # fresh weights: π_θ = β at update 1
+    assert all(0.0 <= r["perf/trainer_idle_ratio"] <= 1.0 for r in updates)
+    assert any("perf/rollout_idle_ratio" in r for r in updates)
+    assert sum("perf/weight_sync_s" in r for r in updates) == UPDATES // 2
+    assert [r["rollout/stage"] for r in records(run_dir) if "rollout/stage" in r] == [0.0, 1.0]
+
+    # The worker's weights equal the trainer's publication for every batch (the trainer checks it too).
+    digests = {}
+    for line in (run_dir / "async" / "weights" / "publications.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        digests[entry["name"]] = entry["digest"]
+    written = queue_records(run_dir).values()
+    assert all(r["weights_digest"] and r["weights_digest"] == digests[r["publication"]] for r in written)
+    assert len({r["policy_version"] for r in written}) > 1, "the worker never picked up new weights"
+
+    assert {p.name for p in (run_dir / "report").glob("*.png")} >= {"async_lag.png", "idle_ratio.png"}
+    start_w, end_w = (
+        load_file(str(base_model / "model.safetensors")),
+        load_file(str(run_dir / "hf_final" / "model.safetensors")),
+    )
+    assert any(not torch.equal(start_w[k], end_w[k]) for k in start_w), "parameters did not change"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_exactly_once_across_sigkill_of_each_side(tmp_path: Path, base_model: Path):
+    """The trainer is killed after update 3 (checkpoint at 2); resumed, the worker is killed with a
+    half-written shard; resumed again, the run ends with every group trained once or still queued."""
+    run_dir = tmp_path / "killed"
+    proc = start(run_dir, base_model, crash_at="update:3")
+    assert proc.returncode != 0 and "exitcode  : -9" in proc.stderr, proc.stderr[
+        -3000:
+    ]  # torchrun reports the SIGKILLed trainer
+
+    proc = resume(run_dir, crash_at="worker:0:shard:1")
+    assert proc.returncode != 0 and "exitcode  : -9" in proc.stderr, proc.stderr[-3000:]
+    queue = run_dir / "rollouts" / "queue"
+    orphans = [p.name for p in queue.glob("w000_*.arrow") if not p.with_suffix(".json").exists()]
+    assert len(orphans) == 1, f"expected one half-written shard, got {orphans}"
+
+    ok(resume(run_dir))
+    assert not [p for p in queue.glob("w000_*.arrow") if not p.with_suffix(".json").exists()]
+    assert not list(queue.glob("*.tmp"))
+    batches = sorted(r["batch"] for r in queue_records(run_dir).values())
+    assert batches == list(range(len(batches))), "a batch index was skipped or written twice"
+    check_exactly_once(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_dead_worker_stops_the_trainer_with_its_name(tmp_path: Path, base_model: Path):
+    """Ranks launched by hand (as on separate nodes): the worker dies, the trainer says so and exits."""
+    run_dir, port = tmp_path / "dead", str(_free_port())
+    args = ["--config", str(CONFIG), "--run-dir", str(run_dir), f"model.hf_dir={base_model}", *SMALL]
+    args += ["async.worker_timeout_s=20", "eval.benchmarks=[]"]
+    cmd = [sys.executable, "-m", "megatron_mugrpo.cli", "train", *args]
+    ranks = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    worker = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env("worker:0:shard:1", RANK="1", LOCAL_RANK="1", **ranks), stderr=subprocess.PIPE
+    )
+    try:
+        trainer = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=_env(RANK="0", LOCAL_RANK="0", **ranks),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+    finally:
+        worker.kill()
+        worker.communicate()
+    assert worker.returncode == -signal.SIGKILL
+    assert trainer.returncode == 1, trainer.stderr[-3000:]
+    last = trainer.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rollout worker 0 (rank 1) has sent no heartbeat for"), last
+    assert "Traceback" not in trainer.stderr
+
+
+def test_async_on_a_single_process_is_a_clear_error(tmp_path: Path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_mugrpo.cli",
+        "train",
+        "--config",
+        str(CONFIG),
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: mode: async runs rollout workers and trainers on separate ranks")
+    assert not (tmp_path / "r").exists()
