@@ -575,6 +575,37 @@ def seal_store(store_dir: str | Path) -> StoreManifest:
 # ---------------------------------------------------------------------------------------------------
 
 
+def write_store(
+    store_dir: str | Path,
+    groups: Sequence[RolloutGroup],
+    *,
+    stage: int,
+    policy_version: int,
+    engine: str,
+    sampling: dict[str, Any],
+    shard_groups: int,
+    vocab_size: int,
+) -> RolloutStore:
+    """Write a whole store from one process (tools, tests, benchmarks): prepare, every shard, seal, open."""
+    wanted = store_identity(
+        stage=stage,
+        policy_version=policy_version,
+        engine=engine,
+        sampling=sampling,
+        num_groups=len(groups),
+        shard_groups=shard_groups,
+        vocab_size=vocab_size,
+    )
+    plan = prepare_store(store_dir, wanted)
+    writer = ShardWriter(store_dir, plan.manifest)
+    for shard in plan.missing:
+        if not writer.claim(shard):
+            raise StoreError(f"shard {shard} of {store_dir} is claimed by another writer")
+        writer.write_shard(shard, [groups[i] for i in plan.manifest.shard_range(shard)])
+    seal_store(store_dir)
+    return RolloutStore.open(store_dir)
+
+
 class RolloutStore:
     """A complete store, memory-mapped: rows become RolloutGroup objects only when asked for.
 

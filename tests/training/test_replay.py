@@ -24,7 +24,7 @@ from megatron_mugrpo.algorithms.replay import candidate_entries, token_headroom
 from megatron_mugrpo.config import load_config
 from megatron_mugrpo.metrics import MetricsLogger, read_metrics
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
-from megatron_mugrpo.rollout.store import RolloutStore, RolloutStoreWriter
+from megatron_mugrpo.rollout.store import RolloutStore, write_store
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training.checkpoint import CheckpointError
 from megatron_mugrpo.training.parallel import initialize_parallel
@@ -119,18 +119,16 @@ def _set_behaviour(run: SimpleNamespace, groups: list[RolloutGroup], shifts: lis
 
 
 def _write_store(directory: Path, groups: list[RolloutGroup], stage: int, version: int) -> RolloutStore:
-    writer = RolloutStoreWriter.create_or_resume(
+    return write_store(
         directory,
+        groups,
         stage=stage,
         policy_version=version,
         engine="test",
         sampling={},
-        num_groups=len(groups),
         shard_groups=len(groups),
         vocab_size=VOCAB,
     )
-    writer.write_shard(0, groups)
-    return RolloutStore.open(directory)
 
 
 # ------------------------------------------------------------------------------------------

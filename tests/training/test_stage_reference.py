@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.records import RolloutGroup, collate
-from megatron_mugrpo.rollout.store import RolloutStore, RolloutStoreWriter
+from megatron_mugrpo.rollout.store import RolloutStore, write_store
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import build_policy
 from megatron_mugrpo.training.stage_reference import (
@@ -57,19 +57,16 @@ def _groups(batch_seed: int, count: int) -> list[RolloutGroup]:
 
 
 def _store(path, groups: list[RolloutGroup]) -> RolloutStore:
-    writer = RolloutStoreWriter.create_or_resume(
+    return write_store(
         path,
+        groups,
         stage=0,
         policy_version=0,
         engine="test",
         sampling={},
-        num_groups=len(groups),
         shard_groups=3,
         vocab_size=VOCAB,
     )
-    for shard in range(writer.num_shards):
-        writer.write_shard(shard, [groups[i] for i in writer.manifest.shard_range(shard)])
-    return RolloutStore.open(path)
 
 
 def _policy():
