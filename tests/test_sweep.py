@@ -1,7 +1,7 @@
 """`mugrpo sweep` without training: the sweep-file schema and its errors, the plan (seeds, shared base
 models), the scheduler (parallelism, failures, threads), run-directory checks and the experiments/ files.
 
-The end-to-end sweep (real runs, interrupted and resumed) is tests/e2e/test_sweep.py.
+The end-to-end sweep (real runs, interrupted and resumed) is tests/e2e/test_sweep_runs.py.
 """
 
 from __future__ import annotations
