@@ -72,6 +72,7 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
         run.state = run.state.at_stage(stage)
     mu = cfg.stages.updates_per_stage
     with run.timer("perf/t_optimize_s"):
+        run.checkpoints.poll()  # the stage-end checkpoint, written in the background during generation
         old_logprobs = stage_reference(run, store)  # π_train(θ_old): rollout/mismatch_*, rollout correction
         data = replay.stage_data(run, stage, store)  # D_k, plus the buffered groups HDR accepts (if enabled)
         for update in progress_range(run, run.state.update_in_stage, mu, f"stage {stage} updates"):

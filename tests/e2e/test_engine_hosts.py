@@ -41,7 +41,7 @@ def _sync_on_two_hosts(rank: int, world_size: int, run_dir: str) -> None:
                 param.add_(0.01 * (1 + torch.arange(param.numel(), dtype=param.dtype).reshape(param.shape) % 7))
         metrics = sync_engine(run)
         assert metrics["perf/weight_sync_s"] > 0 and metrics["perf/weight_sync_gb_per_s"] > 0
-        exported = dict(export_hf(run.policy.unwrapped(), run.hf_config))
+        exported = dict(export_hf(run.policy.unwrapped(), run.hf_config, run.groups))
         held = {name: tensor for name, tensor in run.engine.model.state_dict().items() if name in exported}
         assert held.keys() == exported.keys()
         digests = [None] * world_size

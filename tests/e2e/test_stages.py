@@ -211,7 +211,7 @@ def test_generate_on_two_engines_survives_sigkill_and_equals_one_engine(tmp_path
     # A host died right after writing shard 1 or 2; torchrun then stopped the other wherever it was.
     assert finished and set(finished) <= {"shard_00000.arrow", "shard_00001.arrow", "shard_00002.arrow"}
 
-    proc = torchrun("generate", "--run-dir", str(run_dir), *gen)
+    proc = torchrun("generate", "--run-dir", str(run_dir), "--stage", "0")  # the run's own config.yaml
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count("rollout dataset complete") == 1  # rank 0 reports
     assert shard_hashes(store) == expected
