@@ -45,7 +45,9 @@ def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
     groups = initialize_parallel(1, 1, seed=0)
     hf_config = tiny_hf_config("qwen2")
     policy = build_policy(hf_config, groups=groups, dtype=torch.float32, optim=None)
-    trainer = SimpleNamespace(policy=policy, hf_config=hf_config, is_writer=True, groups=groups, hf_dir=Path(tmp) / "no_tokenizer")
+    trainer = SimpleNamespace(
+        policy=policy, hf_config=hf_config, is_writer=True, groups=groups, hf_dir=Path(tmp) / "no_tokenizer"
+    )
     root = Path(tmp) / "weights"
     root.mkdir()
     engine: list[TransformersEngine] = []
