@@ -17,7 +17,7 @@ for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parent.p
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from e2e_runs import DEMO, train  # noqa: E402
+from e2e_runs import DEMO, EASY_TASK, train  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +34,17 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return prepare_base_model(cfg, tmp_path_factory.mktemp("base") / "model")
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def easy_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A short warm start on the one-digit task: it already solves some problems, so groups have mixed
+    outcomes (the two-digit ``base_model`` solves almost none), at a fraction of the demo's warm start."""
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.warmstart import prepare_base_model
+
+    cfg = load_config(DEMO, ["warmstart.steps=80", f"data.builtin_task={EASY_TASK}"])
+    return prepare_base_model(cfg, tmp_path_factory.mktemp("easy_base") / "model")
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo_cpu.yaml"
+EASY_TASK = "arithmetic_easy"
+"""The one-digit built-in task: a short warm start already solves some of it (``easy_base_model``)."""
 SMALL = [
     "stages.num_stages=2",
     "stages.train_groups=16",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import free_port
-from e2e_runs import DEMO, ROOT, SMALL, final_weights, mugrpo, records, train
+from e2e_runs import DEMO, EASY_TASK, ROOT, SMALL, final_weights, mugrpo, records, train
 from safetensors.torch import load_file
 
 
@@ -221,27 +221,15 @@ def test_generate_on_two_engines_survives_sigkill_and_equals_one_engine(tmp_path
     assert last["perf/rollout_engines"] == 2 and last["perf/rollout_shards_resumed"] == len(finished)
 
 
-REPLAY = ["replay.enabled=true", "replay.groups_per_step=4", "replay.tau=1e6"]
+REPLAY = [f"data.builtin_task={EASY_TASK}", "replay.enabled=true", "replay.groups_per_step=4", "replay.tau=1e6"]
 """Headroom-Drift Replay on the small run: K_rep = 4 of the 16 fresh groups per stage. The gate is
 opened wide so that stage 1 certainly replays (the τ boundary itself is tested on the pure functions)."""
 
 
 @pytest.fixture(scope="session")
-def demo_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's own warm start (pass@1 ≈ 0.17): stage 0 has mixed-outcome groups to buffer.
-
-    The shorter warm start of ``base_model`` solves none of the addition problems yet, so every group
-    of its first stage is all-wrong and nothing would enter the replay buffer."""
-    from megatron_mugrpo.config import load_config
-    from megatron_mugrpo.warmstart import prepare_base_model
-
-    return prepare_base_model(load_config(DEMO), tmp_path_factory.mktemp("demo_base") / "model")
-
-
-@pytest.fixture(scope="session")
-def replay_uninterrupted(tmp_path_factory: pytest.TempPathFactory, demo_base_model: Path) -> Path:
+def replay_uninterrupted(tmp_path_factory: pytest.TempPathFactory, easy_base_model: Path) -> Path:
     run_dir = tmp_path_factory.mktemp("runs") / "replay_full"
-    train(run_dir, demo_base_model, *REPLAY)
+    train(run_dir, easy_base_model, *REPLAY)
     return run_dir
 
 
@@ -278,12 +266,12 @@ def test_replay_run_replays_earlier_groups_and_checkpoints_the_buffer(replay_uni
 
 @pytest.mark.slow
 def test_replay_resume_after_sigkill_equals_uninterrupted(
-    tmp_path: Path, demo_base_model: Path, replay_uninterrupted: Path
+    tmp_path: Path, easy_base_model: Path, replay_uninterrupted: Path
 ):
     """Killed before stage 1's decision, then mid-stage after it: the restored buffer and decision give
     the same final weights as the uninterrupted run."""
     run_dir = tmp_path / "replay_killed"
-    proc = train(run_dir, demo_base_model, *REPLAY, crash_at="rollout:1")
+    proc = train(run_dir, easy_base_model, *REPLAY, crash_at="rollout:1")
     assert proc.returncode == -signal.SIGKILL
     proc = mugrpo("train", "--resume", str(run_dir), crash_at="update:7", check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

@@ -1,9 +1,9 @@
 """End to end: `mugrpo sweep` of 2 variants × 2 seeds on a tiny config, interrupted, resumed and re-run.
 
-One warm-started base model is built per module and named in the sweep file as ``model.hf_dir``, so
-each run pays only for its two tiny stages. It is not the session's shared ``base_model``
-(tests/e2e/conftest.py): that one solves almost none of this test's few two-digit problems, and
-all-zero accuracies would make the mean ± std checks trivial; the one-digit task's model solves some.
+The session's ``easy_base_model`` (tests/e2e/conftest.py) is named in the sweep file as
+``model.hf_dir``, so each run pays only for its two tiny stages. The two-digit ``base_model`` solves
+almost none of this test's few problems, and all-zero accuracies would make the mean ± std checks
+trivial; the one-digit task's model solves some.
 """
 
 from __future__ import annotations
@@ -42,15 +42,6 @@ TINY = [
 ]
 RUNS = ["mu_grpo/seed_0", "mu_grpo/seed_1", "grpo/seed_0", "grpo/seed_1"]
 WAIT_S = 600
-
-
-@pytest.fixture(scope="module")
-def easy_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from megatron_mugrpo.config import load_config
-    from megatron_mugrpo.warmstart import prepare_base_model
-
-    cfg = load_config(DEMO, ["warmstart.steps=80", "data.builtin_task=arithmetic_easy"])
-    return prepare_base_model(cfg, tmp_path_factory.mktemp("base") / "model")
 
 
 def sweep_file(tmp_path: Path, base: Path) -> Path:
