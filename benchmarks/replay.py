@@ -34,6 +34,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a clone without installing
+
+from megatron_mugrpo.cli import train_argv  # noqa: E402
+
 CONFIG = ROOT / "configs" / "demo_grpo_cpu.yaml"
 METHODS = {
     "grpo": [],
@@ -47,19 +51,7 @@ ACC = "eval/avg_pass@1"
 
 def run(run_dir: Path, overrides: list[str]) -> list[dict]:
     """One `mugrpo train` in a subprocess; returns its metrics records."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_mugrpo.cli",
-        "train",
-        "--config",
-        str(CONFIG),
-        "--run-dir",
-        str(run_dir),
-        "logging.progress_bars=false",
-        "logging.tensorboard=false",
-        *overrides,
-    ]
+    cmd = train_argv(CONFIG, run_dir, ["logging.progress_bars=false", "logging.tensorboard=false", *overrides])
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -23,23 +23,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a clone without installing
+
+from megatron_mugrpo.cli import train_argv  # noqa: E402
+
 CONFIGS = {"mu_grpo": ROOT / "configs" / "demo_cpu.yaml", "grpo": ROOT / "configs" / "demo_grpo_cpu.yaml"}
 
 
 def run(config: Path, run_dir: Path, overrides: list[str]) -> dict[str, float]:
     """One `mugrpo train` in a subprocess; returns its final timers and last evaluation."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_mugrpo.cli",
-        "train",
-        "--config",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-        "logging.progress_bars=false",
-        *overrides,
-    ]
+    cmd = train_argv(config, run_dir, ["logging.progress_bars=false", *overrides])
     subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"), stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/avg_pass@1" in r]

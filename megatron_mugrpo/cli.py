@@ -21,6 +21,7 @@ import argparse
 import logging
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,22 @@ if TYPE_CHECKING:
 
 EXIT_BAD_INPUT = 2
 EXIT_RANK_FAILED = 1
+
+
+def train_argv(config: str | Path, run_dir: str | Path, overrides: Sequence[str] = ()) -> list[str]:
+    """``mugrpo train --config CONFIG --run-dir RUN_DIR OVERRIDES...`` as a command for this interpreter
+    (what sweeps, benchmarks and end-to-end tests start in a subprocess)."""
+    return [
+        sys.executable,
+        "-m",
+        "megatron_mugrpo.cli",
+        "train",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        *overrides,
+    ]
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -65,6 +65,7 @@ from typing import Any
 
 import yaml
 
+from megatron_mugrpo.cli import train_argv
 from megatron_mugrpo.config import ConfigError, RunConfig, load_config
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rundir import CONFIG_FILE
@@ -270,10 +271,9 @@ class PlannedRun:
 
     def argv(self, *, resume: bool) -> list[str]:
         """The `mugrpo train` command of this run (a fresh start, or ``--resume``)."""
-        cli = [sys.executable, "-m", "megatron_mugrpo.cli", "train"]
         if resume:
-            return [*cli, "--resume", str(self.run_dir)]
-        return [*cli, "--config", str(self.config), "--run-dir", str(self.run_dir), *self.train_overrides]
+            return [sys.executable, "-m", "megatron_mugrpo.cli", "train", "--resume", str(self.run_dir)]
+        return train_argv(self.config, self.run_dir, self.train_overrides)
 
     def expected_config(self) -> dict[str, Any]:
         """The run's config.yaml as `mugrpo train` writes it for this plan."""

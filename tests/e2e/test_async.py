@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_mugrpo.cli import train_argv
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_async_cpu.yaml"
 MINI_GROUPS = 4
@@ -185,9 +187,9 @@ def test_exactly_once_across_sigkill_of_each_side(tmp_path: Path, base_model: Pa
 def test_a_dead_worker_stops_the_trainer_with_its_name(tmp_path: Path, base_model: Path):
     """Ranks launched by hand (as on separate nodes): the worker dies, the trainer says so and exits."""
     run_dir, port = tmp_path / "dead", str(_free_port())
-    args = ["--config", str(CONFIG), "--run-dir", str(run_dir), f"model.hf_dir={base_model}", *SMALL]
-    args += ["async.worker_timeout_s=20", "eval.benchmarks=[]"]
-    cmd = [sys.executable, "-m", "megatron_mugrpo.cli", "train", *args]
+    cmd = train_argv(
+        CONFIG, run_dir, [f"model.hf_dir={base_model}", *SMALL, "async.worker_timeout_s=20", "eval.benchmarks=[]"]
+    )
     ranks = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     worker = subprocess.Popen(
         cmd, cwd=ROOT, env=_env("worker:0:shard:1", RANK="1", LOCAL_RANK="1", **ranks), stderr=subprocess.PIPE
@@ -212,16 +214,7 @@ def test_a_dead_worker_stops_the_trainer_with_its_name(tmp_path: Path, base_mode
 
 
 def test_async_on_a_single_process_is_a_clear_error(tmp_path: Path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_mugrpo.cli",
-        "train",
-        "--config",
-        str(CONFIG),
-        "--run-dir",
-        str(tmp_path / "r"),
-    ]
+    cmd = train_argv(CONFIG, tmp_path / "r")
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: mode: async runs rollout workers and trainers on separate ranks")
