@@ -101,13 +101,14 @@ class EnginePlacement:
         train (async mode: its rollout workers host no engine of the trainer's).
         """
         world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         return cls(
             rank=int(os.environ.get("RANK", "0")),
             world_size=world,
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))),
+            local_world_size=local_world,
             tensor_parallel=tensor_parallel,
-            cores=cores if cores is not None else available_cores(),
+            cores=cores if cores is not None else available_cores(local_world),
             cpu_threads_override=cpu_threads,
         )
 
@@ -153,12 +154,23 @@ class EnginePlacement:
         return max(1, self.cores // self.hosts_on_node)
 
 
-def available_cores() -> int:
-    """CPUs this process may run on (its affinity mask, which a scheduler's cgroup narrows)."""
+def available_cores(processes_on_node: int = 1) -> int:
+    """CPUs the engines of this node's ``processes_on_node`` processes may use together.
+
+    The process's affinity mask (which a scheduler's cgroup narrows), capped at OMP_NUM_THREADS per
+    process when that is set: whoever set it has shared the machine out (a sweep running several jobs
+    side by side, torchrun's default of one thread per process), and an engine that took every core
+    of the mask would oversubscribe them; oversubscribed threads spin, and a 2-core machine running
+    two one-thread jobs ran each about three times slower.
+    """
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    budget = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if budget.isdigit() and int(budget) >= 1:
+        cores = min(cores, int(budget) * max(1, processes_on_node))
+    return cores
 
 
 @contextmanager

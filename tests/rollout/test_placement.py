@@ -79,3 +79,24 @@ def test_engine_threads_restores_the_trainers_setting():
     with engine_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_engines_keep_to_the_thread_budget_the_process_was_given(monkeypatch):
+    """A sweep's one-thread jobs (OMP_NUM_THREADS=1) must not each start an engine on every core."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert EnginePlacement.from_env(tensor_parallel=1).cpu_threads == 16
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert EnginePlacement.from_env(tensor_parallel=1).cpu_threads == 1
+    # 4 processes on the node with 2 threads each: 8 of the 16 cores, 2 per engine host
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert EnginePlacement.from_env(tensor_parallel=1).cores == 8
+    assert EnginePlacement.from_env(tensor_parallel=1).cpu_threads == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")  # more than the mask: the mask wins
+    assert EnginePlacement.from_env(tensor_parallel=1).cores == 16
+    monkeypatch.setenv("OMP_NUM_THREADS", "not-a-number")  # ignored, as OpenMP ignores it
+    assert EnginePlacement.from_env(tensor_parallel=1).cores == 16
