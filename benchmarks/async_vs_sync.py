@@ -16,7 +16,9 @@ exclude it (T_total − T_eval; totals with it are printed too).
     .venv/bin/python benchmarks/async_vs_sync.py [--out runs/bench_async] [--base-model HF_DIR] [override ...]
 
 Trainer idle ratio = time waiting for and assembling samples / (that + training time): staged mode's
-T_rollout / (T_rollout + T_optimize), async mode's summed sample waits over the same sum. The last
+T_rollout / (T_rollout + T_optimize), async mode's summed sample waits over the same sum; "1st wait"
+is the part spent before the first update (stage 0's generation; the worker's start-up and first
+batch) and "idle 2+" the ratio without it. The last
 line is ``idle_sync=… idle_async=… time_ratio=<staged time / async time> acc_sync=… acc_async=…``.
 Extra arguments are dotted overrides applied to both runs (e.g. ``stages.num_stages=2``).
 """
@@ -67,16 +69,27 @@ def run(mode: str, run_dir: Path, overrides: list[str]) -> dict[str, float]:
     evals = [r for r in records if "eval/avg_pass@1" in r]
     last = evals[-1]  # logged with the run's accumulated timers, after the last update
     waiting, training = last["perf/t_rollout_s"], last["perf/t_optimize_s"]
+    first = _first_wait(mode, records)
     return {
         "updates": max(r["step"] for r in records),
         "time_s": last["perf/t_total_s"] - last["perf/t_eval_s"],
         "total_s": last["perf/t_total_s"],
         "idle": waiting / (waiting + training),
+        "first_wait_s": first,
+        "idle_after_first": (waiting - first) / (waiting - first + training),
         "acc_before": evals[0]["eval/avg_pass@1"],
         "acc": last["eval/avg_pass@1"],
         "dropped": sum(r.get("rollout/dropped_groups", 0.0) for r in records),
         "lag_mean": _mean([r["rollout/lag_mean"] for r in records if "rollout/lag_mean" in r]),
     }
+
+
+def _first_wait(mode: str, records: list[dict]) -> float:
+    """Seconds the trainer waited before its first update: stage 0's generation (staged), the wait
+    for the worker's first batch (async). In a short run this start-up weighs on the idle ratio."""
+    if mode == "staged":
+        return next(r["perf/t_rollout_s"] for r in records if r.get("perf/t_rollout_s", 0.0) > 0.0)
+    return next(r["perf/sample_wait_s"] for r in records if r["step"] == 1 and "perf/sample_wait_s" in r)
 
 
 def _mean(values: list[float]) -> float:
@@ -99,11 +112,12 @@ def main() -> int:
     base = args.base_model or prepare_base_model(cfg, args.out / "base_model")
     overrides = [*args.overrides, f"model.hf_dir={base}", f"eval.every_updates={cfg.stages.total_updates}"]
     results = {mode: run(mode, args.out / mode, overrides) for mode in ("staged", "async")}
-    header = f"{'mode':<8}{'updates':>9}{'time s':>9}{'(+eval) s':>11}{'idle':>8}{'acc before':>12}{'acc after':>11}"
-    print(header + f"{'lag mean':>10}{'dropped':>9}")
+    header = f"{'mode':<8}{'updates':>9}{'time s':>9}{'(+eval) s':>11}{'idle':>8}{'1st wait s':>12}{'idle 2+':>9}"
+    print(header + f"{'acc before':>12}{'acc after':>11}{'lag mean':>10}{'dropped':>9}")
     for mode, r in results.items():
         print(
             f"{mode:<8}{r['updates']:>9}{r['time_s']:>9.1f}{r['total_s']:>11.1f}{r['idle']:>8.3f}"
+            f"{r['first_wait_s']:>12.2f}{r['idle_after_first']:>9.3f}"
             f"{r['acc_before']:>12.3f}{r['acc']:>11.3f}{r['lag_mean']:>10.2f}{int(r['dropped']):>9}"
         )
     staged, asynchronous = results["staged"], results["async"]
