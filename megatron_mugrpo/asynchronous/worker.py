@@ -76,17 +76,33 @@ class Worker:
         return self.role.worker_index
 
     def load(self, path: str) -> None:
-        """Build the engine on the first publication; later ones replace its weights."""
+        """Build the engine on the first publication (unless ``warm_up`` did); later ones replace its weights."""
         if self.engine is None:
-            overrides = {}
-            if torch.cuda.is_available():
-                gpu = int(os.environ.get("LOCAL_RANK", "0"))
-                overrides = _GPU_PLACEMENT.get(self.cfg.rollout.engine, lambda _: {})(gpu)
-            self.engine = build_engine_from_config(self.cfg.rollout, path, seed=self.cfg.seed, **overrides)
+            self.engine = self._build_engine(path)
         else:
             self.engine.load_hf_dir(path)
         if self.cfg.async_.verify_weights:
             self.digest = engine_digest(self.engine, Path(path))
+
+    def warm_up(self) -> None:
+        """Build the engine from ``model.hf_dir`` while the trainer sets up.
+
+        Building an engine takes seconds (model classes, allocation); loading a publication into a
+        built one takes a fraction of that, so the trainer's first update no longer waits for it.
+        Nothing is sampled before a publication has been loaded: these weights are only a start.
+        Without ``model.hf_dir`` (the demo builds its base model on the trainer) there is nothing
+        to build from yet; a path without ``config.json`` is left for the trainer to report.
+        """
+        hf_dir = self.cfg.model.hf_dir
+        if self.engine is None and hf_dir and (Path(hf_dir) / "config.json").is_file():
+            self.engine = self._build_engine(hf_dir)
+
+    def _build_engine(self, path: str) -> RolloutEngine:
+        overrides = {}
+        if torch.cuda.is_available():
+            gpu = int(os.environ.get("LOCAL_RANK", "0"))
+            overrides = _GPU_PLACEMENT.get(self.cfg.rollout.engine, lambda _: {})(gpu)
+        return build_engine_from_config(self.cfg.rollout, path, seed=self.cfg.seed, **overrides)
 
     def first_weights(self) -> bool | None:
         """Load the first publication if there is one yet (True), else None."""
@@ -108,6 +124,7 @@ def run_worker(cfg: RunConfig, run_dir: Path, role: ProcessRole) -> None:
             startup_s=timeouts.startup_timeout_s,
         )
         worker = Worker(cfg=cfg, role=role, paths=paths, trainer=trainer, subscription=Subscription(paths.weights))
+        worker.warm_up()
         first = _wait(worker, worker.first_weights)
         if first is None:
             return  # the trainer finished before this worker got weights: nothing left to do

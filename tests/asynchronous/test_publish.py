@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 from dist_utils import run_distributed
+from safetensors.torch import load_file
 
 from megatron_mugrpo.asynchronous.publish import (
     KEEP_PUBLICATIONS,
@@ -86,3 +87,44 @@ def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
     assert publication_digests(root)[published[1].name] == published[1].digest  # the log outlives pruning
     lines = [json.loads(line) for line in (root / LOG).read_text().splitlines()]
     assert [line["version"] for line in lines] == [0, 4, 8, 12, 16, 20, 24]
+
+
+def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_path: Path) -> None:
+    """``Worker.warm_up`` builds the engine from model.hf_dir before any publication; loading the
+    first publication then replaces every weight (a worker never samples from the warm-up weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_mugrpo.asynchronous.worker import Worker
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.training.model import tiny_hf_config
+
+    dirs = {}
+    for name, seed in (("base", 0), ("publication", 1)):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_hf_config("qwen2")), dtype=torch.float32)
+        model.save_pretrained(str(tmp_path / name), safe_serialization=True)
+        dirs[name] = tmp_path / name
+    rollout = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_async_cpu.yaml").rollout
+
+    def worker(hf_dir: str) -> Worker:
+        cfg = SimpleNamespace(
+            model=SimpleNamespace(hf_dir=hf_dir), rollout=rollout, seed=0, async_=SimpleNamespace(verify_weights=True)
+        )
+        return Worker(cfg=cfg, role=None, paths=None, trainer=None, subscription=None)
+
+    warm = worker(str(dirs["base"]))
+    warm.warm_up()
+    assert warm.engine is not None
+    base_weights = {k: v.clone() for k, v in warm.engine.weights().items()}
+    engine = warm.engine
+    warm.load(str(dirs["publication"]))
+    assert warm.engine is engine  # the built engine is reused, only its weights change
+    served, expected = warm.engine.weights(), load_file(str(dirs["publication"] / "model.safetensors"))
+    for name, tensor in expected.items():
+        assert torch.equal(served[name], tensor), name
+    assert any(not torch.equal(served[name], base_weights[name]) for name in expected)
+    assert warm.digest == engine_digest(warm.engine, dirs["publication"])
+    for nothing_to_build_from in ("", str(tmp_path / "missing")):  # demo base built by the trainer; a bad path
+        idle = worker(nothing_to_build_from)
+        idle.warm_up()
+        assert idle.engine is None
