@@ -54,7 +54,6 @@ import platform
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -65,7 +64,7 @@ from typing import Any
 
 import yaml
 
-from megatron_mugrpo.cli import train_argv
+from megatron_mugrpo.cli import mugrpo_argv, train_argv
 from megatron_mugrpo.config import ConfigError, RunConfig, load_config
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rundir import CONFIG_FILE
@@ -272,7 +271,7 @@ class PlannedRun:
     def argv(self, *, resume: bool) -> list[str]:
         """The `mugrpo train` command of this run (a fresh start, or ``--resume``)."""
         if resume:
-            return [sys.executable, "-m", "megatron_mugrpo.cli", "train", "--resume", str(self.run_dir)]
+            return mugrpo_argv("train", "--resume", str(self.run_dir))
         return train_argv(self.config, self.run_dir, self.train_overrides)
 
     def expected_config(self) -> dict[str, Any]:

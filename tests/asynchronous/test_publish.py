@@ -38,7 +38,6 @@ def test_worker_weights_equal_each_publication(tmp_path: Path) -> None:
 
 def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
     from conversion import export_hf
-    from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
     from megatron_mugrpo.training.model import tiny_hf_config
     from megatron_mugrpo.training.parallel import initialize_parallel
     from megatron_mugrpo.training.setup import build_policy
@@ -51,13 +50,8 @@ def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
     )
     root = Path(tmp) / "weights"
     root.mkdir()
-    engine: list[TransformersEngine] = []
-
-    def load(path: str) -> None:  # what a worker does: build the engine once, then reload weights
-        if engine:
-            engine[0].load_hf_dir(path)
-        else:
-            engine.append(TransformersEngine(path, dtype="float32", device="cpu"))
+    worker = _worker("")  # the worker's own load: build the engine once, then reload weights
+    load = worker.load
 
     subscription = Subscription(root)
     assert subscription.refresh(load) >= 0 and subscription.current is None  # nothing published yet
@@ -73,10 +67,10 @@ def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
         subscription.refresh(load)
         assert subscription.current == publication
         expected = dict(export_hf(policy.unwrapped(), hf_config, groups))
-        held = engine[0].weights()
+        held = worker.engine.weights()
         for name, tensor in expected.items():
             assert torch.equal(held[name], tensor), f"{name} differs from publication {version}"
-        assert engine_digest(engine[0], root / publication.name) == publication.digest
+        assert engine_digest(worker.engine, root / publication.name) == publication.digest
     assert len({p.digest for p in published}) == 3
     assert subscription.refresh(load) < 1.0 and subscription.current == published[-1]  # no new one: no reload
 
@@ -94,8 +88,6 @@ def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_pat
     first publication then replaces every weight (a worker never samples from the warm-up weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_mugrpo.asynchronous.worker import Worker
-    from megatron_mugrpo.config import load_config
     from megatron_mugrpo.training.model import tiny_hf_config
 
     dirs = {}
@@ -104,15 +96,7 @@ def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_pat
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_hf_config("qwen2")), dtype=torch.float32)
         model.save_pretrained(str(tmp_path / name), safe_serialization=True)
         dirs[name] = tmp_path / name
-    rollout = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_async_cpu.yaml").rollout
-
-    def worker(hf_dir: str) -> Worker:
-        cfg = SimpleNamespace(
-            model=SimpleNamespace(hf_dir=hf_dir), rollout=rollout, seed=0, async_=SimpleNamespace(verify_weights=True)
-        )
-        return Worker(cfg=cfg, role=None, paths=None, trainer=None, subscription=None)
-
-    warm = worker(str(dirs["base"]))
+    warm = _worker(str(dirs["base"]))
     warm.warm_up()
     assert warm.engine is not None
     base_weights = {k: v.clone() for k, v in warm.engine.weights().items()}
@@ -125,6 +109,18 @@ def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_pat
     assert any(not torch.equal(served[name], base_weights[name]) for name in expected)
     assert warm.digest == engine_digest(warm.engine, dirs["publication"])
     for nothing_to_build_from in ("", str(tmp_path / "missing")):  # demo base built by the trainer; a bad path
-        idle = worker(nothing_to_build_from)
+        idle = _worker(nothing_to_build_from)
         idle.warm_up()
         assert idle.engine is None
+
+
+def _worker(hf_dir: str):
+    """A rollout worker with the async demo's engine settings and only what loading weights needs."""
+    from megatron_mugrpo.asynchronous.worker import Worker
+    from megatron_mugrpo.config import load_config
+
+    rollout = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_async_cpu.yaml").rollout
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(hf_dir=hf_dir), rollout=rollout, seed=0, async_=SimpleNamespace(verify_weights=True)
+    )
+    return Worker(cfg=cfg, role=None, paths=None, trainer=None, subscription=None)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from megatron_mugrpo.cli import mugrpo_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo_cpu.yaml"
@@ -42,9 +43,7 @@ def mugrpo(*args: str, crash_at: str | None = None, check: bool = True) -> subpr
     env.pop("MUGRPO_CRASH_AT", None)
     if crash_at:
         env["MUGRPO_CRASH_AT"] = crash_at
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_mugrpo.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    proc = subprocess.run(mugrpo_argv(*args), cwd=ROOT, env=env, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"mugrpo {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

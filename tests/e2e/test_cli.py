@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_mugrpo.cli import mugrpo_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 VERBS = ["train", "generate", "optimize", "eval", "report", "sweep", "convert"]
@@ -17,7 +18,7 @@ CONVERT_VERBS = ["hf-to-megatron", "megatron-to-hf", "verify"]
 def mugrpo(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run(
-        [sys.executable, "-m", "megatron_mugrpo.cli", *args],
+        mugrpo_argv(*args),
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -15,12 +15,13 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from PIL import Image
+
+from megatron_mugrpo.cli import mugrpo_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo_cpu.yaml"
@@ -62,17 +63,7 @@ def sweep_file(tmp_path: Path, base: Path) -> Path:
 
 
 def sweep_command(path: Path, out: Path, parallel: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "megatron_mugrpo.cli",
-        "sweep",
-        str(path),
-        "--out",
-        str(out),
-        "--parallel",
-        str(parallel),
-    ]
+    return mugrpo_argv("sweep", str(path), "--out", str(out), "--parallel", str(parallel))
 
 
 def run_sweep(path: Path, out: Path, parallel: int) -> subprocess.CompletedProcess:

@@ -15,13 +15,13 @@ import multiprocessing
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from dist_utils import run_distributed
 
+from megatron_mugrpo.cli import mugrpo_argv
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training import checkpoint, checkpoint_io
@@ -374,9 +374,7 @@ TINY_RUN = [
 def _mugrpo(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("MUGRPO_CRASH_AT", None)
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_mugrpo.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    return subprocess.run(mugrpo_argv(*args), cwd=ROOT, env=env, capture_output=True, text=True)
 
 
 @pytest.mark.slow
