@@ -16,6 +16,7 @@ setup(
         "transformers>=4.51",
         "datasets>=3.0",
         "safetensors>=0.4",
+        "xxhash>=3.0",  # checkpoint manifests (xxHash3-128)
         "tensorboard>=2.15",
         "math-verify>=0.7",
         "psutil>=5.9",

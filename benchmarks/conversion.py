@@ -7,18 +7,24 @@ process (TP = PP = 1, gloo), each side by side with its baseline:
 - hf -> megatron:   build the Megatron model, ``load_hf_into_model``, save the step directory (what
                     ``mugrpo convert hf-to-megatron`` does on each rank, minus process start-up);
 - megatron -> hf:   build the model, load (and verify) the step directory, ``export_hf``, ``save_hf_dir``;
-- raw write:        ``save_file`` of a training checkpoint's tensors (model + Adam moments);
-- save_checkpoint:  the same state through ``training.checkpoint`` (SHA-256 manifest, fsync per
-                    file as training does); also with ``async_save``: the time training is blocked;
+- raw write:        ``save_file`` of a training checkpoint's tensors (model + Adam moments), then one
+                    fsync: the same durability as the checkpoint it is the baseline of;
+- save_checkpoint:  the same state through ``training.checkpoint`` (xxHash3 manifest, fsync per file
+                    as training does); also both without fsync, and with ``async_save``: the time
+                    training is blocked;
 - load:             ``load_checkpoint`` of that step directory (checksums verified, then read
                     straight into the parameters) against reading the raw file's bytes into memory;
-- hashing:          SHA-256 of the checkpoint's files with the writer's thread count (the cost the
-                    writer threads pay while writing, and what verification pays on load).
+- hashing:          the manifest checksum of the checkpoint's files with the writer's thread count
+                    (what the writer threads pay while writing, and what verification pays on load).
 
-Everything reads inputs that were just written (page cache warm) and writes to the same disk; each
-figure is the fastest of ``--repeats`` runs. Process start-up and one-off costs (imports) are
-excluded by a warm-up on a tiny model. Ratios are throughput / baseline throughput (≥ 1: faster
-than the baseline). The last line holds the headline figures.
+Every timed write goes to a new directory that is deleted right after it was timed, baseline and
+converter alike. (On this VM, writing into page-cache pages that an earlier file freed runs at
+~4 GB/s, into never-used memory at ~0.6 GB/s: outputs left in place would slow whichever path
+happens to run later.) Inputs were just written (page cache warm). Each figure is the fastest of
+``--repeats`` runs. Process start-up and one-off costs (imports) are excluded by a warm-up on a tiny
+model. Ratios are throughput / baseline throughput (≥ 1: faster than the baseline). The last line
+holds the headline figures; the conversion writes nothing with fsync (see
+``conversion.megatron_io.CONVERTED_FSYNC``), like its baseline.
 
     python benchmarks/conversion.py [--hidden 768 --layers 6 --vocab 16384] [--profile]
 """
@@ -83,6 +89,16 @@ def _raw_copy(src: Path, dst: Path) -> None:
     dst.mkdir()
     for file in sorted(src.glob("*.safetensors")):
         save_file(load_file(str(file)), str(dst / file.name))
+
+
+def _raw_write(tensors: dict[str, torch.Tensor], out: Path, *, fsync: bool) -> None:
+    """The baseline of a checkpoint save: ``save_file`` of the same tensors, fsynced when the save is."""
+    out.mkdir()
+    path = out / "ck.safetensors"
+    save_file(tensors, str(path))
+    if fsync:
+        with open(path, "rb") as stream:
+            os.fsync(stream.fileno())
 
 
 def _hf_to_megatron(hf_dir: Path, root: Path, groups) -> None:
@@ -213,7 +229,6 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron_mugrpo.training import checkpoint_io, parallel
-    from megatron_mugrpo.training.checkpoint import latest_checkpoint
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -230,22 +245,26 @@ def main() -> None:
         hf = work / "hf"
         nbytes = _build_hf_dir(hf, hidden=args.hidden, layers=args.layers, vocab=args.vocab, seed=0)
         gb = nbytes / 1e9
+        _hf_to_megatron(hf, work / "mg_src", groups)  # the input of megatron -> hf (untimed)
         raw_s = _best_time(lambda i: _raw_copy(hf, work / f"raw{i}"), reps, rm("raw"))
-        to_mg_s = _best_time(lambda i: _hf_to_megatron(hf, work / f"mg{i}", groups), reps)
-        to_hf_s = _best_time(lambda i: _megatron_to_hf(work / "mg0", work / f"hf_back{i}", groups), reps, rm("hf_back"))
+        to_mg_s = _best_time(lambda i: _hf_to_megatron(hf, work / f"mg{i}", groups), reps, rm("mg"))
+        to_hf = lambda i: _megatron_to_hf(work / "mg_src", work / f"hf_back{i}", groups)  # noqa: E731
+        to_hf_s = _best_time(to_hf, reps, rm("hf_back"))
 
         policy = _policy_with_adam_state(hf, groups)
         tensors = _checkpoint_tensors(policy)
         ck_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         ck_gb = ck_bytes / 1e9
-        (work / "rawck").mkdir()
-        raw_write_s = _best_time(lambda i: save_file(tensors, str(work / "rawck" / f"{i}.safetensors")), reps)
-        raw_read_s = _best_time(lambda i: _read_bytes(work / "rawck" / "0.safetensors"), reps)
+        raw_write = lambda fsync: lambda i: _raw_write(tensors, work / f"rawck{i}", fsync=fsync)  # noqa: E731
+        raw_write_s = _best_time(raw_write(False), reps, rm("rawck"))
+        raw_write_fsync_s = _best_time(raw_write(True), reps, rm("rawck"))
+        _raw_write(tensors, work / "rawread", fsync=False)
+        raw_read_s = _best_time(lambda i: _read_bytes(work / "rawread" / "ck.safetensors"), reps)
         tensors.clear()
-        save_s = _best_time(lambda i: _save(policy, work / "ck", 10 + i, groups), reps)
-        save_nofsync_s = _best_time(lambda i: _save(policy, work / "ck_nofsync", 10 + i, groups, fsync=False), reps)
+        save_s = _best_time(lambda i: _save(policy, work / f"ck{i}", 10, groups), reps, rm("ck"))
+        save_nofsync_s = _best_time(lambda i: _save(policy, work / f"ck{i}", 10, groups, fsync=False), reps, rm("ck"))
         blocked_s, async_total_s = _async_block(policy, work / "ck_async", 100, groups)
-        step_dir = latest_checkpoint(work / "ck")
+        step_dir = _save(policy, work / "ck_load", 10, groups)
         on_disk = _dir_bytes(step_dir)
         files = [p for p in step_dir.rglob("*") if p.is_file()]
         hash_s = _best_time(lambda i: checkpoint_io.hash_files(files), reps)
@@ -258,7 +277,7 @@ def main() -> None:
         load_s, load_nv_s = min(load_times), min(load_nv_times)
         if args.profile:
             _profiled("hf -> megatron", lambda: _hf_to_megatron(hf, work / "prof_mg", groups))
-            _profiled("megatron -> hf", lambda: _megatron_to_hf(work / "mg0", work / "prof_hf", groups))
+            _profiled("megatron -> hf", lambda: _megatron_to_hf(work / "mg_src", work / "prof_hf", groups))
             _profiled("save_checkpoint", lambda: _save(policy, work / "prof_ck", 1, groups))
             _profiled("load_checkpoint", lambda: _load(step_dir, hf, groups, verify=True))
     finally:
@@ -266,18 +285,20 @@ def main() -> None:
         parallel.destroy_parallel(destroy_process_group=True)
 
     raw, to_mg, to_hf = gb / raw_s, gb / to_mg_s, gb / to_hf_s
-    raw_write, save, load, raw_read = ck_gb / raw_write_s, ck_gb / save_s, ck_gb / load_s, ck_gb / raw_read_s
+    raw_write, save, load, raw_read = ck_gb / raw_write_fsync_s, ck_gb / save_s, ck_gb / load_s, ck_gb / raw_read_s
     print(f"model bytes: {gb:.3f} GB (float32, hidden={args.hidden}, layers={args.layers}, vocab={args.vocab})")
     print(f"raw safetensors read+write:    {raw_s:6.2f} s  {raw:.3f} GB/s")
     print(f"hf -> megatron:                {to_mg_s:6.2f} s  {to_mg:.3f} GB/s  ratio {to_mg / raw:.3f}")
     print(f"megatron -> hf:                {to_hf_s:6.2f} s  {to_hf:.3f} GB/s  ratio {to_hf / raw:.3f}")
     print(f"training checkpoint: {ck_gb:.3f} GB of tensors (model + Adam moments), {on_disk / 1e9:.3f} GB on disk")
-    print(f"raw safetensors write:         {raw_write_s:6.2f} s  {raw_write:.3f} GB/s")
+    print(f"raw safetensors write + fsync: {raw_write_fsync_s:6.2f} s  {raw_write:.3f} GB/s")
     print(f"save_checkpoint (fsync):       {save_s:6.2f} s  {save:.3f} GB/s  ratio {save / raw_write:.3f}")
-    print(f"save_checkpoint (no fsync):    {save_nofsync_s:6.2f} s  ratio {ck_gb / save_nofsync_s / raw_write:.3f}")
+    print(f"raw safetensors write:         {raw_write_s:6.2f} s  {ck_gb / raw_write_s:.3f} GB/s (page cache only)")
+    print(f"save_checkpoint (no fsync):    {save_nofsync_s:6.2f} s  ratio {raw_write_s / save_nofsync_s:.3f}")
     print(f"async save: blocks {blocked_s:.2f} s, published after {async_total_s:.2f} s")
     hash_gbps = on_disk / 1e9 / hash_s
-    print(f"sha256 of the files:           {hash_s:6.2f} s  {hash_gbps:.3f} GB/s ({hash_s / save_s:.0%} of save)")
+    name = checkpoint_io.CHECKSUM
+    print(f"{name} of the files:         {hash_s:6.2f} s  {hash_gbps:.3f} GB/s ({hash_s / save_s:.0%} of save)")
     print(f"raw safetensors read:          {raw_read_s:6.2f} s  {raw_read:.3f} GB/s")
     print(f"load_checkpoint (verified):    {load_s:6.2f} s  {load:.3f} GB/s  ratio {load / raw_read:.3f}")
     print(f"load_checkpoint (no verify):   {load_nv_s:6.2f} s  ratio {ck_gb / load_nv_s / raw_read:.3f}")

@@ -8,7 +8,7 @@ Layout (``CKPT_ROOT``)::
         model/            megatron dist_checkpointing (torch_dist) of the model's sharded_state_dict
         optimizer/        (optional) dist_checkpointing of the optimizer's sharded_state_dict
         rng/rank_00000.pt (optional) per-rank RNG states: python, numpy, torch CPU, CUDA, Megatron tracker
-        manifest.json     SHA-256 and size of every other file of the directory, written last
+        manifest.json     checksum (xxHash3-128) and size of every other file of the directory, written last
     latest                text: the newest complete step directory's name, written after the rename
 
 A step directory is written as ``step_XXXXXXXX.tmp`` and renamed once every rank has finished and
@@ -22,7 +22,7 @@ the damaged file (bit flip, truncation, missing). ``load_latest_intact`` is what
 falls back, with a warning, to the newest checkpoint that passes, and raises ``CheckpointError``
 when none does.
 
-Speed: the bytes move through ``training.checkpoint_io`` (writer threads with SHA-256 and one fsync
+Speed: the bytes move through ``training.checkpoint_io`` (writer threads with checksums and one fsync
 per file; reads straight into the parameters). ``CheckpointSaver(async_save=True)`` copies the state
 to host buffers and returns; threads write while training continues, and the directory is published
 (renamed, ``latest`` updated) at the first ``poll()`` / ``wait()`` after every rank has finished.
@@ -466,7 +466,7 @@ class _Publication:
     def __call__(self) -> None:
         digests = list(self.own)
         for strategy, sub, _ in self.parts:
-            digests += [FileDigest(f"{sub}/{d.path}", d.sha256, d.nbytes) for d in strategy.digests()]
+            digests += [FileDigest(f"{sub}/{d.path}", d.checksum, d.nbytes) for d in strategy.digests()]
         gathered = [d for rank_digests in _all_gather(digests) for d in rank_digests]
         if self.saver.groups.rank == 0:
             fsync = self.saver.fsync
@@ -479,20 +479,20 @@ class _Publication:
 
 
 def write_manifest(step_dir: Path, known: list[FileDigest], *, fsync: bool) -> None:
-    """Write ``step_dir/manifest.json``: SHA-256 and size of every file under ``step_dir``.
+    """Write ``step_dir/manifest.json``: checksum (``checkpoint_io.CHECKSUM``) and size of every file in it.
 
     ``known`` digests (computed by the writer threads) are trusted; the remaining files — small
     metadata files that megatron-core writes itself — are hashed here (and fsynced when asked).
     """
-    files = {d.path: {"sha256": d.sha256, "bytes": d.nbytes} for d in known}
+    files = {d.path: {"checksum": d.checksum, "bytes": d.nbytes} for d in known}
     others = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.relative_to(step_dir).as_posix() not in files)
     for path, result in checkpoint_io.hash_files(others).items():
         if isinstance(result, OSError):
             raise CheckpointError(f"cannot read {path} to checksum it: {result}")
-        files[path.relative_to(step_dir).as_posix()] = {"sha256": result[0], "bytes": result[1]}
+        files[path.relative_to(step_dir).as_posix()] = {"checksum": result[0], "bytes": result[1]}
         if fsync:
             _fsync_file(path)
-    manifest = {"format": MANIFEST_FORMAT, "algorithm": "sha256", "files": dict(sorted(files.items()))}
+    manifest = {"format": MANIFEST_FORMAT, "algorithm": checkpoint_io.CHECKSUM, "files": dict(sorted(files.items()))}
     checkpoint_io.write_file(step_dir / MANIFEST, json.dumps(manifest, indent=1).encode(), fsync=fsync)
 
 
@@ -561,20 +561,29 @@ def save_checkpoint(
 # ------------------------------------------------------------------------------ integrity
 
 
-def _read_manifest(step_dir: Path) -> dict[str, dict[str, Any]]:
+def _read_manifest(step_dir: Path) -> tuple[str, dict[str, dict[str, Any]]]:
+    """(checksum algorithm, {relative path: {"checksum", "bytes"}}) of a step directory's manifest.
+
+    Manifests written before xxHash3 name ``sha256`` and key each file's digest by that name.
+    """
     path = step_dir / MANIFEST
     try:
         manifest = json.loads(path.read_text())
-        files = manifest["files"]
+        files, algorithm = manifest["files"], manifest.get("algorithm", "sha256")
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
             raise ValueError(f"format {manifest.get('format')!r}")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if algorithm not in checkpoint_io.CHECKSUMS:
+            raise ValueError(f"checksum algorithm {algorithm!r} is not one of {sorted(checkpoint_io.CHECKSUMS)}")
+        files = {
+            name: {"checksum": entry.get("checksum", entry.get(algorithm)), **entry} for name, entry in files.items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path} is missing or unreadable ({exc}); {step_dir} cannot be verified") from exc
-    return files
+    return algorithm, files
 
 
-def _file_problems(step_dir: Path, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """What is wrong with each listed file (missing, wrong size, wrong SHA-256); empty when all are intact."""
+def _file_problems(step_dir: Path, algorithm: str, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """What is wrong with each listed file (missing, wrong size, wrong checksum); empty when all are intact."""
     problems, to_hash = [], []
     for relative, expected in entries:
         path = step_dir / relative
@@ -587,14 +596,14 @@ def _file_problems(step_dir: Path, entries: list[tuple[str, dict[str, Any]]]) ->
             kind = "truncated" if size < expected["bytes"] else "too long"
             problems.append(f"{relative} is {kind} ({size} of {expected['bytes']} bytes)")
         else:
-            to_hash.append((relative, path, expected["sha256"]))
-    results = checkpoint_io.hash_files([path for _, path, _ in to_hash])
-    for relative, path, sha in to_hash:
+            to_hash.append((relative, path, expected["checksum"]))
+    results = checkpoint_io.hash_files([path for _, path, _ in to_hash], algorithm=algorithm)
+    for relative, path, digest in to_hash:
         result = results[path]
         if isinstance(result, OSError):
             problems.append(f"{relative} is unreadable ({result})")
-        elif result[0] != sha:
-            problems.append(f"{relative} fails its SHA-256 check (corrupted)")
+        elif result[0] != digest:
+            problems.append(f"{relative} fails its {algorithm} check (corrupted)")
     return problems
 
 
@@ -610,9 +619,10 @@ def verify_checkpoint(step_dir: str | Path, *, groups: ParallelGroups | None = N
     if not meta.get("manifest"):
         logger.warning("%s was written without a checksum manifest; its files are not verified", step_dir)
         return
-    entries = sorted(_read_manifest(step_dir).items())
+    algorithm, files = _read_manifest(step_dir)
+    entries = sorted(files.items())
     rank, world = (groups.rank, groups.world_size) if groups is not None else (0, 1)
-    mine = _file_problems(step_dir, entries[rank::world])
+    mine = _file_problems(step_dir, algorithm, entries[rank::world])
     problems = [p for rank_problems in (_all_gather(mine) if groups is not None else [mine]) for p in rank_problems]
     if problems:
         raise CheckpointError(f"checkpoint {step_dir} is damaged: {'; '.join(problems)}")

@@ -10,22 +10,29 @@ at TP=1 — is covered by test_parallel_equivalence.py.)
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import multiprocessing
 import os
 import shutil
 import subprocess
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from dist_utils import run_distributed
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_mugrpo.cli import mugrpo_argv
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training import checkpoint, checkpoint_io
 from megatron_mugrpo.training.checkpoint import CheckpointError, CheckpointSaver
+from megatron_mugrpo.training.checkpoint_io import FileDigest
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import train_step
@@ -196,14 +203,30 @@ def _manifest_lists_every_file(rank: int, world_size: int, root: str) -> None:
     on_disk = {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()}
     assert set(manifest["files"]) == on_disk - {checkpoint.MANIFEST}
     assert {"model/__0_0.distcp", "optimizer/__0_0.distcp", "rng/rank_00000.pt", "metadata.json"} <= on_disk
+    assert manifest["algorithm"] == "xxh3_128"
     for relative, entry in manifest["files"].items():  # the writer threads' digests are the files' digests
         data = (step_dir / relative).read_bytes()
-        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}, relative
+        assert entry == {"checksum": xxhash.xxh3_128(data).hexdigest(), "bytes": len(data)}, relative
     checkpoint.verify_checkpoint(step_dir, groups=policy.groups)
     assert multiprocessing.active_children() == [], "writing must not start processes (threads only)"
 
+    # A directory written when manifests held SHA-256 digests still verifies, and still catches damage.
+    legacy = {
+        relative: {"sha256": hashlib.sha256((step_dir / relative).read_bytes()).hexdigest(), "bytes": entry["bytes"]}
+        for relative, entry in manifest["files"].items()
+    }
+    legacy_manifest = {"format": manifest["format"], "algorithm": "sha256", "files": legacy}
+    (step_dir / checkpoint.MANIFEST).write_text(json.dumps(legacy_manifest))
+    checkpoint.verify_checkpoint(step_dir, groups=policy.groups)
+    shard = step_dir / "model" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match=r"model/__0_0.distcp fails its sha256 check"):
+        checkpoint.verify_checkpoint(step_dir, groups=policy.groups)
 
-def test_manifest_lists_every_file_with_its_sha256(tmp_path):
+
+def test_manifest_lists_every_file_with_its_checksum(tmp_path):
     run_distributed(_manifest_lists_every_file, 1, str(tmp_path))
 
 
@@ -227,9 +250,9 @@ def _damage_falls_back(rank: int, world_size: int, root: str) -> None:
         root, target.model_chunks, target.optimizer, target.scheduler, groups=target.groups, warn=warnings.append
     )
     assert loaded is not None and loaded.step_dir == root_path / "step_00000001"
-    assert "model/__0_0.distcp fails its SHA-256 check" in warnings[0] and "falling back" in warnings[0]
+    assert "model/__0_0.distcp fails its xxh3_128 check" in warnings[0] and "falling back" in warnings[0]
     assert all(torch.equal(value, intact[name]) for name, value in _params(target).items())
-    with pytest.raises(CheckpointError, match=r"step_00000002 is damaged: model/__0_0.distcp fails its SHA-256"):
+    with pytest.raises(CheckpointError, match=r"step_00000002 is damaged: model/__0_0.distcp fails its xxh3_128"):
         checkpoint.load_checkpoint(root_path / "step_00000002", target.model_chunks, groups=target.groups)
 
     # Truncations: a .distcp and an RNG file, each named with its size.
@@ -388,7 +411,7 @@ def test_resume_cli_skips_a_bit_flipped_checkpoint_and_stops_when_none_is_intact
     _flip_bit(ckpts / "step_00000002" / "model" / "__0_0.distcp")
     resumed = _mugrpo("train", "--resume", str(run))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "step_00000002 is damaged: model/__0_0.distcp fails its SHA-256 check" in resumed.stderr
+    assert "step_00000002 is damaged: model/__0_0.distcp fails its xxh3_128 check" in resumed.stderr
     assert "falling back to an older checkpoint" in resumed.stderr and "resumed from" in resumed.stderr
     checkpoint.verify_checkpoint(ckpts / "step_00000002")  # update 2 was redone and saved intact
 
@@ -399,3 +422,31 @@ def test_resume_cli_skips_a_bit_flipped_checkpoint_and_stops_when_none_is_intact
     assert "Traceback" not in failed.stderr
     errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no intact checkpoint under" in errors[0], failed.stderr[-4000:]
+
+
+def test_writer_threads_skip_the_zip_crc_and_leave_the_callers_setting_alone(tmp_path):
+    """torch.save's CRC-32 is off in the writer threads (torch >= 2.13 keeps that switch per thread),
+    the records still load, also through the direct read path; the caller's own torch.save keeps its CRC."""
+    tensors = [torch.arange(1000, dtype=torch.float32), torch.ones(3, 5)]
+    items = [WriteItem(index=MetadataIndex(f"t{i}"), type=WriteItemType.TENSOR) for i in range(len(tensors))]
+    path = tmp_path / "bucket.distcp"
+    with ThreadPoolExecutor(1) as pool:
+        results, digest = pool.submit(
+            checkpoint_io._write_bucket, (str(path), path.name, ([], list(zip(items, tensors)))), fsync=True
+        ).result()
+    data = path.read_bytes()
+    assert digest == FileDigest(path.name, xxhash.xxh3_128(data).hexdigest(), len(data))
+    for result, tensor in zip(results, tensors):
+        record = data[result.storage_data.offset : result.storage_data.offset + result.storage_data.length]
+        assert torch.equal(torch.load(io.BytesIO(record), weights_only=True), tensor)
+        if checkpoint_io._CONFIG_PER_THREAD:
+            with zipfile.ZipFile(io.BytesIO(record)) as archive:
+                assert all(info.CRC == 0 for info in archive.infolist())
+        # The loader's fast path finds the raw bytes of such a record (and reads them into place).
+        with open(path, "rb", buffering=0) as stream:
+            start = result.storage_data.offset
+            position = checkpoint_io._record_data_span(stream, start, result.storage_data.length, tensor)
+            assert position is not None
+            stream.seek(position)
+            assert stream.read(tensor.numel() * 4) == tensor.numpy().tobytes()
+    assert torch.serialization.get_crc32_options()  # untouched in this thread
