@@ -27,6 +27,11 @@ class AsyncConfig:
     between generation batches."""
     batch_groups: int = 64
     """Prompt groups a worker generates per batch (one queue shard); weights never change within one."""
+    first_batch_groups: int | None = None
+    """Size of a worker's first batch; each next one is twice as large, up to batch_groups. The trainer
+    then starts as soon as a small batch is ready instead of waiting for a full one (large batches
+    sample faster per group, so they are worth it once the queue has a lead). None: every batch has
+    batch_groups groups."""
     worker_timeout_s: float = 300.0
     """A trainer or worker whose heartbeat has not changed for this long is dead: the run stops with
     an error naming it."""
@@ -49,3 +54,32 @@ class AsyncConfig:
         )
         for name in ("worker_timeout_s", "startup_timeout_s"):
             require(getattr(self, name) > 0, f"async.{name}={getattr(self, name)} must be > 0")
+        if self.first_batch_groups is not None:
+            require(
+                1 <= self.first_batch_groups <= self.batch_groups,
+                f"async.first_batch_groups={self.first_batch_groups} must be between 1 and async.batch_groups="
+                f"{self.batch_groups} (or null: every batch has batch_groups groups)",
+            )
+
+    def batch_size(self, batch: int) -> int:
+        """Groups in a worker's batch ``batch`` (0-based): first_batch_groups doubling up to batch_groups."""
+        first = self.first_batch_groups or self.batch_groups
+        return min(self.batch_groups, first << min(batch, 62))
+
+    def groups_before(self, batch: int) -> int:
+        """Groups one worker generates in its batches 0 .. batch - 1."""
+        ramp, total = 0, 0
+        while ramp < batch and self.batch_size(ramp) < self.batch_groups:
+            total, ramp = total + self.batch_size(ramp), ramp + 1
+        return total + (batch - ramp) * self.batch_groups
+
+    def prompt_range(self, batch: int, worker: int) -> range:
+        """Positions in the seeded prompt stream of batch ``batch`` of worker ``worker`` (of rollout_ranks).
+
+        Batch b of all workers together covers the rollout_ranks · n_b prompts after every earlier
+        batch, worker w the w-th n_b of them: each position is generated once, by a fixed (worker,
+        batch), whichever process makes it.
+        """
+        size = self.batch_size(batch)
+        start = self.rollout_ranks * self.groups_before(batch) + worker * size
+        return range(start, start + size)

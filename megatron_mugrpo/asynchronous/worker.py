@@ -6,8 +6,8 @@ dispatches by role). Its loop, one queue shard per turn::
     wait for room in the queue (workers pause while async.queue_groups groups are unconsumed)
     → load newly published weights, if any (between batches only: a whole batch, every VIGOR
       round included, is sampled by one policy)
-    → generate and score batch b: its prompts are slice b · R + w of the seeded prompt stream
-      (R workers, this one w) and every engine call is seeded from (stages.seed, w, b, round)
+    → generate and score batch b: its prompts are ``async.prompt_range(b, w)`` of the seeded prompt
+      stream (this worker is w) and every engine call is seeded from (stages.seed, w, b, round)
     → normalise advantages per group, tag every group with the policy version, append the shard
 
 It never joins torch.distributed and never imports Megatron. It ends when the trainer's heartbeat
@@ -37,7 +37,7 @@ from megatron_mugrpo.config import RunConfig
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.generate import generate_groups
-from megatron_mugrpo.rollout.prompts import PromptRecord, load_prompts, stage_prompts
+from megatron_mugrpo.rollout.prompts import PromptRecord, load_prompts, prompt_slice
 from megatron_mugrpo.rollout.queue import QueueWriter
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 
@@ -85,17 +85,29 @@ class Worker:
             self.digest = engine_digest(self.engine, Path(path))
 
     def warm_up(self) -> None:
-        """Build the engine from ``model.hf_dir`` while the trainer sets up.
+        """Start the verifier, build the engine and read the prompts from ``model.hf_dir`` while the trainer sets up.
 
         Building an engine takes seconds (model classes, allocation); loading a publication into a
         built one takes a fraction of that, so the trainer's first update no longer waits for it.
-        Nothing is sampled before a publication has been loaded: these weights are only a start.
-        Without ``model.hf_dir`` (the demo builds its base model on the trainer) there is nothing
-        to build from yet; a path without ``config.json`` is left for the trainer to report.
+        Likewise the verifier's processes (spawned, importing math-verify: ~1 s) start now rather
+        than at the first answer the string fast path cannot decide. Nothing is sampled before a
+        publication has been loaded: these weights are only a start. Without ``model.hf_dir`` (the
+        demo builds its base model on the trainer) there is no engine to build yet; a path without
+        ``config.json`` is left for the trainer to report.
         """
+        rollout = self.cfg.rollout
+        if self.reward_fn is None:
+            self.reward_fn = build_reward(
+                rollout.reward, workers=rollout.reward_workers, timeout_s=rollout.reward_timeout_s
+            )
+            self.reward_fn.start()
         hf_dir = self.cfg.model.hf_dir
         if self.engine is None and hf_dir and (Path(hf_dir) / "config.json").is_file():
+            from transformers import AutoTokenizer
+
             self.engine = self._build_engine(hf_dir)
+            self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+            self.prompts = load_prompts(self.cfg.data, self.tokenizer, rollout.max_prompt_tokens)
 
     def _build_engine(self, path: str) -> RolloutEngine:
         overrides = {}
@@ -124,15 +136,16 @@ def run_worker(cfg: RunConfig, run_dir: Path, role: ProcessRole) -> None:
             startup_s=timeouts.startup_timeout_s,
         )
         worker = Worker(cfg=cfg, role=role, paths=paths, trainer=trainer, subscription=Subscription(paths.weights))
-        worker.warm_up()
-        first = _wait(worker, worker.first_weights)
-        if first is None:
-            return  # the trainer finished before this worker got weights: nothing left to do
-        _setup(worker)
         try:
+            worker.warm_up()
+            first = _wait(worker, worker.first_weights)
+            if first is None:
+                return  # the trainer finished before this worker got weights: nothing left to do
+            _setup(worker)
             worker_loop(worker, idle_s=first[1])
         finally:
-            worker.reward_fn.close()
+            if worker.reward_fn is not None:
+                worker.reward_fn.close()
 
 
 def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
@@ -165,8 +178,8 @@ def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
 def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
     """Batch ``batch`` of this worker, sampled and scored by the policy it holds now."""
     cfg, publication = worker.cfg, worker.subscription.current
-    position = batch * worker.role.num_workers + worker.index
-    records = stage_prompts(worker.prompts, position, cfg.async_.batch_groups, cfg.data.seed)
+    positions = cfg.async_.prompt_range(batch, worker.index)
+    records = prompt_slice(worker.prompts, positions.start, len(positions), cfg.data.seed)
     groups = generate_groups(
         engine=worker.engine,
         records=records,
@@ -184,17 +197,15 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
 
 
 def _setup(worker: Worker) -> None:
-    """Tokenizer, prompts, verifier and queue, once the first publication (an HF directory) is loaded."""
+    """Tokenizer, prompts and queue, once the first publication (an HF directory) is loaded."""
     from transformers import AutoTokenizer
 
     from conversion.hf_io import load_hf_config
 
     cfg, path = worker.cfg, worker.subscription.path(worker.subscription.current)
-    worker.tokenizer = AutoTokenizer.from_pretrained(str(path))
-    worker.prompts = load_prompts(cfg.data, worker.tokenizer, cfg.rollout.max_prompt_tokens)
-    worker.reward_fn = build_reward(
-        cfg.rollout.reward, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
-    )
+    if worker.tokenizer is None:  # else warm_up read them from model.hf_dir, whose tokenizer every publication copies
+        worker.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        worker.prompts = load_prompts(cfg.data, worker.tokenizer, cfg.rollout.max_prompt_tokens)
     vocab_size = int(load_hf_config(path)["vocab_size"])
     worker.queue = QueueWriter(worker.paths.queue, worker=worker.index, vocab_size=vocab_size)
 

@@ -278,8 +278,13 @@ def _check_report(report: PromptLoadReport, prompt_field: str, answer_field: str
 
 def stage_prompts(prompts: list[PromptRecord], stage: int, count: int, seed: int) -> list[PromptRecord]:
     """The ``count`` prompts of stage ``stage``: consecutive slices of seeded per-epoch permutations."""
+    return prompt_slice(prompts, stage * count, count, seed)
+
+
+def prompt_slice(prompts: list[PromptRecord], start: int, count: int, seed: int) -> list[PromptRecord]:
+    """Prompts ``start`` .. ``start + count - 1`` of the seeded stream: each epoch a new permutation."""
     out: list[PromptRecord] = []
-    position = stage * count
+    position = start
     while len(out) < count:
         epoch, offset = divmod(position, len(prompts))
         order = list(range(len(prompts)))

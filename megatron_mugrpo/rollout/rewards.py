@@ -65,6 +65,10 @@ class RewardFn(Protocol):
         """One (reward, reason) per response; ``answers[i]`` is the reference for ``responses[i]``."""
         ...
 
+    def start(self) -> None:
+        """Start what the first ``score`` would start (worker processes) without waiting for it."""
+        ...
+
     def close(self) -> None:
         """Free the reward's resources (worker processes)."""
         ...
@@ -267,6 +271,10 @@ class VerifierPool:
             self._expire(results)
         return results
 
+    def start(self) -> None:
+        """Start every worker now (each imports and warms up in the background); ``map`` waits for them."""
+        self._fill_workers(self.num_workers)
+
     def close(self) -> None:
         for worker in self._workers:
             self._stop(worker)
@@ -399,6 +407,9 @@ class MathReward:
         if errors:
             log.warning("checking %d answer(s) raised; scored 0, reason 'error' (first: %s)", len(errors), errors[0])
         return [(CORRECT_REWARD if r == "correct" else INCORRECT_REWARD, r) for r in reasons]
+
+    def start(self) -> None:
+        self.pool.start()
 
     def close(self) -> None:
         self.pool.close()

@@ -84,8 +84,9 @@ def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
 
 
 def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_path: Path) -> None:
-    """``Worker.warm_up`` builds the engine from model.hf_dir before any publication; loading the
-    first publication then replaces every weight (a worker never samples from the warm-up weights)."""
+    """``Worker.warm_up`` starts the verifier's processes and builds the engine from model.hf_dir
+    before any publication; loading the first publication then replaces every weight (a worker never
+    samples from the warm-up weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_mugrpo.training.model import tiny_hf_config
@@ -98,7 +99,10 @@ def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_pat
         dirs[name] = tmp_path / name
     warm = _worker(str(dirs["base"]))
     warm.warm_up()
-    assert warm.engine is not None
+    assert warm.engine is not None and warm.prompts and warm.tokenizer is not None
+    workers = warm.reward_fn.pool._workers
+    assert len(workers) == warm.cfg.rollout.reward_workers and all(w.process.is_alive() for w in workers)
+    warm.reward_fn.close()
     base_weights = {k: v.clone() for k, v in warm.engine.weights().items()}
     engine = warm.engine
     warm.load(str(dirs["publication"]))
@@ -111,6 +115,7 @@ def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_pat
     for nothing_to_build_from in ("", str(tmp_path / "missing")):  # demo base built by the trainer; a bad path
         idle = _worker(nothing_to_build_from)
         idle.warm_up()
+        idle.reward_fn.close()
         assert idle.engine is None
 
 
@@ -119,8 +124,12 @@ def _worker(hf_dir: str):
     from megatron_mugrpo.asynchronous.worker import Worker
     from megatron_mugrpo.config import load_config
 
-    rollout = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_async_cpu.yaml").rollout
+    demo = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_async_cpu.yaml")
     cfg = SimpleNamespace(
-        model=SimpleNamespace(hf_dir=hf_dir), rollout=rollout, seed=0, async_=SimpleNamespace(verify_weights=True)
+        model=SimpleNamespace(hf_dir=hf_dir),
+        rollout=demo.rollout,
+        data=demo.data,
+        seed=0,
+        async_=SimpleNamespace(verify_weights=True),
     )
     return Worker(cfg=cfg, role=None, paths=None, trainer=None, subscription=None)

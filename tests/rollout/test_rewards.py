@@ -123,6 +123,15 @@ def test_verifier_pool_kills_only_the_slow_task():
         assert pool.restarts == 1
 
 
+def test_started_pool_warms_up_before_the_first_task():
+    """``start`` spawns the workers without waiting; by the first ``map`` they may already be ready."""
+    with VerifierPool(_sleep_then_echo, workers=2, timeout_s=5.0) as pool:
+        pool.start()
+        assert len(pool._workers) == 2 and all(w.process.is_alive() for w in pool._workers)
+        assert pool.map([(0.0, 1), (0.0, 2)]) == [1, 2]
+        assert pool.restarts == 0 and len(pool._workers) == 2
+
+
 def test_registry():
     @register_reward("test_constant")
     class Constant:
@@ -131,6 +140,9 @@ def test_registry():
 
         def score(self, responses, answers):
             return [(1.0, "correct") for _ in responses]
+
+        def start(self):
+            pass
 
         def close(self):
             pass
