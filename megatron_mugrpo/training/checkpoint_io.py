@@ -13,7 +13,8 @@ unchanged. What changes is the machinery around them:
   trainer.
 - **Hash while writing, fsync once per file.** Every byte goes through the checksum on its way to the file
   (one pass over memory); the digest feeds the step directory's checksum manifest. Each file is
-  fsynced once, at its end, when ``fsync`` is on.
+  fsynced once, at its end, when ``fsync`` is on; every ``WRITEBACK_BYTES`` before that the kernel is
+  asked to start writing what came so far, so the disk works while the file is produced.
 - **No copies of views.** megatron-core clones tensors that view a larger storage (e.g. the gate and
   up halves of a fused fc1) because ``torch.save`` of a view writes the whole storage. A contiguous
   view is instead re-wrapped, without copying, as a tensor that owns exactly its bytes.
