@@ -124,7 +124,7 @@ def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """Linux's ``sync_file_range(2)`` (not in ``os``), or None where the C library lacks it."""
     try:
         function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # no such function, or no C library to open by None
         return None
     function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     function.restype = ctypes.c_int
