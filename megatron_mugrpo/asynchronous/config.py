@@ -30,8 +30,8 @@ class AsyncConfig:
     first_batch_groups: int | None = None
     """Size of a worker's first batch; each next one is twice as large, up to batch_groups. The trainer
     then starts as soon as a small batch is ready instead of waiting for a full one (large batches
-    sample faster per group, so they are worth it once the queue has a lead). None: every batch has
-    batch_groups groups."""
+    sample faster per group, so they are worth it once the queue has a lead). None, or a value of at
+    least batch_groups: every batch has batch_groups groups."""
     worker_timeout_s: float = 300.0
     """A trainer or worker whose heartbeat has not changed for this long is dead: the run stops with
     an error naming it."""
@@ -56,9 +56,9 @@ class AsyncConfig:
             require(getattr(self, name) > 0, f"async.{name}={getattr(self, name)} must be > 0")
         if self.first_batch_groups is not None:
             require(
-                1 <= self.first_batch_groups <= self.batch_groups,
-                f"async.first_batch_groups={self.first_batch_groups} must be between 1 and async.batch_groups="
-                f"{self.batch_groups} (or null: every batch has batch_groups groups)",
+                self.first_batch_groups >= 1,
+                f"async.first_batch_groups={self.first_batch_groups} must be >= 1 (or null: every batch has "
+                "batch_groups groups)",
             )
 
     def batch_size(self, batch: int) -> int:

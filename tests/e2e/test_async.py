@@ -32,6 +32,7 @@ SMALL = [
     "parallel.micro_batch_size=16",
     "rollout.max_new_tokens=40",
     "async.batch_groups=4",
+    "async.first_batch_groups=2",  # batches of 2, then 4 groups: the ramp's prompt ranges across crashes too
     "async.queue_groups=8",
     "eval.benchmarks.0.limit=16",
     "eval.benchmarks.0.k=2",
@@ -148,6 +149,8 @@ def test_async_run_streams_groups_with_bounded_lag(tmp_path: Path, base_model: P
     written = queue_records(run_dir).values()
     assert all(r["weights_digest"] and r["weights_digest"] == digests[r["publication"]] for r in written)
     assert len({r["policy_version"] for r in written}) > 1, "the worker never picked up new weights"
+    sizes = {r["batch"]: r["groups"] for r in written}  # async.first_batch_groups=2, then batch_groups=4
+    assert sizes[0] == 2 and all(groups == 4 for batch, groups in sizes.items() if batch > 0), sizes
 
     assert {p.name for p in (run_dir / "report").glob("*.png")} >= {"async_lag.png", "idle_ratio.png"}
     start_w, end_w = (
