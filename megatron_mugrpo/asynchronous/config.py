@@ -60,26 +60,3 @@ class AsyncConfig:
                 f"async.first_batch_groups={self.first_batch_groups} must be >= 1 (or null: every batch has "
                 "batch_groups groups)",
             )
-
-    def batch_size(self, batch: int) -> int:
-        """Groups in a worker's batch ``batch`` (0-based): first_batch_groups doubling up to batch_groups."""
-        first = self.first_batch_groups or self.batch_groups
-        return min(self.batch_groups, first << min(batch, 62))
-
-    def groups_before(self, batch: int) -> int:
-        """Groups one worker generates in its batches 0 .. batch - 1."""
-        ramp, total = 0, 0
-        while ramp < batch and self.batch_size(ramp) < self.batch_groups:
-            total, ramp = total + self.batch_size(ramp), ramp + 1
-        return total + (batch - ramp) * self.batch_groups
-
-    def prompt_range(self, batch: int, worker: int) -> range:
-        """Positions in the seeded prompt stream of batch ``batch`` of worker ``worker`` (of rollout_ranks).
-
-        Batch b of all workers together covers the rollout_ranks · n_b prompts after every earlier
-        batch, worker w the w-th n_b of them: each position is generated once, by a fixed (worker,
-        batch), whichever process makes it.
-        """
-        size = self.batch_size(batch)
-        start = self.rollout_ranks * self.groups_before(batch) + worker * size
-        return range(start, start + size)

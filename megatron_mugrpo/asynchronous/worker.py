@@ -6,7 +6,7 @@ dispatches by role). Its loop, one queue shard per turn::
     wait for room in the queue (workers pause while async.queue_groups groups are unconsumed)
     → load newly published weights, if any (between batches only: a whole batch, every VIGOR
       round included, is sampled by one policy)
-    → generate and score batch b: its prompts are ``async.prompt_range(b, w)`` of the seeded prompt
+    → generate and score batch b: its prompts are ``batches.prompt_range(async, b, w)`` of the seeded prompt
       stream (this worker is w) and every engine call is seeded from (stages.seed, w, b, round)
     → normalise advantages per group, tag every group with the policy version, append the shard
 
@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from megatron_mugrpo.algorithms.advantages import assign_advantages
+from megatron_mugrpo.asynchronous.batches import prompt_range
 from megatron_mugrpo.asynchronous.files import AsyncPaths
 from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer
 from megatron_mugrpo.asynchronous.publish import Subscription, engine_digest
@@ -178,7 +179,7 @@ def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
 def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
     """Batch ``batch`` of this worker, sampled and scored by the policy it holds now."""
     cfg, publication = worker.cfg, worker.subscription.current
-    positions = cfg.async_.prompt_range(batch, worker.index)
+    positions = prompt_range(cfg.async_, batch, worker.index)
     records = prompt_slice(worker.prompts, positions.start, len(positions), cfg.data.seed)
     groups = generate_groups(
         engine=worker.engine,

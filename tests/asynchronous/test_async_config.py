@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_mugrpo.asynchronous.batches import batch_size, prompt_range
 from megatron_mugrpo.config import ConfigError, config_from_dict, load_config, save_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -66,12 +67,12 @@ def test_worker_batches_ramp_up_and_cover_the_prompt_stream_once(first: int | No
     ramp = f"async.first_batch_groups={'null' if first is None else first}"
     overrides = ["mode=async", "async.rollout_ranks=3", ramp]
     cfg = load_config(None, overrides).async_
-    assert [cfg.batch_size(b) for b in range(len(sizes))] == sizes
+    assert [batch_size(cfg, b) for b in range(len(sizes))] == sizes
     covered = []
     for batch in range(len(sizes) + 3):
         for worker in range(3):
-            positions = cfg.prompt_range(batch, worker)
-            assert len(positions) == cfg.batch_size(batch)
+            positions = prompt_range(cfg, batch, worker)
+            assert len(positions) == batch_size(cfg, batch)
             covered += positions
             if first is None or first >= cfg.batch_groups:
                 assert positions.start == (batch * 3 + worker) * cfg.batch_groups
