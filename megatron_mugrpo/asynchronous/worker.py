@@ -104,11 +104,15 @@ class Worker:
             self.reward_fn.start()
         hf_dir = self.cfg.model.hf_dir
         if self.engine is None and hf_dir and (Path(hf_dir) / "config.json").is_file():
-            from transformers import AutoTokenizer
-
             self.engine = self._build_engine(hf_dir)
-            self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-            self.prompts = load_prompts(self.cfg.data, self.tokenizer, rollout.max_prompt_tokens)
+            self.read_prompts(hf_dir)
+
+    def read_prompts(self, hf_dir: str | Path) -> None:
+        """The tokenizer of ``hf_dir`` (the base model's, which every publication copies) and the prompts."""
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+        self.prompts = load_prompts(self.cfg.data, self.tokenizer, self.cfg.rollout.max_prompt_tokens)
 
     def _build_engine(self, path: str) -> RolloutEngine:
         overrides = {}
@@ -199,14 +203,11 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
 
 def _setup(worker: Worker) -> None:
     """Tokenizer, prompts and queue, once the first publication (an HF directory) is loaded."""
-    from transformers import AutoTokenizer
-
     from conversion.hf_io import load_hf_config
 
-    cfg, path = worker.cfg, worker.subscription.path(worker.subscription.current)
-    if worker.tokenizer is None:  # else warm_up read them from model.hf_dir, whose tokenizer every publication copies
-        worker.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        worker.prompts = load_prompts(cfg.data, worker.tokenizer, cfg.rollout.max_prompt_tokens)
+    path = worker.subscription.path(worker.subscription.current)
+    if worker.tokenizer is None:  # else warm_up read them from model.hf_dir
+        worker.read_prompts(path)
     vocab_size = int(load_hf_config(path)["vocab_size"])
     worker.queue = QueueWriter(worker.paths.queue, worker=worker.index, vocab_size=vocab_size)
 

@@ -574,8 +574,9 @@ def _read_manifest(step_dir: Path) -> tuple[str, dict[str, dict[str, Any]]]:
             raise ValueError(f"format {manifest.get('format')!r}")
         if algorithm not in checkpoint_io.CHECKSUMS:
             raise ValueError(f"checksum algorithm {algorithm!r} is not one of {sorted(checkpoint_io.CHECKSUMS)}")
-        files = {
-            name: {"checksum": entry.get("checksum", entry.get(algorithm)), **entry} for name, entry in files.items()
+        files = {  # earlier manifests key the digest by the algorithm's name
+            name: {"checksum": entry.get("checksum", entry.get(algorithm)), "bytes": entry["bytes"]}
+            for name, entry in files.items()
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path} is missing or unreadable ({exc}); {step_dir} cannot be verified") from exc
