@@ -37,11 +37,11 @@ import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_mugrpo.config import RolloutConfig
+from megatron_mugrpo.durable import Checksum
 from megatron_mugrpo.rollout.generate import generate_stage
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.rewards import build_reward
-from megatron_mugrpo.rollout.store import file_sha256
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
 
@@ -152,7 +152,7 @@ def free_port() -> int:
 def checksums(store_dir: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(store_dir.glob("shard_*.arrow")):
-        digest.update(file_sha256(path).encode())
+        digest.update(Checksum.of_file(path).hexdigest.encode())
     return digest.hexdigest()
 
 

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from conversion.errors import ConversionError
 from conversion.mappings import IGNORED_HF_SUFFIXES, expected_hf_shapes, expected_hf_tensors
+from megatron_mugrpo import durable
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -204,22 +205,37 @@ def check_output_dir(out_dir: str | Path) -> Path:
 
 
 @contextmanager
-def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
+def atomic_output_dir(out_dir: str | Path, *, fsync: bool = False) -> Iterator[Path]:
     """A temporary sibling directory that becomes ``out_dir`` only when the block succeeds.
 
     On failure the temporary directory is removed, so no partial output ever sits at ``out_dir``.
+    ``fsync``: every file and directory in it is made durable before the rename, and the rename after,
+    so that a record naming ``out_dir`` can be trusted after a power loss.
     """
     out = check_output_dir(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        if fsync:
+            _fsync_tree(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above): os.replace needs it gone
-        os.replace(tmp, out)
+        durable.replace(tmp, out, fsync=fsync)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory (deepest first), then ``root``. Files fsynced while they
+    were written cost nothing here: they hold no dirty pages."""
+    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
+        if path.is_dir():
+            durable.fsync_dir(path)
+        else:
+            durable.fsync_file(path)
+    durable.fsync_dir(root)
 
 
 class _PinnedStaging:
@@ -305,7 +321,7 @@ class _ShardFile:
             if fsync:
                 dst.flush()
                 os.fsync(dst.fileno())
-        os.replace(moved, self.path)
+        durable.replace(moved, self.path, fsync=fsync)
 
 
 def header_budget(hf_config: dict[str, Any]) -> int:
@@ -372,10 +388,11 @@ def save_hf_dir(
     ``named_tensors`` is consumed as a stream (e.g. ``export_hf(...)`` on the writing rank): each
     tensor is written before the next is requested, so tensors that view live memory are fine.
     Tensors are saved in the dtype they arrive in. ``out_dir`` must not exist or be empty; it appears
-    only complete. ``fsync``: make the weight files durable before the directory is renamed (off by
-    default, as in ``transformers``' ``save_pretrained``).
+    only complete. ``fsync``: make every file durable before the directory is renamed, and the rename
+    before this returns (off by default, as in ``transformers``' ``save_pretrained``; on for a
+    directory that a pointer will name).
     """
-    with atomic_output_dir(out_dir) as tmp:
+    with atomic_output_dir(out_dir, fsync=fsync) as tmp:
         weight_map = _write_shards(named_tensors, tmp, shard_bytes, header_budget(hf_config), fsync=fsync)
         if not weight_map:
             raise ConversionError("save_hf_dir: the tensor stream was empty; nothing to save")

@@ -24,10 +24,9 @@ the rollout store's row format). A run killed and resumed equals an uninterrupte
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow.parquet as pq
 import torch.distributed as dist
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.algorithms.replay import (
     GroupKey,
     GroupScore,
@@ -48,7 +48,8 @@ from megatron_mugrpo.algorithms.replay import (
 )
 from megatron_mugrpo.config import RunConfig
 from megatron_mugrpo.records import RolloutGroup, collate
-from megatron_mugrpo.rollout.store import SCHEMA, RolloutStore, file_sha256, groups_to_table, row_to_group
+from megatron_mugrpo.rollout.shards import SCHEMA, groups_to_table, row_to_group
+from megatron_mugrpo.rollout.store import RolloutStore
 from megatron_mugrpo.training.checkpoint import CheckpointError
 from megatron_mugrpo.training.stage_reference import OldLogprobs
 from megatron_mugrpo.training.stage_reference import minibatch as fresh_minibatch
@@ -230,30 +231,32 @@ def save_replay(state: ReplayState, step_dir: Path) -> None:
     out = step_dir / REPLAY_DIR
     out.mkdir(parents=True, exist_ok=True)
     copies = [e.group for e in state.buffer.entries() if e.group is not None]
-    groups_sha256 = None
-    if copies:
-        pq.write_table(groups_to_table(copies), out / GROUPS_FILE)
-        groups_sha256 = file_sha256(out / GROUPS_FILE)
+    groups_checksum = None
+    if copies:  # durable before state.json, which names it
+        with durable.atomic_path(out / GROUPS_FILE) as tmp:
+            pq.write_table(groups_to_table(copies), tmp)
+        groups_checksum = asdict(durable.Checksum.of_file(out / GROUPS_FILE))
     plan = (
         None if state.plan is None else {"stage": state.plan.stage, "accepted": [list(k) for k in state.plan.accepted]}
     )
-    record = {"format": FORMAT, "buffer": state.buffer.state_dict(), "plan": plan, "groups_sha256": groups_sha256}
-    tmp = out / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, out / STATE_FILE)
+    record = {"format": FORMAT, "buffer": state.buffer.state_dict(), "plan": plan, "groups_checksum": groups_checksum}
+    durable.atomic_write_json(out / STATE_FILE, record, indent=None)
 
 
 def load_replay(replay_dir: Path, capacity: int) -> ReplayState:
     """Inverse of ``save_replay``; CheckpointError when the files are missing, altered or of another format."""
     record = _read_state(replay_dir)
     copies: list[RolloutGroup] = []
-    if record["groups_sha256"] is not None:
+    checksum = _groups_checksum(record)
+    if checksum is not None:
         path = replay_dir / GROUPS_FILE
-        if not path.is_file() or file_sha256(path) != record["groups_sha256"]:
+        try:
+            checksum.verify_file(path, "replay copies")
+        except (OSError, durable.ChecksumError) as exc:
             raise CheckpointError(
-                f"{path} is missing or does not match its sha256 in {STATE_FILE}; the checkpoint's replay buffer "
-                "is corrupted: resume from an older checkpoint"
-            )
+                f"{path} is missing or does not match its checksum in {STATE_FILE} ({exc}); the checkpoint's "
+                "replay buffer is corrupted: resume from an older checkpoint"
+            ) from exc
         copies = [row_to_group(row) for row in pq.read_table(path, schema=SCHEMA).to_pylist()]
     buffer = ReplayBuffer.from_state_dict(record["buffer"], copies, capacity=capacity)
     plan = record["plan"]
@@ -261,6 +264,15 @@ def load_replay(replay_dir: Path, capacity: int) -> ReplayState:
         buffer=buffer,
         plan=None if plan is None else StagePlan(stage=plan["stage"], accepted=[tuple(k) for k in plan["accepted"]]),
     )
+
+
+def _groups_checksum(record: dict[str, Any]) -> durable.Checksum | None:
+    """The copies' checksum in state.json (``groups_sha256``, a bare hex digest, in earlier checkpoints)."""
+    if record.get("groups_checksum") is not None:
+        return durable.Checksum.from_json(record["groups_checksum"])
+    if record.get("groups_sha256") is not None:
+        return durable.Checksum("sha256", record["groups_sha256"])
+    return None
 
 
 def _read_state(replay_dir: Path) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.config import RunConfig, save_config
 from megatron_mugrpo.errors import InputError
 
@@ -176,10 +177,10 @@ def record_config(cfg: RunConfig, run_dir: Path, *, event: str) -> None:
     history = read_history(run_dir) or {"entries": []}
     history["entries"].append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": event})
     history["config"] = cfg.to_dict()
-    _write_atomically(run_dir / HISTORY_FILE, json.dumps(history, indent=2) + "\n")
+    durable.atomic_write_json(run_dir / HISTORY_FILE, history, indent=2)
     draft = run_dir / (CONFIG_FILE + ".draft")
     save_config(cfg, draft)
-    _write_atomically(run_dir / CONFIG_FILE, _config_header(history["entries"]) + draft.read_text())
+    durable.atomic_write_text(run_dir / CONFIG_FILE, _config_header(history["entries"]) + draft.read_text())
     draft.unlink()
 
 
@@ -192,9 +193,3 @@ def _config_header(entries: list[dict[str, str]]) -> str:
     ]
     lines += [f"#   {entry['time']}  {entry['event']}" for entry in entries]
     return "\n".join(lines) + "\n"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

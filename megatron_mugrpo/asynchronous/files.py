@@ -1,32 +1,21 @@
 """Small files that processes on different ranks (or nodes) read while others rewrite them.
 
-Every such file is written to a temporary name, flushed, and renamed over the old one, so a reader
-sees the old content or the new, never half of it; a writer killed mid-write leaves a ``.tmp`` file
-that nobody reads.
+Every such file is replaced atomically and durably (``durable.atomic_write_json``): a reader sees the
+old content or the new, never half of it; a writer killed mid-write leaves a ``.tmp`` file that
+nobody reads.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-TMP_SUFFIX = ".tmp"
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Replace ``path`` with ``data`` in one rename (the temporary is fsynced first)."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "wb") as handle:
-        handle.write(data.encode() if isinstance(data, str) else data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+from megatron_mugrpo import durable
 
 
 def write_json(path: Path, value: Any) -> None:
-    write_atomic(path, json.dumps(value, indent=1, sort_keys=True) + "\n")
+    durable.atomic_write_json(path, value, sort_keys=True)
 
 
 def read_json(path: Path) -> Any:

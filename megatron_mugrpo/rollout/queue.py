@@ -5,15 +5,15 @@ Layout of the queue directory (``RUN_DIR/rollouts/queue``)::
 
     w000_b0000012.arrow    batch 12 of worker 0: its prompt groups, one row each (the rollout store's
                            SCHEMA, as an Arrow IPC file)
-    w000_b0000012.json     the shard's record, written last: sha256, groups, behaviour policy version,
+    w000_b0000012.json     the shard's record, written last: checksum, groups, behaviour policy version,
                            summable statistics, and the worker's idle / weight-load / generation seconds
     cursor.json            the trainer's progress: groups consumed so far (the workers' queue bound)
 
 A worker validates a batch with the rollout store's checks, writes the shard and then its record,
-each under a temporary name renamed into place: a shard exists for readers exactly when its record
-does. A worker killed mid-write leaves temporaries or a shard without a record; when it restarts it
-deletes them and continues at its next batch index, so nothing half-written is ever read. Workers
-pause while ``written − consumed`` groups reach ``async.queue_groups``.
+each under a temporary name, fsynced and renamed into place (``durable``): a shard exists for readers
+exactly when its record does, also after a power loss. A worker killed mid-write leaves temporaries
+or a shard without a record; when it restarts it deletes them and continues at its next batch index,
+so nothing half-written is ever read. Workers pause while ``written − consumed`` groups reach ``async.queue_groups``.
 
 The trainer (``QueueReader``, trainer rank 0) admits recorded shards in the order their records
 appeared (the record's modification time, then its name) and appends their names to the cursor;
@@ -39,19 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
-from megatron_mugrpo.asynchronous.files import TMP_SUFFIX, read_json, write_json
+from megatron_mugrpo import durable
+from megatron_mugrpo.asynchronous.files import read_json, write_json
 from megatron_mugrpo.records import RolloutGroup
-from megatron_mugrpo.rollout.store import (
-    SCHEMA,
-    StoreError,
-    file_sha256,
-    groups_to_table,
-    row_to_group,
-    shard_stats,
-    validate_group,
-)
+from megatron_mugrpo.rollout.shards import StoreError, map_shard, row_to_group, write_shard
+from megatron_mugrpo.rollout.store import shard_stats, validate_group
 
 FORMAT = "megatron_mugrpo.rollout_queue/1"
 CURSOR_FILE = "cursor.json"
@@ -73,7 +65,8 @@ class ShardRecord:
     batch: int
     groups: int
     responses: int
-    sha256: str
+    checksum: durable.Checksum
+    """Of the shard file (records written before checksums named their algorithm hold ``sha256``)."""
     policy_version: int
     """Trainer updates behind the weights that generated every group of the shard."""
     stats: dict[str, float] = field(default_factory=dict)
@@ -185,20 +178,17 @@ class RecordIndex:
 def _record(values: dict[str, Any], path: Path) -> ShardRecord:
     if values.get("format") != FORMAT:
         raise StoreError(f"{path}: format {values.get('format')!r} is not {FORMAT!r}; not a rollout queue record")
-    return ShardRecord(**values)
+    checksum, rest = durable.Checksum.split_record(values)
+    return ShardRecord(**rest, checksum=checksum)
 
 
 def read_shard(queue_dir: Path, record: ShardRecord) -> list[RolloutGroup]:
-    """The groups of a recorded shard, after checking its sha256."""
+    """The groups of a recorded shard, after checking its checksum."""
     path = queue_dir / (record.name + SHARD_SUFFIX)
-    if not path.is_file():
-        raise StoreError(f"queue shard {path} is missing although its record exists; the queue was modified")
-    if file_sha256(path) != record.sha256:
-        raise StoreError(f"queue shard {path} does not match the sha256 in its record (corrupted or modified)")
-    with pa.memory_map(str(path)) as source:
-        table = pa.ipc.open_file(source).read_all()
-    if table.schema != SCHEMA or table.num_rows != record.groups:
-        raise StoreError(f"queue shard {path} holds {table.num_rows} rows of another schema than its record says")
+    try:
+        table = map_shard(path, groups=record.groups, checksum=record.checksum)
+    except StoreError as exc:
+        raise StoreError(f"rollout queue: {exc}; the queue directory was modified or damaged") from exc
     return [row_to_group(row) for row in table.to_pylist()]
 
 
@@ -230,7 +220,7 @@ class QueueWriter:
         done = [r.batch for r in self.index.records.values() if r.worker == self.worker]
         for path in self.queue_dir.glob(prefix + "*"):
             stem = path.name.split(".")[0]
-            if path.name.endswith(TMP_SUFFIX) or stem not in self.index.records:
+            if path.name.endswith(durable.TMP_SUFFIX) or stem not in self.index.records:
                 path.unlink(missing_ok=True)
         return max(done, default=-1) + 1
 
@@ -249,18 +239,14 @@ class QueueWriter:
         if len(versions) != 1:
             raise StoreError(f"worker {self.worker} batch {batch} mixes policy versions {sorted(versions)}")
         name = shard_name(self.worker, batch)
-        path = self.queue_dir / (name + SHARD_SUFFIX)
-        tmp = path.with_name(path.name + TMP_SUFFIX)
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
-            writer.write_table(groups_to_table(groups))
-        os.replace(tmp, path)
+        checksum = write_shard(self.queue_dir / (name + SHARD_SUFFIX), groups)
         info = ShardRecord(
             name=name,
             worker=self.worker,
             batch=batch,
             groups=len(groups),
             responses=sum(len(g.samples) for g in groups),
-            sha256=file_sha256(path),
+            checksum=checksum,
             policy_version=versions.pop(),
             stats=shard_stats(groups),
             **record,

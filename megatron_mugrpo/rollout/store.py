@@ -6,7 +6,7 @@ Layout of a store directory::
     manifest.json        format, stage, policy version, engine, sampling params, counts, prompts
                          fingerprint; once sealed also every shard's record and ``complete: true``
     shard_00000.arrow    Arrow IPC file (uncompressed), one row per prompt group (RolloutGroup)
-    shard_00000.json     the shard's record: sha256, group/response counts, summable statistics
+    shard_00000.json     the shard's record: checksum, group/response counts, summable statistics
     shard_00000.claim    while a host generates shard 0: which host took it (removed when sealed)
 
 Shard i holds the stage's groups [i·S, (i+1)·S) (S = shard_groups) and is sampled with seeds that
@@ -16,16 +16,19 @@ produced it.
 Writing, by every engine host at once (``rollout/generate.py`` drives it):
 
 1. The coordinator (global rank 0) calls ``prepare_store``. It creates the manifest, or checks that
-   the existing one describes the same stage; verifies every shard already written (sha256,
+   the existing one describes the same stage; verifies every shard already written (checksum,
    streamed); deletes what is damaged (a bad or missing shard of a complete store is dropped and the
    manifest marked incomplete, so the shard is generated again, bitwise equal on CPU); and deletes
    every claim and temporary file left behind. The returned plan lists the shards to generate.
 2. After a barrier, each host takes shards with ``ShardWriter.claim``, an exclusive create
    (``O_CREAT | O_EXCL``), so a faster host simply takes more, and writes each with
-   ``ShardWriter.write_shard``: the shard file, then its record, each under a temporary name and
-   renamed.
+   ``ShardWriter.write_shard``: the shard file, then its record, each under a temporary name,
+   fsynced and renamed (``durable``): a record never names a shard that a power loss could take.
 3. After a second barrier the coordinator calls ``seal_store``: it verifies every recorded shard and
    rewrites the manifest with the records and ``complete: true`` (temporary file + rename).
+
+Checksums are xxHash3-128; records and manifests written with SHA-256 (the ``sha256`` field of
+earlier versions) still verify.
 
 Why every claim found in step 1 is stale: claims are only taken between the barriers of steps 1
 and 3 of one generation, a run directory serves one run at a time, and the coordinator reaches
@@ -36,12 +39,10 @@ leaves temporary files and stale claims, never a half-written shard under its fi
 Reading: ``RolloutStore.open`` refuses an unsealed store and maps every shard with
 ``pyarrow.memory_map``; the tables point into the page cache and a rank materialises only the rows
 of the minibatches it asks for, so its memory does not grow with D_k (``verify=True`` also streams
-every shard through sha256). ``RolloutStore.minibatch(update_index, mini_groups, seed)`` returns the
+every shard through its checksum). ``RolloutStore.minibatch(update_index, mini_groups, seed)`` returns the
 groups of one optimizer update from a seeded permutation: random access by update index, no
-iterator state, so a resumed run sees exactly the same data.
-
-Behaviour log-probs are stored as float32 (the precision the trainer uses; engines produce float32),
-token ids as int32, rewards and advantages as float64.
+iterator state, so a resumed run sees exactly the same data. The shard format itself (columns,
+dtypes) lives in ``rollout.shards``.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from megatron_mugrpo.errors import InputError
+from megatron_mugrpo import durable
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
+from megatron_mugrpo.rollout.shards import StoreError, map_shard, row_to_group, write_shard
 
 FORMAT = "megatron_mugrpo.rollout_store/2"
 """Version 1 stored Parquet shards listed by one writer; such a store is refused (delete it to regenerate)."""
@@ -69,32 +71,7 @@ MANIFEST = "manifest.json"
 SHARD_PATTERN = "shard_{:05d}.arrow"
 RECORD_PATTERN = "shard_{:05d}.json"
 CLAIM_PATTERN = "shard_{:05d}.claim"
-TMP_SUFFIX = ".tmp"
 FINISH_REASONS = ("stop", "length")
-_HASH_CHUNK_BYTES = 1 << 20
-"""sha256 reads this much at a time: hashing never holds a shard in memory."""
-
-SCHEMA = pa.schema(
-    [
-        ("prompt_id", pa.string()),
-        ("prompt_ids", pa.list_(pa.int32())),
-        ("answer", pa.string()),
-        ("stage", pa.int32()),
-        ("policy_version", pa.int64()),
-        ("response_ids", pa.list_(pa.list_(pa.int32()))),
-        ("behaviour_logprobs", pa.list_(pa.list_(pa.float32()))),
-        ("reward", pa.list_(pa.float64())),
-        ("reward_reason", pa.list_(pa.string())),
-        ("advantage", pa.list_(pa.float64())),
-        ("finish_reason", pa.list_(pa.string())),
-    ]
-)
-
-
-class StoreError(InputError, RuntimeError):
-    """The rollout store is invalid, incomplete or corrupted, or refuses invalid data.
-
-    The message says how to fix it."""
 
 
 @dataclass(kw_only=True)
@@ -103,11 +80,17 @@ class ShardInfo:
 
     index: int
     file: str
-    sha256: str
+    checksum: durable.Checksum
     groups: int
     responses: int
     stats: dict[str, float] = field(default_factory=dict)
     """Summable statistics of the shard (see ``shard_stats``), so metrics never need a re-read."""
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> ShardInfo:
+        """A record as ``dataclasses.asdict`` wrote it; one of earlier versions holds a bare ``sha256``."""
+        checksum, rest = durable.Checksum.split_record(values)
+        return cls(**rest, checksum=checksum)
 
 
 @dataclass(kw_only=True)
@@ -160,7 +143,7 @@ class StoreManifest:
                 "regenerate it"
             )
         fields = {k: v for k, v in data.items() if k not in ("num_prompts", "num_responses", "shards")}
-        return cls(**fields, shards=[ShardInfo(**s) for s in data["shards"]])
+        return cls(**fields, shards=[ShardInfo.from_json(s) for s in data["shards"]])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -230,58 +213,6 @@ def shard_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Row conversion
-# ---------------------------------------------------------------------------------------------------
-
-
-def groups_to_table(groups: Sequence[RolloutGroup]) -> pa.Table:
-    """One Arrow row per group (see SCHEMA)."""
-    columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
-    for g in groups:
-        columns["prompt_id"].append(g.prompt_id)
-        columns["prompt_ids"].append(g.prompt_ids)
-        columns["answer"].append(g.answer)
-        columns["stage"].append(g.stage)
-        columns["policy_version"].append(g.policy_version)
-        for name, attr in _SAMPLE_COLUMNS:
-            columns[name].append([getattr(s, attr) for s in g.samples])
-    return pa.Table.from_pydict(columns, schema=SCHEMA)
-
-
-_SAMPLE_COLUMNS = (
-    ("response_ids", "response_ids"),
-    ("behaviour_logprobs", "behaviour_logprobs"),
-    ("reward", "reward"),
-    ("reward_reason", "reward_reason"),
-    ("advantage", "advantage"),
-    ("finish_reason", "finish_reason"),
-)
-
-
-def row_to_group(row: dict[str, Any]) -> RolloutGroup:
-    """Inverse of one row of ``groups_to_table``."""
-    samples = [
-        RolloutSample(
-            response_ids=ids,
-            behaviour_logprobs=lps,
-            finish_reason=finish,
-            reward=reward,
-            reward_reason=reason,
-            advantage=adv,
-        )
-        for ids, lps, reward, reason, adv, finish in zip(*(row[name] for name, _ in _SAMPLE_COLUMNS))
-    ]
-    return RolloutGroup(
-        prompt_id=row["prompt_id"],
-        prompt_ids=row["prompt_ids"],
-        answer=row["answer"],
-        samples=samples,
-        stage=row["stage"],
-        policy_version=row["policy_version"],
-    )
-
-
-# ---------------------------------------------------------------------------------------------------
 # Files
 # ---------------------------------------------------------------------------------------------------
 
@@ -292,24 +223,6 @@ def prompts_fingerprint(prompts: Iterable[tuple[str, Sequence[int], str]]) -> st
     for prompt_id, prompt_ids, answer in prompts:
         digest.update(json.dumps([prompt_id, list(prompt_ids), answer]).encode())
     return digest.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, streamed in 1 MiB reads (memory stays flat however large the shard)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_manifest(store_dir: str | Path) -> StoreManifest | None:
@@ -334,15 +247,15 @@ def _read_record(store_dir: Path, index: int) -> ShardInfo | None:
     """Shard ``index``'s record, or None when it has none (never written, or dropped)."""
     path = store_dir / RECORD_PATTERN.format(index)
     try:
-        return ShardInfo(**json.loads(path.read_text()))
+        return ShardInfo.from_json(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, TypeError):
+    except (json.JSONDecodeError, TypeError, durable.ChecksumError):
         return None  # a record is renamed into place whole; an unreadable one is treated as absent
 
 
 def _write_record(store_dir: Path, info: ShardInfo) -> None:
-    _write_atomic_text(store_dir / RECORD_PATTERN.format(info.index), json.dumps(asdict(info), indent=1))
+    durable.atomic_write_json(store_dir / RECORD_PATTERN.format(info.index), asdict(info))
 
 
 def _shard_problem(store_dir: Path, info: ShardInfo, expected_groups: int) -> str:
@@ -352,8 +265,10 @@ def _shard_problem(store_dir: Path, info: ShardInfo, expected_groups: int) -> st
         return f"shard {path} is missing"
     if info.groups != expected_groups:
         return f"shard {path} records {info.groups} groups, the stage's shard {info.index} has {expected_groups}"
-    if file_sha256(path) != info.sha256:
-        return f"shard {path} does not match its recorded sha256 (corrupted or modified)"
+    try:
+        info.checksum.verify_file(path, "shard")
+    except durable.ChecksumError as exc:
+        return str(exc)
     return ""
 
 
@@ -363,7 +278,7 @@ def _drop_shard(store_dir: Path, index: int) -> None:
 
 
 def _save_manifest(store_dir: Path, manifest: StoreManifest) -> None:
-    _write_atomic_text(store_dir / MANIFEST, json.dumps(manifest.to_json(), indent=1))
+    durable.atomic_write_json(store_dir / MANIFEST, manifest.to_json())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -461,7 +376,7 @@ def _remove_leftovers(store_dir: Path, keep: set[int]) -> None:
     """Delete claims, temporary files, and shard files or records of shards that are not kept."""
     for path in store_dir.iterdir():
         name = path.name
-        if name.endswith((TMP_SUFFIX, ".claim")):
+        if name.endswith((durable.TMP_SUFFIX, ".claim")):
             path.unlink(missing_ok=True)
         elif name.startswith("shard_") and name.endswith((".arrow", ".json")):
             index = name[len("shard_") :].split(".")[0]
@@ -483,7 +398,7 @@ def _check_same_identity(
 
 
 class ShardWriter:
-    """One host's writer: claims shards and writes each (shard file, then its record, both atomically)."""
+    """One host's writer: claims shards and writes each (shard file, then its record, both durably)."""
 
     def __init__(self, store_dir: str | Path, manifest: StoreManifest):
         self.store_dir, self.manifest = Path(store_dir), manifest
@@ -525,16 +440,10 @@ class ShardWriter:
                     f"policy version {self.manifest.policy_version}"
                 )
         name = SHARD_PATTERN.format(index)
-        path = self.store_dir / name
-        tmp = path.with_name(name + TMP_SUFFIX)
-        table = groups_to_table(groups)
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as ipc:
-            ipc.write_table(table)
-        os.replace(tmp, path)
         info = ShardInfo(
             index=index,
             file=name,
-            sha256=file_sha256(path),
+            checksum=write_shard(self.store_dir / name, groups),
             groups=len(groups),
             responses=sum(len(g.samples) for g in groups),
             stats=shard_stats(groups),
@@ -619,7 +528,7 @@ class RolloutStore:
 
     @classmethod
     def open(cls, store_dir: str | Path, *, verify: bool = True) -> RolloutStore:
-        """Open a sealed store; with ``verify`` every shard's sha256 is checked (streamed) first."""
+        """Open a sealed store; with ``verify`` every shard's checksum is checked (streamed) first."""
         store_dir = Path(store_dir)
         manifest = read_manifest(store_dir)
         if manifest is None:
@@ -669,12 +578,10 @@ class RolloutStore:
         """Shard ``position``'s table, mapped on first use (opening a store touches no shard)."""
         if position not in self._mapped:
             info = self.manifest.shards[position]
-            table = _map_shard(self.store_dir / info.file)
-            if table.num_rows != info.groups:
-                raise StoreError(
-                    f"{self.store_dir / info.file} holds {table.num_rows} groups, its record {info.groups}"
-                )
-            self._mapped[position] = table
+            try:
+                self._mapped[position] = map_shard(self.store_dir / info.file, groups=info.groups)
+            except StoreError as exc:
+                raise StoreError(f"{exc}; rerun the stage to regenerate it") from exc
         return self._mapped[position]
 
     def updates_per_epoch(self, mini_groups: int) -> int:
@@ -700,17 +607,6 @@ class RolloutStore:
     def minibatch(self, update_index: int, mini_groups: int, seed: int) -> list[RolloutGroup]:
         """The ``mini_groups`` groups of optimizer update ``update_index`` of this stage (deterministic)."""
         return self.groups(self.minibatch_indices(update_index, mini_groups, seed))
-
-
-def _map_shard(path: Path) -> pa.Table:
-    """A shard's table backed by a read-only memory map (no copy: pages load when rows are read)."""
-    try:
-        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        if not reader.schema.equals(SCHEMA):
-            raise StoreError(f"{path} has columns {reader.schema.names}, not the rollout store's {SCHEMA.names}")
-        return reader.read_all()
-    except pa.ArrowInvalid as exc:
-        raise StoreError(f"{path} is not a readable Arrow file ({exc}); rerun the stage to regenerate it") from exc
 
 
 def store_metrics(manifest: StoreManifest, prefix: str = "rollout/") -> dict[str, float]:

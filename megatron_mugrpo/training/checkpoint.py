@@ -43,7 +43,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import random
 import shutil
 from collections.abc import Callable, Collection
@@ -61,6 +60,7 @@ from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training import checkpoint_io
@@ -74,7 +74,7 @@ FORMAT = "megatron_mugrpo.checkpoint.v1"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "megatron_mugrpo.checkpoint.manifest.v1"
 STEP_FORMAT = "step_{:08d}"
-TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = durable.TMP_SUFFIX
 LATEST = "latest"
 MIN_KEEP_LAST = 2
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -407,7 +407,7 @@ class CheckpointSaver:
         buffer = io.BytesIO()
         torch.save(_rng_state(), buffer)
         relative = f"rng/rank_{self.groups.rank:05d}.pt"
-        checkpoint_io.write_file(tmp / relative, buffer.getvalue(), fsync=self.fsync)
+        durable.atomic_write_bytes(tmp / relative, buffer.getvalue(), fsync=self.fsync)
         return checkpoint_io.bytes_digest(relative, buffer.getvalue())
 
     def poll(self) -> list[Path]:
@@ -470,9 +470,7 @@ class _Publication:
         gathered = [d for rank_digests in _all_gather(digests) for d in rank_digests]
         if self.saver.groups.rank == 0:
             fsync = self.saver.fsync
-            checkpoint_io.write_file(
-                self.tmp / "metadata.json", json.dumps(self.metadata, indent=2, default=str).encode(), fsync=fsync
-            )
+            durable.atomic_write_json(self.tmp / "metadata.json", self.metadata, indent=2, default=str, fsync=fsync)
             write_manifest(self.tmp, gathered, fsync=fsync)
             _publish(self.saver.root, self.tmp, self.final, self.saver.keep_last, self.keep, fsync=fsync)
         _barrier()
@@ -491,29 +489,23 @@ def write_manifest(step_dir: Path, known: list[FileDigest], *, fsync: bool) -> N
             raise CheckpointError(f"cannot read {path} to checksum it: {result}")
         files[path.relative_to(step_dir).as_posix()] = {"checksum": result[0], "bytes": result[1]}
         if fsync:
-            _fsync_file(path)
+            durable.fsync_file(path)
     manifest = {"format": MANIFEST_FORMAT, "algorithm": checkpoint_io.CHECKSUM, "files": dict(sorted(files.items()))}
-    checkpoint_io.write_file(step_dir / MANIFEST, json.dumps(manifest, indent=1).encode(), fsync=fsync)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as stream:
-        os.fsync(stream.fileno())
+    durable.atomic_write_json(step_dir / MANIFEST, manifest, fsync=fsync)
 
 
 def _publish(root: Path, tmp: Path, final: Path, keep_last: int, keep: Collection[int], *, fsync: bool) -> None:
-    """Rank 0: rename tmp → final, point ``latest`` at it (atomic replace), prune old and stale ones."""
+    """Rank 0: rename tmp → final, point ``latest`` at it (atomic replace), prune old and stale ones.
+
+    With ``fsync`` every file is already durable; the directories are fsynced before the rename and
+    the rename before ``latest`` is written, so ``latest`` never names a step a power loss could undo."""
     if fsync:
         for directory in (tmp, *(p for p in tmp.iterdir() if p.is_dir())):
-            checkpoint_io.fsync_dir(directory)
+            durable.fsync_dir(directory)
     if final.exists():  # re-saving a step: the new copy replaces the old one
         shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer_tmp = root / (LATEST + TMP_SUFFIX)
-    checkpoint_io.write_file(pointer_tmp, (final.name + "\n").encode(), fsync=fsync)
-    os.replace(pointer_tmp, root / LATEST)
-    if fsync:
-        checkpoint_io.fsync_dir(root)
+    durable.replace(tmp, final, fsync=fsync)
+    durable.atomic_write_text(root / LATEST, final.name + "\n", fsync=fsync)
     protected = {step_dir_name(step) for step in keep}
     for old in _complete_steps(root)[:-keep_last]:
         if old.name not in protected:
@@ -572,8 +564,8 @@ def _read_manifest(step_dir: Path) -> tuple[str, dict[str, dict[str, Any]]]:
         files, algorithm = manifest["files"], manifest.get("algorithm", "sha256")
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
             raise ValueError(f"format {manifest.get('format')!r}")
-        if algorithm not in checkpoint_io.CHECKSUMS:
-            raise ValueError(f"checksum algorithm {algorithm!r} is not one of {sorted(checkpoint_io.CHECKSUMS)}")
+        if algorithm not in durable.CHECKSUMS:
+            raise ValueError(f"checksum algorithm {algorithm!r} is not one of {sorted(durable.CHECKSUMS)}")
         files = {  # earlier manifests key the digest by the algorithm's name
             name: {"checksum": entry.get("checksum", entry.get(algorithm)), "bytes": entry["bytes"]}
             for name, entry in files.items()

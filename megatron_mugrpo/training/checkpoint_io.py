@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import hashlib
 import io
 import logging
 import os
@@ -60,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -74,16 +72,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItem, WriteI
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from megatron_mugrpo import durable
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_THREADS = 2
 """Writer threads (and files) per rank: enough to overlap the checksum of one file with the write of another."""
 WRITEBACK_BYTES = 8 * 1024 * 1024
 """How much a writer produces before it asks the kernel to start writing it to disk (when fsyncing)."""
-HASH_CHUNK_BYTES = 1024 * 1024
-"""Read size when verifying a file: small enough that each chunk is still in the CPU cache when it is
-hashed (16 MiB chunks hashed at 2.9 GB/s here, 1 MiB chunks at 6.4 GB/s), large enough that the
-syscalls cost nothing."""
 _STORE = "torch_dist"
 _STORE_VERSION = 1
 
@@ -91,21 +87,10 @@ WriteBucket = tuple[str, str, tuple[list, list]]
 """megatron-core's unit of writing: (file path, file name, ([(item, bytes)], [(item, tensor)]))."""
 
 
-CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-"""Checksum algorithms a manifest may name. New step directories use ``CHECKSUM``; directories whose
-manifest names SHA-256 (written before it) still verify."""
-CHECKSUM = "xxh3_128"
-"""xxHash3-128: ~12 GB/s on one core of the 2-core benchmark machine where SHA-256 runs at ~1.4 GB/s,
-so checksumming no longer costs as much as writing the bytes. The manifest guards against accidental
-damage (torn writes, truncation, bit rot); like SHA-256 next to the files it protects, it is no
-defence against someone who can rewrite both."""
-
-
-def new_hasher(algorithm: str = CHECKSUM) -> Any:
-    """A fresh hashlib-style object (``update`` / ``hexdigest``) of the named checksum."""
-    if algorithm not in CHECKSUMS:
-        raise ValueError(f"checksum algorithm {algorithm!r} is not one of {sorted(CHECKSUMS)}")
-    return CHECKSUMS[algorithm]()
+CHECKSUM = durable.DEFAULT_ALGORITHM
+"""The algorithm new step directories' manifests name (xxHash3-128: checksumming costs less than
+writing the bytes). Manifests naming another of ``durable.CHECKSUMS`` (SHA-256 ones, written before)
+still verify."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +140,7 @@ class _HashingFile:
 
     def __init__(self, path: str, *, writeback: bool = False) -> None:
         self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in finish()
-        self._hash = new_hasher()
+        self._hash = durable.new_hasher(CHECKSUM)
         self._pos = 0
         self._writeback = writeback
         self._flushed = 0
@@ -711,22 +696,6 @@ class ThreadAsyncCallsQueue(AsyncCallsQueue):
 # ------------------------------------------------------------------------------- checksums
 
 
-def checksum_file(path: str | Path, buffer: bytearray | None = None, algorithm: str = CHECKSUM) -> tuple[str, int]:
-    """(hex checksum, size in bytes) of a file, read in large chunks into a reusable buffer."""
-    digest = new_hasher(algorithm)
-    buffer = buffer if buffer is not None else bytearray(HASH_CHUNK_BYTES)
-    view = memoryview(buffer)
-    size = 0
-    with open(path, "rb", buffering=0) as stream:
-        while True:
-            got = stream.readinto(view)
-            if not got:
-                break
-            digest.update(view[:got])
-            size += got
-    return digest.hexdigest(), size
-
-
 def hash_files(
     paths: Iterable[Path], threads: int = DEFAULT_THREADS, algorithm: str = CHECKSUM
 ) -> dict[Path, tuple[str, int] | OSError]:
@@ -736,9 +705,10 @@ def hash_files(
 
     def one(path: Path) -> tuple[str, int] | OSError:
         if not hasattr(local, "buffer"):
-            local.buffer = bytearray(HASH_CHUNK_BYTES)
+            local.buffer = bytearray(durable.HASH_CHUNK_BYTES)
         try:
-            return checksum_file(path, local.buffer, algorithm)
+            checksum, size = durable.file_checksum(path, algorithm, local.buffer)
+            return checksum.hexdigest, size
         except OSError as err:
             return err
 
@@ -749,25 +719,4 @@ def hash_files(
 
 
 def bytes_digest(path: str, data: bytes) -> FileDigest:
-    hasher = new_hasher()
-    hasher.update(data)
-    return FileDigest(path=path, checksum=hasher.hexdigest(), nbytes=len(data))
-
-
-def write_file(path: Path, data: bytes, *, fsync: bool) -> None:
-    """Write ``data`` to ``path`` (replacing it), fsynced when asked."""
-    with open(path, "wb") as stream:
-        stream.write(data)
-        if fsync:
-            stream.flush()
-            os.fsync(stream.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Persist a directory's entries (new files, renames) on POSIX; a no-op where directories cannot be opened."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    return FileDigest(path=path, checksum=durable.Checksum.of_bytes(data, CHECKSUM).hexdigest, nbytes=len(data))

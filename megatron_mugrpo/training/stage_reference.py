@@ -21,7 +21,6 @@ of what the stage's updates cost); with only the metrics, one over ``mismatch_gr
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig, mismatch_metrics
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
@@ -140,19 +140,19 @@ def mismatch_sample(num_groups: int, count: int, seed: int, stage: int) -> list[
 
 
 def store_fingerprint(store: RolloutStore) -> str:
-    """sha256 over the store's shard checksums: which rollout dataset a log π_old file belongs to."""
+    """sha256 over the store's shard checksums (their hex digests, whatever the algorithm, so stores
+    written with SHA-256 records keep their fingerprint): which rollout dataset a log π_old file belongs to."""
     digest = hashlib.sha256()
     for info in store.manifest.shards:
-        digest.update(info.sha256.encode())
+        digest.update(info.checksum.hexdigest.encode())
     return digest.hexdigest()
 
 
 def write_old_logprobs(path: Path, per_group: GroupLogprobs, fingerprint: str) -> None:
-    """Write log π_old (one row per group) under a temporary name, then rename it into place."""
+    """Write log π_old (one row per group) durably: temporary name, fsync, rename."""
     table = pa.table({"old_logprobs": per_group}, schema=_SCHEMA.with_metadata({_FINGERPRINT_KEY: fingerprint}))
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with durable.atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 def read_old_logprobs(store: RolloutStore) -> OldLogprobs:

@@ -185,9 +185,9 @@ def torchrun(*args: str, nproc: int = 2, crash_at: str | None = None) -> subproc
 
 
 def shard_hashes(store_dir: Path) -> dict[str, str]:
-    from megatron_mugrpo.rollout.store import file_sha256
+    from megatron_mugrpo.durable import Checksum
 
-    return {p.name: file_sha256(p) for p in sorted(store_dir.glob("shard_*.arrow"))}
+    return {p.name: Checksum.of_file(p).hexdigest for p in sorted(store_dir.glob("shard_*.arrow"))}
 
 
 @pytest.mark.slow

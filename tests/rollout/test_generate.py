@@ -14,12 +14,13 @@ from dist_utils import run_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_mugrpo.config import RolloutConfig, VigorConfig
+from megatron_mugrpo.durable import Checksum
 from megatron_mugrpo.rollout.engine import EngineOutputError, Generation
 from megatron_mugrpo.rollout.generate import derive_seed, generate_stage
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup, engine_threads
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.rewards import build_reward
-from megatron_mugrpo.rollout.store import RolloutStore, StoreError, file_sha256, is_complete
+from megatron_mugrpo.rollout.store import RolloutStore, StoreError, is_complete
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt, char_vocab
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
 
@@ -274,8 +275,8 @@ def _generate_on_ranks(rank, world_size, store_dir, model_dir, prompts, crash_at
         assert metrics == {}
 
 
-def _hashes(store_dir) -> dict[str, str]:
-    return {p.name: file_sha256(p) for p in sorted(store_dir.glob("shard_*.arrow"))}
+def _hashes(store_dir) -> dict[str, Checksum]:
+    return {p.name: Checksum.of_file(p) for p in sorted(store_dir.glob("shard_*.arrow"))}
 
 
 @pytest.fixture(scope="module")

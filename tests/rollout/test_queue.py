@@ -168,7 +168,7 @@ def test_a_corrupted_shard_is_an_error_naming_it(tmp_path: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(StoreError, match=r"w000_b0000000\.arrow does not match the sha256"):
+    with pytest.raises(StoreError, match=r"w000_b0000000\.arrow does not match its recorded xxh3_128 checksum"):
         QueueReader(tmp_path).admit()
 
 

@@ -1,6 +1,7 @@
 """Rollout store: round trip, checksums, several writers with claims, resume and repair, completeness,
 memory-mapped reading with flat memory, deterministic minibatches."""
 
+import hashlib
 import json
 import math
 import multiprocessing
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 
+from megatron_mugrpo.durable import Checksum
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
 from megatron_mugrpo.rollout.store import (
     FORMAT,
@@ -19,7 +21,6 @@ from megatron_mugrpo.rollout.store import (
     StoreError,
     StoreManifest,
     StorePlan,
-    file_sha256,
     is_complete,
     prepare_store,
     read_manifest,
@@ -82,8 +83,8 @@ def write_all(path, groups, shard_groups: int = 4, only=None, seal: bool = True)
     return plan
 
 
-def shard_hashes(path) -> dict[str, str]:
-    return {p.name: file_sha256(p) for p in sorted(path.glob("shard_*.arrow"))}
+def shard_hashes(path) -> dict[str, Checksum]:
+    return {p.name: Checksum.of_file(p) for p in sorted(path.glob("shard_*.arrow"))}
 
 
 def test_round_trip(tmp_path):
@@ -93,11 +94,26 @@ def test_round_trip(tmp_path):
     assert manifest["complete"] is True
     assert [s["groups"] for s in manifest["shards"]] == [4, 4, 2]
     assert manifest["num_prompts"] == 10 and manifest["num_responses"] == 30
-    assert all(len(s["sha256"]) == 64 for s in manifest["shards"])
+    assert all(s["checksum"]["algorithm"] == "xxh3_128" for s in manifest["shards"])
     store = RolloutStore.open(tmp_path)
     assert store.num_groups == 10
     assert store.groups() == groups
     assert store.groups([7, 2]) == [groups[7], groups[2]]
+
+
+def test_a_store_with_sha256_records_still_opens_and_verifies(tmp_path):
+    """Stores written before checksums named their algorithm hold a bare ``sha256`` per shard."""
+    groups = [make_group(i) for i in range(10)]
+    write_all(tmp_path, groups)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    for shard in manifest["shards"]:
+        del shard["checksum"]
+        shard["sha256"] = hashlib.sha256((tmp_path / shard["file"]).read_bytes()).hexdigest()
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    assert RolloutStore.open(tmp_path).groups() == groups
+    (tmp_path / "shard_00002.arrow").write_bytes(b"garbage")
+    with pytest.raises(StoreError, match=r"shard_00002\.arrow does not match its recorded sha256 checksum"):
+        RolloutStore.open(tmp_path)
 
 
 def test_metrics_from_manifest(tmp_path):
@@ -129,7 +145,7 @@ def test_corrupted_shard_is_detected_on_open(tmp_path):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     # The advice must be something that works (it did not, when it said "delete the shard").
-    with pytest.raises(StoreError, match=r"shard_00001\.arrow does not match its recorded sha256.*rerun the stage"):
+    with pytest.raises(StoreError, match=r"shard_00001\.arrow does not match its recorded xxh3_128 .*rerun the stage"):
         RolloutStore.open(tmp_path)
 
 
@@ -213,7 +229,7 @@ def test_damaged_shard_of_a_sealed_store_is_dropped_and_regenerated(tmp_path):
 
     plan = prepare_store(tmp_path, identity())
     assert plan.missing == [1, 2]
-    assert "does not match its recorded sha256" in plan.dropped[1] and "missing" in plan.dropped[2]
+    assert "does not match its recorded xxh3_128 checksum" in plan.dropped[1] and "missing" in plan.dropped[2]
     assert not is_complete(tmp_path)
     with pytest.raises(StoreError, match="incomplete"):
         RolloutStore.open(tmp_path)

@@ -259,7 +259,7 @@ def _persistence(rank: int, world_size: int, tmp: str) -> None:
         if not cross_stage:
             groups_file = step_dir / replay.REPLAY_DIR / replay.GROUPS_FILE
             groups_file.write_bytes(groups_file.read_bytes()[:-10] + b"0123456789")
-            with pytest.raises(CheckpointError, match="does not match its sha256"):
+            with pytest.raises(CheckpointError, match="does not match its checksum"):
                 replay.open_replay(cfg, step_dir)
         state_file = step_dir / replay.REPLAY_DIR / replay.STATE_FILE
         state_file.write_text(json.dumps({"format": "other"}))

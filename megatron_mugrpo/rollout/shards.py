@@ -1,0 +1,127 @@
+"""Arrow shards of prompt groups: the one file format of the rollout store, the async rollout queue and
+the replay buffer's copies.
+
+A shard is an uncompressed Arrow IPC file with one row per prompt group (``SCHEMA``). ``write_shard``
+writes it durably (temporary name, fsync, rename, fsync of the directory) and returns its checksum, so
+the caller's record, written afterwards, never names a shard that a crash could lose.
+``map_shard`` maps one back read-only: the table points into the page cache and rows become
+``RolloutGroup`` objects only through ``row_to_group``.
+
+Behaviour log-probs are stored as float32 (the precision the trainer uses; engines produce float32),
+token ids as int32, rewards and advantages as float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from megatron_mugrpo import durable
+from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.records import RolloutGroup, RolloutSample
+
+SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("answer", pa.string()),
+        ("stage", pa.int32()),
+        ("policy_version", pa.int64()),
+        ("response_ids", pa.list_(pa.list_(pa.int32()))),
+        ("behaviour_logprobs", pa.list_(pa.list_(pa.float32()))),
+        ("reward", pa.list_(pa.float64())),
+        ("reward_reason", pa.list_(pa.string())),
+        ("advantage", pa.list_(pa.float64())),
+        ("finish_reason", pa.list_(pa.string())),
+    ]
+)
+
+_SAMPLE_COLUMNS = (
+    ("response_ids", "response_ids"),
+    ("behaviour_logprobs", "behaviour_logprobs"),
+    ("reward", "reward"),
+    ("reward_reason", "reward_reason"),
+    ("advantage", "advantage"),
+    ("finish_reason", "finish_reason"),
+)
+
+
+class StoreError(InputError, RuntimeError):
+    """Rollout data on disk (store, queue, shard) is invalid, incomplete or corrupted, or refuses
+    invalid data.
+
+    The message says how to fix it."""
+
+
+def groups_to_table(groups: Sequence[RolloutGroup]) -> pa.Table:
+    """One Arrow row per group (see SCHEMA)."""
+    columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
+    for g in groups:
+        columns["prompt_id"].append(g.prompt_id)
+        columns["prompt_ids"].append(g.prompt_ids)
+        columns["answer"].append(g.answer)
+        columns["stage"].append(g.stage)
+        columns["policy_version"].append(g.policy_version)
+        for name, attr in _SAMPLE_COLUMNS:
+            columns[name].append([getattr(s, attr) for s in g.samples])
+    return pa.Table.from_pydict(columns, schema=SCHEMA)
+
+
+def row_to_group(row: dict[str, Any]) -> RolloutGroup:
+    """Inverse of one row of ``groups_to_table``."""
+    samples = [
+        RolloutSample(
+            response_ids=ids,
+            behaviour_logprobs=lps,
+            finish_reason=finish,
+            reward=reward,
+            reward_reason=reason,
+            advantage=adv,
+        )
+        for ids, lps, reward, reason, adv, finish in zip(*(row[name] for name, _ in _SAMPLE_COLUMNS))
+    ]
+    return RolloutGroup(
+        prompt_id=row["prompt_id"],
+        prompt_ids=row["prompt_ids"],
+        answer=row["answer"],
+        samples=samples,
+        stage=row["stage"],
+        policy_version=row["policy_version"],
+    )
+
+
+def write_shard(path: Path, groups: Sequence[RolloutGroup]) -> durable.Checksum:
+    """Write ``groups`` as the Arrow shard ``path``, durably; returns the file's checksum.
+
+    Only complete, fsynced bytes ever appear under ``path``; a crash leaves at most ``path.tmp``."""
+    table = groups_to_table(groups)
+    with durable.atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as ipc:
+        ipc.write_table(table)
+    return durable.Checksum.of_file(path)
+
+
+def map_shard(path: Path, *, groups: int, checksum: durable.Checksum | None = None) -> pa.Table:
+    """The shard's table backed by a read-only memory map (no copy: pages load when rows are read).
+
+    StoreError when the file is missing, not Arrow, of another schema, holds other than ``groups`` rows,
+    or (when ``checksum`` is given) does not match it."""
+    if not path.is_file():
+        raise StoreError(f"shard {path} is missing although its record exists")
+    if checksum is not None:
+        try:
+            checksum.verify_file(path, "shard")
+        except durable.ChecksumError as exc:
+            raise StoreError(str(exc)) from exc
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        if not reader.schema.equals(SCHEMA):
+            raise StoreError(f"{path} has columns {reader.schema.names}, not the rollout shard's {SCHEMA.names}")
+        table = reader.read_all()
+    except pa.ArrowInvalid as exc:
+        raise StoreError(f"{path} is not a readable Arrow file ({exc})") from exc
+    if table.num_rows != groups:
+        raise StoreError(f"shard {path} holds {table.num_rows} groups, its record {groups}")
+    return table
