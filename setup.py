@@ -28,7 +28,10 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        "sglang": ["sglang>=0.4.6"],
+        # The window whose source rollout/sglang_engine.py was checked against (tools/sglang_contract.py;
+        # tests/rollout/sglang_api holds both ends' snapshots). SGLang 0.5.22+ needs Python >= 3.11 and pins
+        # its own torch and transformers.
+        "sglang": ["sglang>=0.5.10,<0.5.24"],
         # FP8 rollouts (rollout.quantization): NVIDIA Model Optimizer, which imports requests without
         # declaring it. Installs without CUDA packages; needs torch >= 2.8 and setuptools >= 80.
         "fp8": ["nvidia-modelopt>=0.47", "requests>=2.31", "setuptools>=80"],

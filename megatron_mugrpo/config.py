@@ -38,8 +38,8 @@ from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfi
 from megatron_mugrpo.asynchronous.config import AsyncConfig
 from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.kernels.config import KernelConfig
-from megatron_mugrpo.rollout.engine import available_engines
-from megatron_mugrpo.rollout.quantization import ModelOptConfig, available_schemes
+from megatron_mugrpo.rollout.engine import MIN_TEMPERATURE, available_engines
+from megatron_mugrpo.rollout.quantization import ModelOptConfig, available_schemes, scheme_engine_problem
 from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngineConfig
 
@@ -179,7 +179,11 @@ class RolloutConfig:
         )
         require(self.allocation in ALLOCATIONS, f"rollout.allocation={self.allocation!r} is not one of {ALLOCATIONS}")
         require(self.group_size >= 2, f"rollout.group_size={self.group_size} must be >= 2 for group advantages")
-        require(self.temperature > 0, f"rollout.temperature={self.temperature} must be > 0")
+        require(
+            self.temperature >= MIN_TEMPERATURE,
+            f"rollout.temperature={self.temperature} must be >= {MIN_TEMPERATURE}: lower temperatures are near-greedy "
+            "(the stored log-probs carry no signal, and SGLang decodes greedily below 1e-6 with T = 1 log-probs)",
+        )
         require(
             self.top_p == 1.0 and self.top_k == 0,
             "rollout.top_p must be 1.0 and rollout.top_k 0: truncated sampling makes the stored behaviour "
@@ -192,6 +196,8 @@ class RolloutConfig:
             self.quantization in available_schemes(),
             f"rollout.quantization={self.quantization!r} is unknown; choose one of {available_schemes()}",
         )
+        problem = scheme_engine_problem(self.quantization, self.engine)
+        require(not problem, problem)
         require(
             self.tensor_parallel >= 1,
             f"rollout.tensor_parallel={self.tensor_parallel} must be >= 1 (ranks per rollout engine group)",
@@ -474,6 +480,12 @@ class RunConfig:
             not self.replay.enabled,
             "replay.enabled (Headroom-Drift Replay) chooses earlier stages' groups at each stage start; mode: async "
             "has no stages of stored data to replay from. Set replay.enabled=false or use mode: staged",
+        )
+        require(
+            not (self.async_.verify_weights and self.rollout.engine == "sglang"),
+            "async.verify_weights=true cannot be checked with rollout.engine=sglang: SGLang hands back only a "
+            "truncated copy of a weight (get_weights_by_name), so the hash of what a worker applied cannot be "
+            "computed. Set async.verify_weights=false, or verify with the transformers engine",
         )
         require(
             self.rollout.quantization == "none",

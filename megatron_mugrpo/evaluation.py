@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_mugrpo.config import BenchmarkConfig, EvalConfig
-from megatron_mugrpo.rollout.engine import RolloutEngine, SamplingParams
-from megatron_mugrpo.rollout.generate import derive_seed
+from megatron_mugrpo.rollout.engine import RolloutEngine, SamplingParams, derive_seed
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.rewards import RewardFn

@@ -40,7 +40,7 @@ from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.metrics import TENSORBOARD_DIR, MetricsLogger, Timer
 from megatron_mugrpo.replay import ReplayState, open_replay
-from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
+from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config, shutdown_engine
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
 from megatron_mugrpo.rollout.prompts import stage_prompts as stage_prompts  # re-exported: it moved to the prompts
@@ -118,9 +118,10 @@ class Run:
 
     def close(self) -> None:
         self.checkpoints.close()  # publish a checkpoint still being written
-        if self.engine is not None:
-            self.engine.release()
+        # The reward pool first: SGLang's engine shutdown kills every child process of this one.
         self.reward_fn.close()
+        if self.engine is not None:
+            shutdown_engine(self.engine)
         self.logger.close()
         if self.lock is not None:
             self.lock.release()

@@ -36,7 +36,7 @@ from megatron_mugrpo.asynchronous.publish import Subscription, engine_digest
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.config import RunConfig
 from megatron_mugrpo.records import RolloutGroup
-from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
+from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config, shutdown_engine
 from megatron_mugrpo.rollout.generate import generate_groups
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_prompts, prompt_slice
 from megatron_mugrpo.rollout.queue import QueueWriter
@@ -149,8 +149,10 @@ def run_worker(cfg: RunConfig, run_dir: Path, role: ProcessRole) -> None:
             _setup(worker)
             worker_loop(worker, idle_s=first[1])
         finally:
-            if worker.reward_fn is not None:
+            if worker.reward_fn is not None:  # first: SGLang's engine shutdown kills every child process
                 worker.reward_fn.close()
+            if worker.engine is not None:
+                shutdown_engine(worker.engine)
 
 
 def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:

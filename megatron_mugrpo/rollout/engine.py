@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from megatron_mugrpo.errors import InputError
 
 if TYPE_CHECKING:
@@ -41,6 +43,12 @@ FINISH_REASONS = ("stop", "length")
 
 ProgressCallback = Callable[[int], None]
 """Called with the number of sequences finished since the previous call (tqdm.update style)."""
+
+MIN_TEMPERATURE = 1e-2
+"""Lowest sampling temperature accepted for training data. Below it the tempered distribution is
+all but greedy: stored log-probs sit at 0 or far below, and the importance ratio carries no signal.
+Engines also change meaning there: SGLang decodes greedily below 1e-6 and then returns T = 1
+log-probs, which would bias every ratio silently."""
 
 
 class EngineOutputError(InputError, ValueError):
@@ -62,8 +70,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"SamplingParams.temperature={self.temperature} must be a finite number > 0")
+        if not (self.temperature >= MIN_TEMPERATURE and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"SamplingParams.temperature={self.temperature} must be a finite number >= {MIN_TEMPERATURE} "
+                "(lower temperatures are near-greedy: see rollout.engine.MIN_TEMPERATURE)"
+            )
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed that depends on every part (stable across runs, platforms and Python versions)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 @dataclass
@@ -103,6 +119,20 @@ class RolloutEngine(Protocol):
     def release(self) -> None:
         """Free the engine's memory before the optimizer phase. The weights are gone afterwards:
         ``load_hf_dir`` or ``load_weights`` (the next stage's policy) must come before ``generate``."""
+
+
+def shutdown_engine(engine: RolloutEngine) -> None:
+    """Stop ``engine`` for good: its ``shutdown()`` where it has one (SGLang's processes), else ``release()``.
+
+    SGLang's ``Engine.shutdown()`` kills every child process of the caller, so call it after the
+    caller's own pools have closed, or restart them afterwards (``rewards.VerifierPool`` replaces
+    workers it finds dead).
+    """
+    stop = getattr(engine, "shutdown", None)
+    if callable(stop):
+        stop()
+    else:
+        engine.release()
 
 
 def responses_per_prompt(n: int | Sequence[int], num_prompts: int) -> list[int]:

@@ -28,8 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
 from megatron_mugrpo.algorithms.advantages import assign_advantages
 from megatron_mugrpo.algorithms.allocation import (
     initial_allocation,
@@ -45,6 +43,7 @@ from megatron_mugrpo.rollout.engine import (
     ProgressCallback,
     RolloutEngine,
     SamplingParams,
+    derive_seed,
     validate_generations,
 )
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
@@ -350,11 +349,6 @@ def _sample_round(
                 reward_reason=reason,
             )
         )
-
-
-def derive_seed(*parts: int) -> int:
-    """A 31-bit seed that depends on every part (stable across runs, platforms and Python versions)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 def _sampling_record(cfg: RolloutConfig, seed: int) -> dict[str, Any]:

@@ -22,8 +22,11 @@ Per stage (``load_behaviour_policy``, called by the weight sync):
    * SGLang (GPU): the model (cast to bfloat16 *before* quantizing: ``dtype=`` at load time does
      not convert norms and embeddings) is exported as a ModelOpt FP8 checkpoint (F8_E4M3 weights,
      ``weight_scale`` / ``input_scale``, ``hf_quant_config.json``; embeddings and ``lm_head`` stay
-     unquantized), written to a temporary directory and renamed, and SGLang loads it as ModelOpt
-     FP8. Tokenizer files are copied (the export writes none).
+     unquantized), written to a temporary directory and renamed, and a new SGLang engine loads it
+     as ModelOpt FP8 (SGLang cannot reload an FP8 model in place, so each stage shuts the last
+     engine down and builds one). Tokenizer files are copied (the export writes none). The
+     ``fp8_per_channel`` scheme is refused with SGLang: its checkpoint's ``quant_algo`` is one
+     SGLang does not load.
 
 Do not load an exported checkpoint with plain ``transformers``: transformers 5.x ignores
 ``quant_method: modelopt`` and loads the raw FP8 values without their scales, a garbage model.
@@ -54,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.rollout.engine import shutdown_engine
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +105,8 @@ class QuantScheme:
     description: str
     needs_cuda: bool = False
     """ModelOpt has no CPU kernels for this format."""
+    sglang_loads: bool = True
+    """SGLang maps this scheme's exported checkpoint (its ``quant_algo``) to one of its quantization methods."""
 
 
 _SCHEMES: dict[str, QuantScheme] = {}
@@ -125,6 +131,9 @@ register_scheme(
         name="fp8_per_channel",
         modelopt_config="FP8_PER_CHANNEL_PER_TOKEN_CFG",
         description="E4M3 weights with one scale per output channel; activations scaled per token at run time",
+        # Exported as quant_algo FP8_PER_CHANNEL_PER_TOKEN, which SGLang's ModelOpt loader refuses at start
+        # (from 0.5.20 it accepts exactly "FP8"; read in srt/layers/quantization/modelopt_quant.py).
+        sglang_loads=False,
     )
 )
 register_scheme(
@@ -183,6 +192,19 @@ def import_modelopt() -> Any:
             f"rollout.quantization needs NVIDIA Model Optimizer: {INSTALL_HINT} ({exc})"
         ) from exc
     return mtq
+
+
+def scheme_engine_problem(name: str, engine: str) -> str:
+    """Why ``rollout.engine`` cannot serve the ``rollout.quantization`` value ``name`` ('' when it can);
+    a config check, importing nothing."""
+    scheme = quantization_scheme(name)
+    if scheme is None or engine != "sglang" or scheme.sglang_loads:
+        return ""
+    accepted = [s.name for s in _SCHEMES.values() if s.sglang_loads]
+    return (
+        f"rollout.quantization={name!r} cannot be served by rollout.engine=sglang: SGLang refuses the "
+        f"checkpoint this scheme exports at start. Use one of {accepted} with SGLang, or the transformers engine"
+    )
 
 
 def check_scheme_usable(scheme: QuantScheme) -> None:
@@ -411,11 +433,24 @@ def _load_exported(
     hf_dir: str | Path,
     build: EngineBuilder,
 ) -> RolloutEngine:
-    """Engines that load checkpoints (SGLang): quantize a bf16 copy on the GPU, export it, load the directory.
+    """Engines that load checkpoints (SGLang): a new engine on each stage's exported checkpoint.
 
-    SGLang builds its FP8 layers from the checkpoint's ``hf_quant_config.json`` when it starts, so
-    the engine is built on the first quantized checkpoint and later stages reload in place.
+    SGLang builds its FP8 layers from the checkpoint's ``hf_quant_config.json`` when it starts and
+    cannot reload them in place (see ``rollout.sglang_engine``), so the last stage's engine is shut
+    down first (which also hands its GPU memory back before the quantized copy is made) and a new
+    one is built on the new checkpoint. SGLang's shutdown kills the caller's child processes; the
+    reward pool replaces its workers at its next use.
     """
+    if engine is not None:
+        shutdown_engine(engine)
+    path = export_behaviour_checkpoint(named_tensors, quantizer, hf_dir=hf_dir)
+    return build(str(path))
+
+
+def export_behaviour_checkpoint(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], quantizer: BehaviourQuantizer, *, hf_dir: str | Path
+) -> Path:
+    """Quantize a bf16 copy of the trainer's tensors on the GPU and export it to ``quantizer.export_dir``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -434,7 +469,4 @@ def _load_exported(
     path = export_checkpoint(model, quantizer.export_dir, tokenizer_dir=hf_dir)
     del model
     torch.cuda.empty_cache()
-    if engine is None:
-        return build(str(path))
-    engine.load_hf_dir(str(path))
-    return engine
+    return path

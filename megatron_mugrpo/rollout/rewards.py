@@ -259,11 +259,14 @@ class VerifierPool:
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self.restarts = 0
+        self.revived = 0
+        """Workers found dead between two ``map`` calls and replaced (see ``_revive``)."""
 
     def map(self, tasks: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Results in task order; ``"timeout"`` or ``"crash"`` for tasks that did not finish."""
         results: list[Any] = [None] * len(tasks)
         pending = deque(range(len(tasks)))
+        self._revive()
         self._fill_workers(min(self.num_workers, len(tasks)))
         while pending or any(w.task is not None for w in self._workers):
             self._dispatch(pending, tasks)
@@ -273,6 +276,7 @@ class VerifierPool:
 
     def start(self) -> None:
         """Start every worker now (each imports and warms up in the background); ``map`` waits for them."""
+        self._revive()
         self._fill_workers(self.num_workers)
 
     def close(self) -> None:
@@ -285,6 +289,16 @@ class VerifierPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _revive(self) -> None:
+        """Replace workers that died while idle. Something else may kill them between two calls:
+        SGLang's ``Engine.shutdown()`` kills every child process of its caller (a new FP8 engine each
+        stage does that), and a dead idle worker would fail the next task it is sent."""
+        for index, worker in enumerate(self._workers):
+            if not worker.process.is_alive():
+                self._stop(worker, kill=True)
+                self._workers[index] = self._start()
+                self.revived += 1
 
     def _fill_workers(self, wanted: int) -> None:
         while len(self._workers) < wanted:

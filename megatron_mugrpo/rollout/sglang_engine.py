@@ -1,41 +1,82 @@
 """SGLang rollout engine (GPU): the offline ``sglang.Engine`` serving the frozen behaviour policy.
 
 SGLang is an optional extra (``pip install 'megatron_mugrpo[sglang]'``, it brings its own CUDA
-torch and needs a GPU), so it is imported only when this engine is built.
+torch and needs a GPU), so it is imported only when this engine is built. Supported versions:
+``SUPPORTED_SGLANG`` (the extra's pin). The calls below were checked against SGLang's own source
+for both ends of that window: ``tools/sglang_contract.py`` reads a wheel with ``ast`` into a JSON
+snapshot, and ``tests/rollout/test_sglang_contract.py`` runs this engine's life cycle against a
+stand-in ``sglang`` module built from each checked-in snapshot. That is a test of our calls, not a
+GPU run (see the README for which GPU checks have run).
 
 Behaviour log-probs come from ``meta_info["output_token_logprobs"]``, (logprob, token_id, text)
-tuples computed from the temperature-scaled logits; sampling uses top_p = 1, top_k = -1 (off) and
-min_p = 0 so that they equal log_softmax(logits / T), what the trainer scores
-(tests/rollout/test_sglang_gpu.py checks them against a teacher-forced recompute).
+tuples (text is None unless asked for; it is never read here) computed from the temperature-scaled
+logits; sampling uses top_p = 1, top_k = -1 (off) and min_p = 0 so that they equal
+log_softmax(logits / T), what the trainer scores. The environment variable
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` would make them T = 1 log-probs: the engine refuses to start
+with it set. Temperatures below ``engine.MIN_TEMPERATURE`` are refused by ``SamplingParams``
+(SGLang decodes greedily below 1e-6, with T = 1 log-probs).
 
-Weights are refreshed each stage with ``update_weights_from_disk`` (an exported HF directory) or
-``update_weights_from_tensor`` (tensors streamed from the trainer); ``release()`` hands the weights'
-and KV cache's GPU memory back (``release_memory_occupation``) for the optimizer phase, and the next
-weight load resumes it. Sampling is seeded once per engine (``random_seed``); unlike the
-transformers engine on CPU it is not bitwise reproducible across runs.
+Weights are refreshed each stage with ``update_weights_from_tensor`` (tensors streamed from the
+trainer, in buckets) or ``update_weights_from_disk`` (an exported HF directory). From SGLang
+0.5.21 tensor updates must run inside a weight-update session (``begin_weight_update`` /
+``end_weight_update``, where SGLang also post-processes quantized weights); the engine opens one
+when SGLang has it. A ModelOpt FP8 model cannot be reloaded in place in any version read (its FP8
+layers drop their weight loaders after the first load, and a failed reload kills SGLang's
+scheduler and this process tree): an engine built on an FP8 checkpoint refuses reloads, and
+``rollout.quantization`` builds a new engine for each stage instead.
+
+``release()`` hands the weights' and KV cache's GPU memory back (``release_memory_occupation``) for
+the optimizer phase, and the next weight load resumes it. ``shutdown()`` stops SGLang's processes;
+SGLang kills *every* child process of the caller there, so pools of the caller must be closed first
+or restarted after (``rewards.VerifierPool`` replaces workers it finds dead).
+
+Seeds: with ``rollout.sglang.deterministic`` SGLang runs its deterministic inference mode and every
+response gets its own ``sampling_seed`` (derived from the call's seed, the prompt and the response
+index), so a stage's data do not depend on how many engines made it or how requests were batched
+(reproducible on one machine and SGLang version, at SGLang's speed cost of that mode). Without it
+SGLang ignores per-request seeds, and a stage sampled twice differs (only the transformers engine on
+CPU is bitwise reproducible by default).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_mugrpo.errors import MissingInputError, require
+from megatron_mugrpo.errors import InputError, MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
     ProgressCallback,
     SamplingParams,
     check_prompt_ids,
+    derive_seed,
     responses_per_prompt,
     validate_generations,
 )
 
-INSTALL_HINT = "SGLang is not installed: pip install 'megatron_mugrpo[sglang]' (needs a CUDA GPU)"
+log = logging.getLogger(__name__)
+
+SUPPORTED_SGLANG = ">=0.5.10,<0.5.24"
+"""The window of SGLang versions whose source this engine was checked against (setup.py's extra).
+0.5.10 is the first with per-request ``sampling_seed`` and routed-expert output; 0.5.21 added the
+weight-update session; 0.5.23 is the newest read."""
+_WINDOW = ((0, 5, 10), (0, 5, 24))
+INSTALL_HINT = (
+    f"SGLang is not installed: pip install 'megatron_mugrpo[sglang]' (sglang{SUPPORTED_SGLANG}, needs a CUDA GPU)"
+)
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+"""SGLang's switch that returns log-probs of the raw logits (T = 1) instead of log_softmax(logits / T)."""
+QUANT_CONFIG_FILE = "hf_quant_config.json"
+"""What marks a ModelOpt-quantized checkpoint (rollout.quantization's export writes it)."""
 WEIGHT_BUCKET_BYTES = 512 * 1024**2
 """Tensors sent per ``update_weights_from_tensor`` call: bounds the serialised copy in flight."""
 REQUEST_CHUNK = 4096
@@ -50,6 +91,9 @@ class SGLangEngineConfig:
     """GPU memory fraction SGLang takes for weights + KV cache."""
     enable_memory_saver: bool = True
     """Let ``release()`` hand the GPU memory back for the optimizer phase (needs torch_memory_saver)."""
+    deterministic: bool = False
+    """SGLang's deterministic inference with one ``sampling_seed`` per response: a stage's data then do
+    not depend on the number of engines or on batching (slower decoding). Off: SGLang ignores seeds."""
 
     def __post_init__(self) -> None:
         require(
@@ -62,6 +106,10 @@ class SGLangNotInstalledError(ImportError):
     """SGLang could not be imported."""
 
 
+class SGLangContractError(InputError, RuntimeError):
+    """SGLang is set up in a way this engine cannot use correctly; the message says what to change."""
+
+
 def import_sglang() -> Any:
     """Import SGLang lazily, or raise SGLangNotInstalledError with the install hint."""
     try:
@@ -71,11 +119,36 @@ def import_sglang() -> Any:
     return sglang
 
 
+def check_environment(environ: dict[str, str] | os._Environ = os.environ) -> None:
+    """Refuse settings under which SGLang's log-probs are not log_softmax(logits / T)."""
+    value = environ.get(ORIGINAL_LOGPROB_ENV, "")
+    if value.strip().lower() in ("1", "true"):
+        raise SGLangContractError(
+            f"{ORIGINAL_LOGPROB_ENV}={value} makes SGLang return log-probs of the untempered logits, so the "
+            "stored behaviour log-probs would not be the distribution the trainer scores and every importance "
+            f"ratio would be biased: unset {ORIGINAL_LOGPROB_ENV} before starting the run"
+        )
+
+
+def check_version(version: str) -> None:
+    """Warn when the installed SGLang lies outside the window this engine was checked against."""
+    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+    if len(numbers) == 3 and not _WINDOW[0] <= numbers < _WINDOW[1]:
+        log.warning(
+            "SGLang %s is outside the versions this engine was checked against (sglang%s); run "
+            "`python tools/sglang_contract.py --check %s` to see what changed",
+            version,
+            SUPPORTED_SGLANG,
+            version,
+        )
+
+
 class SGLangEngine:
     """Rollout engine on SGLang's offline ``Engine`` (one process group per engine, GPU only).
 
     Args:
-        hf_dir: local Hugging Face directory (config.json, weights, tokenizer).
+        hf_dir: local Hugging Face directory (config.json, weights, tokenizer); a ModelOpt FP8
+            checkpoint (with ``hf_quant_config.json``) makes a quantized engine that refuses reloads.
         mem_fraction_static: GPU memory fraction for weights + KV cache (rollout.sglang.mem_fraction_static).
         seed: SGLang's ``random_seed``.
         tp_size: SGLang tensor parallelism (rollout.tensor_parallel: the ranks of this engine's group).
@@ -83,6 +156,7 @@ class SGLangEngine:
         dtype: 'auto', 'bfloat16', 'float16' or 'float32'.
         enable_memory_saver: let ``release()`` free GPU memory (needs the ``torch_memory_saver``
             package SGLang uses); when False, release() only flushes the KV cache.
+        deterministic: SGLang's ``enable_deterministic_inference`` plus a ``sampling_seed`` per response.
         **server_kwargs: further ``sglang.srt.server_args.ServerArgs`` fields.
     """
 
@@ -98,12 +172,18 @@ class SGLangEngine:
         base_gpu_id: int = 0,
         dtype: str = "auto",
         enable_memory_saver: bool = True,
+        deterministic: bool = False,
         **server_kwargs: Any,
     ) -> None:
+        check_environment()
         sglang = import_sglang()
+        check_version(str(getattr(sglang, "__version__", "")))
         if not torch.cuda.is_available():
             raise RuntimeError("the SGLang engine needs a CUDA GPU; use rollout.engine=transformers on CPU")
         self.vocab_size = _hf_vocab_size(hf_dir)
+        self.quantized = (Path(hf_dir) / QUANT_CONFIG_FILE).is_file()
+        if deterministic:
+            server_kwargs["enable_deterministic_inference"] = True
         self._engine = sglang.Engine(
             model_path=str(hf_dir),
             mem_fraction_static=mem_fraction_static,
@@ -115,33 +195,57 @@ class SGLangEngine:
             **server_kwargs,
         )
         self._memory_saver = enable_memory_saver
+        self._deterministic = deterministic
         self._released = False
         self._weights_valid = True
 
     def load_hf_dir(self, path: str) -> None:
         """Load new weights of the same architecture from a local HF directory, in place."""
+        self._refuse_quantized_reload(
+            f"update_weights_from_disk({path})", quantized=(Path(path) / QUANT_CONFIG_FILE).is_file()
+        )
         self._resume()
+        self._weights_valid = False
         _check_ok(self._engine.update_weights_from_disk(str(path)), f"update_weights_from_disk({path})")
         self._weights_valid = True
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full HF-named tensors in buckets of about WEIGHT_BUCKET_BYTES; the KV cache is
-        flushed once, after the last bucket."""
+        """Load full HF-named tensors in buckets of about WEIGHT_BUCKET_BYTES inside one weight-update
+        session; the KV cache is flushed once, with the last bucket. Until every bucket and the
+        session's end succeeded the engine's weights count as invalid (``generate`` refuses)."""
+        self._refuse_quantized_reload("update_weights_from_tensor")
         self._resume()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in named_tensors:
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= WEIGHT_BUCKET_BYTES:
-                self._send(bucket, flush_cache=False)
-                bucket, size = [], 0
-        self._send(bucket, flush_cache=True)
+        self._weights_valid = False
+        with self._weight_update_session():
+            for bucket, last in _buckets(named_tensors, WEIGHT_BUCKET_BYTES):
+                result = self._engine.update_weights_from_tensor(bucket, flush_cache=last)
+                _check_ok(result, f"update_weights_from_tensor({[n for n, _ in bucket][:3]}...)")
         self._weights_valid = True
 
-    def _send(self, bucket: list[tuple[str, torch.Tensor]], *, flush_cache: bool) -> None:
-        result = self._engine.update_weights_from_tensor(bucket, flush_cache=flush_cache)
-        _check_ok(result, f"update_weights_from_tensor({[n for n, _ in bucket][:3]}...)")
+    @contextmanager
+    def _weight_update_session(self) -> Iterator[None]:
+        """SGLang >= 0.5.21 refuses tensor updates outside ``begin_weight_update()`` /
+        ``end_weight_update()``; older versions have no session. The session is closed even when a
+        bucket failed, and both of its answers are checked."""
+        begin = getattr(self._engine, "begin_weight_update", None)
+        if begin is None:
+            yield
+            return
+        _check_ok(begin(), "begin_weight_update()")
+        try:
+            yield
+        finally:
+            ended = self._engine.end_weight_update()
+        _check_ok(ended, "end_weight_update()")
+
+    def _refuse_quantized_reload(self, what: str, *, quantized: bool = False) -> None:
+        """Raise for any in-place load into, or of, a ModelOpt FP8 model (``quantized``: the new weights are)."""
+        if self.quantized or quantized:
+            raise SGLangContractError(
+                f"{what}: SGLang cannot reload a ModelOpt FP8 model in place (its FP8 layers drop their weight "
+                "loaders after the first load, and the failed reload kills SGLang's scheduler and this process "
+                "tree). Build a new engine for the new checkpoint (rollout.quantization does so every stage)"
+            )
 
     def generate(
         self,
@@ -153,24 +257,24 @@ class SGLangEngine:
         """Sample ``n`` (or ``n[i]``) responses per prompt; rows are expanded here (one request per
         response) so that SGLang's radix cache shares each prompt's prefix."""
         if not self._weights_valid:
-            raise RuntimeError("the SGLang engine was released: load weights (load_hf_dir / load_weights) first")
+            raise RuntimeError(
+                "the SGLang engine holds no valid weights (released, or a weight load failed): "
+                "load weights (load_hf_dir / load_weights) first"
+            )
         counts = responses_per_prompt(n, len(prompts))
         check_prompt_ids(prompts, self.vocab_size)
-        rows = [i for i, c in enumerate(counts) for _ in range(c)]
-        sampling = {
-            "temperature": params.temperature,
-            "top_p": 1.0,
-            "top_k": -1,
-            "min_p": 0.0,
-            "max_new_tokens": params.max_new_tokens,
-        }
+        rows = [(i, k) for i, c in enumerate(counts) for k in range(c)]
         result: list[list[Generation]] = [[] for _ in prompts]
         for start in range(0, len(rows), REQUEST_CHUNK):
             chunk = rows[start : start + REQUEST_CHUNK]
             outputs = self._engine.generate(
-                input_ids=[prompts[i] for i in chunk], sampling_params=sampling, return_logprob=True
+                input_ids=[prompts[i] for i, _ in chunk],
+                sampling_params=self._sampling(params, chunk),
+                return_logprob=True,
             )
-            for i, output in zip(chunk, outputs):
+            if len(outputs) != len(chunk):
+                raise RuntimeError(f"SGLang answered {len(outputs)} outputs for {len(chunk)} requests")
+            for (i, _), output in zip(chunk, outputs):
                 result[i].append(generation_from_output(output))
             if progress is not None:
                 progress(len(chunk))
@@ -179,11 +283,25 @@ class SGLangEngine:
         )
         return result
 
+    def _sampling(self, params: SamplingParams, rows: list[tuple[int, int]]) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang sampling parameters: one dict for the call, or (deterministic) one per response with its
+        own seed from (call seed, prompt, response index)."""
+        sampling = {
+            "temperature": params.temperature,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "max_new_tokens": params.max_new_tokens,
+        }
+        if not self._deterministic:
+            return sampling
+        return [sampling | {"sampling_seed": derive_seed(params.seed, i, k)} for i, k in rows]
+
     def release(self) -> None:
         """Free the weights' and KV cache's GPU memory; load weights again before generating.
         Without the memory saver only the KV cache is flushed (and the weights stay valid)."""
         if not self._memory_saver:
-            self._engine.flush_cache()
+            _check_ok(self._engine.flush_cache(), "flush_cache()")
         elif not self._released:
             self._engine.release_memory_occupation()
             self._released, self._weights_valid = True, False
@@ -194,8 +312,29 @@ class SGLangEngine:
             self._released = False
 
     def shutdown(self) -> None:
-        """Stop SGLang's processes (the engine cannot be used afterwards)."""
+        """Stop SGLang's processes (the engine cannot be used afterwards). SGLang kills every child
+        process of this process here: close or restart the caller's own pools (see the module docstring)."""
+        self._weights_valid = False
         self._engine.shutdown()
+
+
+def _buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """(bucket, is_last) pairs of about ``limit`` bytes each; one empty bucket when there is no tensor
+    (so the cache flush still happens)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    ready: list[tuple[str, torch.Tensor]] | None = None
+    for name, tensor in named_tensors:
+        if ready is not None:
+            yield ready, False
+            ready = None
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= limit:
+            ready, bucket, size = bucket, [], 0
+    yield (ready if ready is not None else bucket), True
 
 
 def generation_from_output(output: dict[str, Any]) -> Generation:
@@ -216,11 +355,17 @@ def generation_from_output(output: dict[str, Any]) -> Generation:
 
 
 def _check_ok(result: Any, what: str) -> None:
-    """SGLang weight calls answer (success, message[, ...]) tuples or dicts; raise on failure."""
-    if isinstance(result, dict):
+    """Raise when an SGLang call reports failure. Its answers: (success, message[, ...]) tuples (weight
+    updates, the weight-update session), objects with ``success`` / ``message`` (``flush_cache``'s
+    FlushCacheReqOutput), dicts of the same, or a bare bool."""
+    if isinstance(result, bool):
+        ok, message = result, ""
+    elif isinstance(result, dict):
         ok, message = result.get("success", True), result.get("message", "")
     elif isinstance(result, (tuple, list)) and result:
         ok, message = result[0], result[1] if len(result) > 1 else ""
+    elif hasattr(result, "success"):
+        ok, message = result.success, getattr(result, "message", "")
     else:
         return
     if not ok:

@@ -266,6 +266,7 @@ def test_sglang_engine_is_placed_on_its_groups_first_gpu():
     assert engine_kwargs(cfg, seed=10, placement=placement) == {
         "mem_fraction_static": 0.6,
         "enable_memory_saver": True,
+        "deterministic": False,
         "seed": 11,
         "tp_size": 2,
         "base_gpu_id": 2,

@@ -15,8 +15,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_mugrpo.config import RolloutConfig, VigorConfig
 from megatron_mugrpo.durable import Checksum
-from megatron_mugrpo.rollout.engine import EngineOutputError, Generation
-from megatron_mugrpo.rollout.generate import derive_seed, generate_stage
+from megatron_mugrpo.rollout.engine import EngineOutputError, Generation, derive_seed
+from megatron_mugrpo.rollout.generate import generate_stage
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup, engine_threads
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.rewards import build_reward

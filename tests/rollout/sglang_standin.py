@@ -1,0 +1,291 @@
+"""A stand-in ``sglang`` module built from a checked-in API snapshot (``tools/sglang_contract.py``).
+
+SGLang cannot be imported without a CUDA GPU, so the suite checks *our calls* against what its
+source says instead: the stand-in's ``Engine``
+
+* accepts exactly the snapshot's ``ServerArgs`` fields (an unknown keyword is a TypeError, as the
+  real dataclass raises);
+* defines exactly the snapshot's public methods (a method of another version is an AttributeError)
+  and binds every call against the real signature;
+* refuses tensor weight updates outside ``begin_weight_update()`` / ``end_weight_update()`` where the
+  snapshot's ``weight_update_session`` flag says SGLang does, with SGLang's own (success, message)
+  answer;
+* fails the way SGLang does on an in-place reload of a ModelOpt FP8 model;
+* honours a request's ``sampling_seed`` only in deterministic mode, decodes greedily with T = 1
+  log-probs below the snapshot's greedy temperature, and answers with SGLang's output shape:
+  ``{"text", "output_ids", "meta_info": {"output_token_logprobs": [(logprob, id, None)], "finish_reason",
+  ...}}``;
+* kills every child process of the caller in ``shutdown()`` (when ``kill_children``), as SGLang does.
+
+Its "model" is a fixed random logit vector per weight version: enough to exercise shapes, seeds and
+the temperature, and nothing more. It is a test of our calls, never an engine in the main path, and
+it does not replace a GPU run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SNAPSHOT_DIR = Path(__file__).parent / "sglang_api"
+
+
+def snapshot_versions() -> list[str]:
+    """Versions with a checked-in snapshot, oldest first."""
+    paths = sorted(SNAPSHOT_DIR.glob("*.json"), key=lambda p: tuple(int(x) for x in p.stem.split(".")))
+    return [p.stem for p in paths]
+
+
+def load_snapshot(version: str) -> dict[str, Any]:
+    return json.loads((SNAPSHOT_DIR / f"{version}.json").read_text())
+
+
+def _signature(params: list[dict[str, Any]]) -> inspect.Signature:
+    kinds = {
+        "positional_or_keyword": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        "keyword_only": inspect.Parameter.KEYWORD_ONLY,
+        "var_positional": inspect.Parameter.VAR_POSITIONAL,
+        "var_keyword": inspect.Parameter.VAR_KEYWORD,
+    }
+    return inspect.Signature(
+        [
+            inspect.Parameter(p["name"], kinds[p["kind"]], default=None if p["default"] else inspect.Parameter.empty)
+            for p in params
+        ]
+    )
+
+
+class Recorder:
+    """What the stand-in engines of one module saw: for assertions in tests."""
+
+    def __init__(self) -> None:
+        self.engines: list[Any] = []
+        self.calls: list[tuple[int, str, dict[str, Any]]] = []
+        """(engine index, method, bound arguments without self) in call order."""
+        self.fail_bucket: int | None = None
+        """Index of the tensor update (0-based, over the module's life) that answers failure."""
+        self.tensor_updates = 0
+        self.fail_flush = False
+
+    def names(self, engine: int | None = None) -> list[str]:
+        return [name for index, name, _ in self.calls if engine is None or index == engine]
+
+
+class _Behaviour:
+    """SGLang's behaviour for the methods our engine calls (others raise NotImplementedError)."""
+
+    snapshot: dict[str, Any]
+    recorder: Recorder
+    kill_children: bool
+
+    def _start(self, **server_args: Any) -> None:
+        fields = self.snapshot["server_args"]
+        unknown = sorted(set(server_args) - set(fields))
+        if unknown:
+            raise TypeError(f"ServerArgs.__init__() got unexpected keyword arguments {unknown}")
+        missing = sorted(name for name, has_default in fields.items() if not has_default and name not in server_args)
+        if missing:
+            raise TypeError(f"ServerArgs.__init__() missing required arguments {missing}")
+        config = json.loads((Path(server_args["model_path"]) / "config.json").read_text())
+        self.server_args = server_args
+        self.vocab_size = int(config["vocab_size"])
+        self.eos = int(config.get("eos_token_id", 0))
+        self.quantized = (Path(server_args["model_path"]) / "hf_quant_config.json").is_file()
+        self.index = len(self.recorder.engines)
+        self.recorder.engines.append(self)
+        self.session_open = False
+        self.released = False
+        self.dead = False
+        self.version = 0
+        self.requests = 0
+
+    # ------------------------------------------------------------------------------- weights
+
+    def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
+        if self.session_open:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session_open = True
+        return True, "Success"
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        if not self.session_open:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session_open = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: Any = None, flush_cache: bool = True):
+        if self.snapshot["flags"]["weight_update_session"] and not self.session_open:
+            return False, ("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+        if not isinstance(named_tensors, list) or not all(
+            isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in named_tensors
+        ):
+            raise TypeError("named_tensors must be a list of (name, tensor) pairs")
+        if self.quantized:
+            raise RuntimeError("ModelOpt FP8 weight has no weight_loader: the scheduler died")
+        update, self.recorder.tensor_updates = self.recorder.tensor_updates, self.recorder.tensor_updates + 1
+        if self.recorder.fail_bucket == update:
+            return False, "Failed to update weights: shape mismatch"
+        self.version += 1
+        return True, "Success"
+
+    def update_weights_from_disk(self, model_path: str, load_format: Any = None):
+        if self.quantized or (Path(model_path) / "hf_quant_config.json").is_file():
+            self.dead = True  # the rollback reloads the same path, fails again, and the scheduler dies
+            raise RuntimeError("scheduler died during update_weights_from_disk; SGLang kills the process tree")
+        self.version += 1
+        return True, "Succeeded to update model weights.", 0
+
+    def flush_cache(self) -> Any:
+        return types.SimpleNamespace(success=not self.recorder.fail_flush, message="flush refused: requests pending")
+
+    def release_memory_occupation(self, tags: Any = None) -> Any:
+        assert not self.session_open, "release_memory_occupation during a weight-update session"
+        self.released = True
+        return types.SimpleNamespace()
+
+    def resume_memory_occupation(self, tags: Any = None) -> Any:
+        self.released = False
+        return types.SimpleNamespace()
+
+    def shutdown(self) -> None:
+        self.dead = True
+        if self.kill_children and self.snapshot["flags"]["shutdown_kills_children"]:
+            import psutil
+
+            children = psutil.Process(os.getpid()).children(recursive=True)
+            for child in children:
+                child.kill()
+            _wait_until_dead(children)  # like SGLang: polls until gone or a zombie, never reaps
+
+    # ---------------------------------------------------------------------------- generation
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None, **kwargs: Any):
+        if self.dead or self.released:
+            raise RuntimeError("generate on a released or shut-down engine")
+        single = input_ids and isinstance(input_ids[0], int)
+        rows = [input_ids] if single else list(input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(rows)
+        if len(params) != len(rows):
+            raise ValueError(f"{len(params)} sampling_params for {len(rows)} requests")
+        outputs = [self._one(ids, p, bool(kwargs.get("return_logprob"))) for ids, p in zip(rows, params)]
+        return outputs[0] if single else outputs
+
+    def _one(self, ids: list[int], params: dict[str, Any], return_logprob: bool) -> dict[str, Any]:
+        unknown = sorted(set(params) - set(self.snapshot["sampling_params"]))
+        if unknown:
+            raise TypeError(f"SamplingParams.__init__() got unexpected keyword arguments {unknown}")
+        temperature, top_k = float(params.get("temperature", 1.0)), int(params.get("top_k", -1))
+        if 0 <= temperature < self.snapshot["flags"]["greedy_temperature_below"]:
+            temperature, top_k = 1.0, 1
+        seed = params.get("sampling_seed")
+        deterministic = self.server_args.get("enable_deterministic_inference", False)
+        if seed is None or not (deterministic or not self.snapshot["flags"]["seed_needs_deterministic"]):
+            seed = (self.server_args.get("random_seed") or 0) * 1_000_003 + self.requests  # batch dependent
+        self.requests += 1
+        generator = torch.Generator().manual_seed(int(seed))
+        logits = torch.randn(self.vocab_size, generator=torch.Generator().manual_seed(self.version))
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        tokens, pairs = [], []
+        for _ in range(int(params.get("max_new_tokens", 16))):
+            token = (
+                int(logprobs.argmax()) if top_k == 1 else int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+            )
+            tokens.append(token)
+            pairs.append((float(logprobs[token]), token, None))
+            if token == self.eos:
+                break
+        reason = (
+            {"type": "stop", "matched": self.eos}
+            if tokens[-1] == self.eos
+            else {"type": "length", "length": len(tokens)}
+        )
+        meta = {
+            "id": f"req{self.requests}",
+            "finish_reason": reason,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(tokens),
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = pairs
+        return {"text": "", "output_ids": tokens, "meta_info": meta}
+
+
+def _wait_until_dead(processes: list[Any], timeout_s: float = 30.0) -> None:
+    import time
+
+    import psutil
+
+    def dead(process: Any) -> bool:
+        try:
+            return process.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + timeout_s
+    while not all(dead(p) for p in processes):
+        if time.monotonic() > deadline:
+            raise RuntimeError("killed children were not gone in time")
+        time.sleep(0.01)
+
+
+def build_module(snapshot: dict[str, Any], *, kill_children: bool = False) -> types.ModuleType:
+    """A module standing in for ``sglang`` at the snapshot's version; ``module.recorder`` saw every call.
+
+    ``kill_children``: ``Engine.shutdown()`` kills every child process of this process, as SGLang's
+    does. Off by default inside the pytest process, whose other children belong to other tests.
+    """
+    recorder = Recorder()
+    namespace: dict[str, Any] = {"snapshot": snapshot, "recorder": recorder, "kill_children": kill_children}
+
+    def init(self: Any, **kwargs: Any) -> None:
+        _signature(snapshot["engine"]["__init__"]).bind(self, **kwargs)
+        self._start(**kwargs)
+
+    namespace["__init__"] = init
+    for name, params in snapshot["engine"].items():
+        if name != "__init__":
+            namespace[name] = _bound(name, _signature(params), getattr(_Behaviour, name, None))
+    engine = type("Engine", (_Behaviour,), namespace)
+    for name in ("begin_weight_update", "end_weight_update"):  # absent in this version: like the real class
+        if name not in snapshot["engine"]:
+            setattr(engine, name, _missing(name))
+    module = types.ModuleType("sglang")
+    module.__version__ = snapshot["version"]
+    module.Engine = engine
+    module.recorder = recorder
+    return module
+
+
+def _bound(name: str, signature: inspect.Signature, behaviour: Any) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)  # TypeError on a call the real signature refuses
+        if self.dead and name != "shutdown":
+            raise RuntimeError(f"{name} on an engine that was shut down")
+        arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+        self.recorder.calls.append((self.index, name, arguments))
+        if behaviour is None:
+            raise NotImplementedError(f"the stand-in does not model Engine.{name}")
+        return behaviour(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+class _Missing:
+    """A descriptor that makes ``getattr(engine, name)`` raise AttributeError, like a method the version lacks."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        raise AttributeError(f"'Engine' object has no attribute '{self.name}'")
+
+
+def _missing(name: str) -> _Missing:
+    return _Missing(name)
