@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from megatron_mugrpo import replay
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
+from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.replay import StageData
@@ -43,7 +42,6 @@ log = logging.getLogger(__name__)
 GAP_KEY = "train/rollout_logprob_abs_diff_max"
 BEST_FILE = "best.json"
 """RUN_DIR/best.json: the best eval/avg_pass@1 so far, its update and its checkpoint (kept from pruning)."""
-CRASH_ENV = "MUGRPO_CRASH_AT"
 FINAL_HF_DIR = "hf_final"
 TIMER_KEYS = ("perf/t_rollout_s", "perf/t_optimize_s", "perf/t_eval_s")
 
@@ -336,18 +334,6 @@ def _timers(run: Run) -> dict[str, float]:
     phases = {k: run.extra_timers.get(k, 0.0) + run.timer.total(k) for k in TIMER_KEYS}
     total = run.extra_timers.get("perf/t_total_s", 0.0) + (time.monotonic() - run.started)
     return phases | {"perf/t_total_s": total}
-
-
-def crash_point(name: str) -> None:
-    """Fault injection for the resume tests: SIGKILL this process at a point named in $MUGRPO_CRASH_AT
-    (one name, or several separated by commas).
-
-    Points are ``shard:K:I`` (on the host that just wrote shard I of stage K's dataset), ``rollout:K``
-    (after stage K's dataset is complete) and ``update:N`` (after global update N is applied and
-    logged). SIGKILL, not an exception: nothing gets to clean up, exactly as when a node dies.
-    """
-    if name in os.environ.get(CRASH_ENV, "").split(","):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _due(every: int, global_update: int) -> bool:

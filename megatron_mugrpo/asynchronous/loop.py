@@ -25,13 +25,13 @@ from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError
 from megatron_mugrpo.asynchronous.publish import Publication, publication_digests, publish_policy
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.evaluation import AVG_KEY
+from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.rollout.queue import QueueCursor, QueueReader, ShardRecord, Taken
 from megatron_mugrpo.rollout.store import StoreError, shard_stats, store_metrics
 from megatron_mugrpo.runtime import Run
 from megatron_mugrpo.stages import (
     check_first_update,
     checkpoint,
-    crash_point,
     export_final,
     progress_range,
     run_evaluation,

@@ -41,6 +41,7 @@ from typing import Any
 
 from megatron_mugrpo import durable
 from megatron_mugrpo.asynchronous.files import read_json, write_json
+from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rollout.shards import StoreError, map_shard, row_to_group, write_shard
 from megatron_mugrpo.rollout.store import shard_stats, validate_group
@@ -252,20 +253,9 @@ class QueueWriter:
             **record,
         )
         self.appended += 1
-        _crash_point(f"worker:{self.worker}:shard:{self.appended}")
+        crash_point(f"worker:{self.worker}:shard:{self.appended}")  # shard in place, record not yet
         write_json(self.queue_dir / (name + RECORD_SUFFIX), dataclasses.asdict(info))
         return info
-
-
-def _crash_point(name: str) -> None:
-    """``stages.crash_point``: the resume tests' fault injection. ``worker:W:shard:N`` SIGKILLs rollout
-    worker W after the N-th shard this process wrote is in place but before its record is: a
-    half-written batch. Imported only when it fires: ``stages`` pulls in Megatron, which a rollout
-    worker never needs otherwise."""
-    if os.environ.get("MUGRPO_CRASH_AT") == name:
-        from megatron_mugrpo.stages import crash_point
-
-        crash_point(name)
 
 
 # ---------------------------------------------------------------------------------------------------
