@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
-from megatron_mugrpo.cli import train_argv  # noqa: E402
+from megatron_mugrpo.commands import train_argv  # noqa: E402
 
 CONFIGS = {"mu_grpo": ROOT / "configs" / "demo_cpu.yaml", "grpo": ROOT / "configs" / "demo_grpo_cpu.yaml"}
 

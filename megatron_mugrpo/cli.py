@@ -21,7 +21,6 @@ import argparse
 import logging
 import sys
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,17 +33,6 @@ if TYPE_CHECKING:
 
 EXIT_BAD_INPUT = 2
 EXIT_RANK_FAILED = 1
-
-
-def mugrpo_argv(*args: str) -> list[str]:
-    """``mugrpo ARGS...`` as a command for this interpreter (what sweeps, benchmarks and end-to-end
-    tests start in a subprocess; the console script may not be on PATH there)."""
-    return [sys.executable, "-m", "megatron_mugrpo.cli", *args]
-
-
-def train_argv(config: str | Path, run_dir: str | Path, overrides: Sequence[str] = ()) -> list[str]:
-    """``mugrpo train --config CONFIG --run-dir RUN_DIR OVERRIDES...`` (see :func:`mugrpo_argv`)."""
-    return mugrpo_argv("train", "--config", str(config), "--run-dir", str(run_dir), *overrides)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -64,7 +64,7 @@ from typing import Any
 
 import yaml
 
-from megatron_mugrpo.cli import mugrpo_argv, train_argv
+from megatron_mugrpo.commands import mugrpo_argv, train_argv
 from megatron_mugrpo.config import ConfigError, RunConfig, load_config
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rundir import CONFIG_FILE

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from megatron_mugrpo.cli import mugrpo_argv
+from megatron_mugrpo.commands import mugrpo_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo_cpu.yaml"

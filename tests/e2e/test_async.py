@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_mugrpo.cli import train_argv
+from megatron_mugrpo.commands import train_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_async_cpu.yaml"

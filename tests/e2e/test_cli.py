@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mugrpo.cli import mugrpo_argv
+from megatron_mugrpo.commands import mugrpo_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 VERBS = ["train", "generate", "optimize", "eval", "report", "sweep", "convert"]

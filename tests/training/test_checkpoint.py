@@ -27,7 +27,7 @@ from dist_utils import run_distributed
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from megatron_mugrpo.cli import mugrpo_argv
+from megatron_mugrpo.commands import mugrpo_argv
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training import checkpoint, checkpoint_io
