@@ -13,17 +13,19 @@ hidden 2048, 8 layers, vocabulary 32,000; no tokenizer: SGLang runs with skip_to
    Check: SGLang FP8 is closer to the fake-quant model than to the bf16 original (it serves the
    quantized policy, up to kernel differences and SGLang re-quantizing fused q/k/v and gate/up to
    one scale);
-3. a second stage reloads new weights in place (``update_weights_from_disk``); check: the
-   log-probs follow the new weights;
+3. a second stage: SGLang cannot reload an FP8 model in place, so the first engine is shut down
+   and a new one serves the second stage's checkpoint; check: the log-probs follow the new weights;
 4. decode throughput of SGLang FP8 vs SGLang bf16 on the same prompts (EOS ignored).
 
-Without CUDA it prints a line and exits 0 (the CPU tests cover the transformers path).
+Without CUDA, SGLang or ModelOpt it prints a line and exits 0 (the CPU tests cover the transformers
+path, and ``tests/rollout/test_sglang_contract.py`` these calls against SGLang's API snapshots).
 Last line: ``checks=<passed>/<total> fp8_vs_bf16_decode=<tokens/s ratio>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 import time
@@ -126,6 +128,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check (the CPU tests cover the transformers FP8 path)")
         return 0
+    for module, extra in (("sglang", "sglang"), ("modelopt", "fp8")):
+        if importlib.util.find_spec(module) is None:
+            print(f"{module} is not installed (pip install 'megatron_mugrpo[{extra}]'): nothing to check")
+            return 0
     args = parse_args()
     from megatron_mugrpo.rollout.quantization import BehaviourQuantizer, load_behaviour_policy, quantization_scheme
     from megatron_mugrpo.rollout.sglang_engine import SGLangEngine
@@ -180,7 +186,7 @@ def main() -> int:
         reloaded = (served - teacher_forced(fake, prompts[: args.prompts], responses)).abs().mean()
         del fake
         check(
-            "next stage reloads in place",
+            "next stage: a new engine on the new checkpoint serves the new policy",
             bool(reloaded <= 2 * vs_fake.mean() + 1e-3),
             f"mean |dlogp| to the new fake-quant {reloaded:.4f}",
         )

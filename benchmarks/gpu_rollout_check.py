@@ -7,7 +7,8 @@ One process and one GPU, laid out as `mugrpo train` lays out engine group 0 with
 rollout.tensor_parallel = 1: a Megatron policy (TP = PP = 1) built from a random Qwen2 model, and
 one SGLang engine at base_gpu_id 0 (tp_size 1) on the same GPU. Checks:
 
-1. weight sync: ``export_hf`` into ``update_weights_from_tensor`` in buckets (GB/s printed); the
+1. weight sync: ``export_hf`` into ``update_weights_from_tensor`` in buckets, inside SGLang's
+   weight-update session where the version has one (GB/s printed); the
    policy is perturbed first, so the engine can only hold it through the sync;
 2. the engine's behaviour log-probs against the trainer's teacher-forced recompute: the first
    optimizer update's train/rollout_logprob_abs_diff_{mean,max}, where π_θ = β;
@@ -164,6 +165,9 @@ def main() -> int:
         return 0
     if importlib.util.find_spec("sglang") is None:
         print("SGLang is not installed (pip install 'megatron_mugrpo[sglang]'): nothing to check")
+        return 0
+    if importlib.util.find_spec("megatron") is None:
+        print("megatron-core is not installed (pip install 'megatron-core>=0.16.1'): nothing to check")
         return 0
     from conversion import load_hf_into_model
     from conversion.hf_io import load_hf_config
