@@ -105,8 +105,8 @@ def test_resume_after_sigkill_equals_uninterrupted(
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
     proc = mugrpo("train", "--resume", str(run_dir))
-    assert "Regenerating shard 1 only" in proc.stderr and "does not match its recorded sha256" in proc.stderr
-    # The regenerated shard is the same bytes (so is the manifest that records its sha256); the intact
+    assert "Regenerating shard 1 only" in proc.stderr and "does not match its recorded xxh3_128 checksum" in proc.stderr
+    # The regenerated shard is the same bytes (so is the manifest that records its checksum); the intact
     # shard was kept as it was.
     assert (stage_1 / "manifest.json").read_bytes() == manifest_before
     assert (stage_1 / "shard_00000.arrow").stat().st_mtime_ns == kept.st_mtime_ns
