@@ -92,7 +92,7 @@ def publish_policy(run: Run, root: Path, *, version: int, digest: bool) -> Publi
     stream: Iterator[tuple[str, torch.Tensor]] = ((n, t.cpu()) for n, t in tensors)
     if digest:  # keep the tensors for the hash (only when verifying: it costs a copy of the weights)
         stream = _keeping(stream, kept)
-    save_hf_dir(stream, root / name, run.hf_config, run.hf_dir)
+    save_hf_dir(stream, root / name, run.hf_config, run.hf_dir, fsync=True)  # durable before the pointer names it
     publication = Publication(name=name, version=version, digest=weights_digest(kept) if digest else "")
     record = dataclasses.asdict(publication)
     write_json(root / POINTER, record)
