@@ -15,15 +15,56 @@ engines took part (bitwise with the seeded transformers engine on CPU at equal t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from megatron_mugrpo.config import BenchmarkConfig, EvalConfig
+from megatron_mugrpo.errors import require
 from megatron_mugrpo.rollout.engine import RolloutEngine, SamplingParams, derive_seed
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.rewards import RewardFn
 
 AVG_KEY = "eval/avg_pass@1"
+
+
+@dataclass(kw_only=True)
+class BenchmarkConfig:
+    """One evaluation benchmark: a local JSONL/Parquet file (or 'builtin')."""
+
+    name: str
+    path: str
+    """Local file, or 'builtin' for the held-out split of the built-in task."""
+    k: int = 4
+    """Samples per problem; pass@1 is averaged over them (paper: 16 for AIME, 4 for AMC/MATH-500)."""
+    prompt_field: str = "problem"
+    answer_field: str = "answer"
+    limit: int = 0
+    """Evaluate at most this many problems (0: all)."""
+
+    def __post_init__(self) -> None:
+        require(self.k >= 1, f"eval benchmark {self.name!r}: k={self.k} must be >= 1")
+        if self.path != "builtin":
+            require(Path(self.path).is_file(), f"eval benchmark {self.name!r}: path {self.path!r} does not exist")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """``eval.*``: held-out evaluation, pass@1 averaged over k samples, every N updates."""
+
+    every_updates: int = 0
+    """Evaluate every N optimizer updates (0: only before training and at the end of each stage)."""
+    benchmarks: list[BenchmarkConfig] = field(default_factory=list)
+    temperature: float = 1.0
+    max_new_tokens: int = 512
+    chunk_problems: int = 32
+    """Problems per unit of evaluation work (one engine call with its own derived seed). Chunks are
+    spread over the engine hosts; smaller ones spread a small benchmark over more engines, larger ones
+    give each engine bigger batches. Results do not depend on the engine count."""
+
+    def __post_init__(self) -> None:
+        require(self.every_updates >= 0, f"eval.every_updates={self.every_updates} must be >= 0")
+        require(self.chunk_problems >= 1, f"eval.chunk_problems={self.chunk_problems} must be >= 1")
+        require(self.temperature > 0, f"eval.temperature={self.temperature} must be > 0")
 
 
 @dataclass(kw_only=True)

@@ -33,6 +33,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,18 @@ CONSOLE_KEYS = (
 """Metrics shown on the console line when present (all of them go to JSONL and TensorBoard)."""
 CONSOLE_FALLBACK_COUNT = 6
 """Metrics shown on the console line when none of CONSOLE_KEYS is in the record."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """``logging.*``: where the metrics go beside the JSONL file, and one sanity check on them."""
+
+    tensorboard: bool = True
+    """Also write TensorBoard event files under ``<run_dir>/tensorboard``."""
+    progress_bars: bool = True
+    """tqdm progress bars on the console."""
+    logprob_gap_tolerance: float = 1e-3
+    """Warn when the first-update train-vs-rollout log-prob gap exceeds this (should be ~0)."""
 
 
 class MetricsFileError(InputError, ValueError):

@@ -30,10 +30,11 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from omegaconf import OmegaConf
 
 from megatron_mugrpo import durable
-from megatron_mugrpo.config import RunConfig, save_config
 from megatron_mugrpo.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -169,19 +170,27 @@ def read_history(run_dir: Path) -> dict[str, Any] | None:
         raise RunDirError(f"{path} is unreadable ({exc}); restore it or delete it to skip the config check") from exc
 
 
-def record_config(cfg: RunConfig, run_dir: Path, *, event: str) -> None:
+class ConfigValues(Protocol):
+    """A resolved run config (``config.RunConfig``): what the run directory records of it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values under the user's keys, as ``config.save_config`` writes them."""
+        ...
+
+
+def record_config(cfg: ConfigValues, run_dir: Path, *, event: str) -> None:
     """Write the run's config (history file first, config.yaml last, each atomically) with an entry for ``event``.
 
     ``event`` reads like ``"train: created"`` or ``"train --resume: stages.num_stages=3"``.
     """
+    values = cfg.to_dict()
     history = read_history(run_dir) or {"entries": []}
     history["entries"].append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": event})
-    history["config"] = cfg.to_dict()
+    history["config"] = values
     durable.atomic_write_json(run_dir / HISTORY_FILE, history, indent=2)
-    draft = run_dir / (CONFIG_FILE + ".draft")
-    save_config(cfg, draft)
-    durable.atomic_write_text(run_dir / CONFIG_FILE, _config_header(history["entries"]) + draft.read_text())
-    draft.unlink()
+    # the same YAML as config.save_config (load_config reads it back)
+    yaml_text = OmegaConf.to_yaml(OmegaConf.create(values))
+    durable.atomic_write_text(run_dir / CONFIG_FILE, _config_header(history["entries"]) + yaml_text)
 
 
 def _config_header(entries: list[dict[str, str]]) -> str:

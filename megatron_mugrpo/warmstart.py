@@ -7,7 +7,10 @@ Hugging Face directory that the converter, the rollout engine and the trainer re
 checkpoint. It is cached: a directory with a ``warmstart.json`` matching the requested settings is
 reused as it is (resume, repeated demos).
 
-    hf_dir = prepare_base_model(cfg, run_dir / "base_model")
+    hf_dir = base_model_dir(cfg.model, cfg.warmstart, run_dir / "base_model", task=cfg.data.builtin_task, seed=cfg.seed)
+
+The ``model.*`` and ``warmstart.*`` config sections live here, with the code that reads them; the
+heavy libraries (transformers' models, megatron-core) are imported only when a model is built.
 """
 
 from __future__ import annotations
@@ -15,35 +18,105 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from megatron_mugrpo.config import RunConfig, TinyModelConfig, WarmStartConfig
+from megatron_mugrpo.errors import require
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_completion, builtin_problems, builtin_prompt
-from megatron_mugrpo.training.model import tiny_hf_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 WARMSTART_FILE = "warmstart.json"
 INIT_STD = 0.02
 """Initialiser std of the tiny model (transformers' default for Qwen2)."""
+DTYPES = ("float32", "bfloat16", "float16")
+"""model.dtype choices (training.setup maps them to torch dtypes)."""
 
 
-def prepare_base_model(cfg: RunConfig, out_dir: Path) -> Path:
-    """Return the Hugging Face directory the run starts from (``cfg.model.hf_dir`` or a built one)."""
-    if cfg.model.hf_dir:
-        return Path(cfg.model.hf_dir)
-    spec = warmstart_spec(cfg)
+@dataclass(kw_only=True)
+class TinyModelConfig:
+    """``model.tiny.*``: shape of the small Qwen2-architecture model built locally for the CPU demo and tests."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = True
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        require(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"model.tiny.num_attention_heads={self.num_attention_heads} must be a multiple of "
+            f"model.tiny.num_key_value_heads={self.num_key_value_heads}",
+        )
+        require(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"model.tiny.hidden_size={self.hidden_size} must be divisible by "
+            f"model.tiny.num_attention_heads={self.num_attention_heads}",
+        )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """``model.*``: which policy to train."""
+
+    hf_dir: str = ""
+    """Local Hugging Face directory (config.json + safetensors + tokenizer). Empty: build the tiny
+    model described by ``tiny`` (the CPU demo)."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the locally built model when ``hf_dir`` is empty."""
+    dtype: str = "float32"
+    """Parameter / compute dtype of the trainer: float32 (CPU), bfloat16 (GPU)."""
+
+    def __post_init__(self) -> None:
+        require(self.dtype in DTYPES, f"model.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.hf_dir:
+            require(
+                Path(self.hf_dir).is_dir(),
+                f"model.hf_dir={self.hf_dir!r} is not a directory; point it at a local Hugging Face "
+                "checkpoint (nothing is downloaded at run time) or leave it empty for the tiny model",
+            )
+
+
+@dataclass(kw_only=True)
+class WarmStartConfig:
+    """``warmstart.*``: short supervised phase for the locally built demo model (cached in the run directory)."""
+
+    steps: int = 0
+    """SFT steps on the built-in task before RL (0: none)."""
+    lr: float = 3e-3
+    batch_size: int = 32
+    answer_noise: float = 0.0
+    """Fraction of warm-start examples whose final boxed answer has one digit miscopied (the worked
+    steps stay right). The demo uses it to start RL from a policy with a systematic, verifiable flaw."""
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")
+        require(0.0 <= self.answer_noise < 1.0, f"warmstart.answer_noise={self.answer_noise} must be in [0, 1)")
+
+
+def base_model_dir(model: ModelConfig, warmstart: WarmStartConfig, out_dir: Path, *, task: str, seed: int) -> Path:
+    """The Hugging Face directory the run starts from: ``model.hf_dir``, or the tiny model built (and
+    warm-started on the built-in ``task``) in ``out_dir``, reused when its settings match."""
+    if model.hf_dir:
+        return Path(model.hf_dir)
+    spec = base_model_spec(model.tiny, warmstart, task=task, seed=seed)
     marker = out_dir / WARMSTART_FILE
     if marker.is_file() and json.loads(marker.read_text()).get("spec") == spec:
         return out_dir
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = build_char_tokenizer(tmp)
-    model = build_tiny_model(cfg.model.tiny, tokenizer, seed=cfg.seed)
-    losses = supervised_warmstart(model, tokenizer, cfg.warmstart, task=cfg.data.builtin_task, seed=cfg.seed)
-    model.save_pretrained(str(tmp), safe_serialization=True)
+    policy = build_tiny_model(model.tiny, tokenizer, seed=seed)
+    losses = supervised_warmstart(policy, tokenizer, warmstart, task=task, seed=seed)
+    policy.save_pretrained(str(tmp), safe_serialization=True)
     (tmp / WARMSTART_FILE).write_text(json.dumps({"spec": spec, "final_loss": losses[-1] if losses else None}))
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -51,18 +124,41 @@ def prepare_base_model(cfg: RunConfig, out_dir: Path) -> Path:
     return out_dir
 
 
-def warmstart_spec(cfg: RunConfig) -> dict[str, Any]:
+def base_model_spec(tiny: TinyModelConfig, warmstart: WarmStartConfig, *, task: str, seed: int) -> dict[str, Any]:
     """Everything the built base model depends on: runs with equal specs can share one base model."""
-    return {
-        "tiny": dict(cfg.model.tiny.__dict__),
-        "warmstart": dict(cfg.warmstart.__dict__),
-        "seed": cfg.seed,
-        "task": cfg.data.builtin_task,
-    }
+    return {"tiny": dict(tiny.__dict__), "warmstart": dict(warmstart.__dict__), "seed": seed, "task": task}
+
+
+class _DataSection(Protocol):
+    builtin_task: str
+
+
+class RunSections(Protocol):
+    """The sections of a run config the two adapters below read (``config.RunConfig`` has them)."""
+
+    model: ModelConfig
+    warmstart: WarmStartConfig
+    data: _DataSection
+    seed: int
+
+
+def prepare_base_model(cfg: RunSections, out_dir: Path) -> Path:
+    """``base_model_dir`` with the sections taken from a whole run config: kept for callers that have
+    not moved to ``base_model_dir`` yet."""
+    return base_model_dir(cfg.model, cfg.warmstart, out_dir, task=cfg.data.builtin_task, seed=cfg.seed)
+
+
+def warmstart_spec(cfg: RunSections) -> dict[str, Any]:
+    """``base_model_spec`` from a whole run config: kept for callers that have not moved to it yet."""
+    return base_model_spec(cfg.model.tiny, cfg.warmstart, task=cfg.data.builtin_task, seed=cfg.seed)
 
 
 def build_tiny_model(tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> torch.nn.Module:
     """A randomly initialised Qwen2ForCausalLM of the configured shape, in float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_mugrpo.training.model import tiny_hf_config
+
     hf = tiny_hf_config(
         "qwen2",
         vocab_size=len(tokenizer),

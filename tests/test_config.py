@@ -155,8 +155,8 @@ def test_loss_options_come_from_the_chosen_loss_section() -> None:
 
 def test_algo_has_one_section_per_registered_loss() -> None:
     """Each loss owns its options section: the registry and AlgoConfig's sections agree in name and type."""
+    from megatron_mugrpo.algorithms.config import AlgoConfig
     from megatron_mugrpo.algorithms.losses import available_losses, loss_spec
-    from megatron_mugrpo.config import AlgoConfig
 
     algo = AlgoConfig()
     for name in available_losses():

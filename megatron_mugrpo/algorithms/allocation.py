@@ -33,12 +33,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from megatron_mugrpo.errors import InputError, require
-
-if TYPE_CHECKING:
-    from megatron_mugrpo.config import RolloutConfig
 
 ALLOCATIONS = ("fixed", "vigor")
 """rollout.allocation: G responses per prompt, or VIGOR rounds."""
@@ -75,7 +72,19 @@ class VigorConfig:
         require(self.budget >= 0, f"rollout.vigor.budget={self.budget} must be >= 0")
 
 
-def total_budget(num_prompts: int, cfg: RolloutConfig) -> int:
+class AllocationSettings(Protocol):
+    """What the allocation reads of the ``rollout`` section (``rollout.config.RolloutConfig`` has it)."""
+
+    allocation: str
+    """'fixed' or 'vigor' (ALLOCATIONS)."""
+    group_size: int
+    """G: responses per prompt of the fixed allocation (and VIGOR's default budget)."""
+    shard_groups: int
+    """Prompts per shard: the unit ``vigor.budget`` counts rollouts for."""
+    vigor: VigorConfig
+
+
+def total_budget(num_prompts: int, cfg: AllocationSettings) -> int:
     """Rollouts to spend on ``num_prompts`` prompts.
 
     ``rollout.vigor.budget`` counts rollouts for a full shard of ``rollout.shard_groups`` prompts (the
@@ -88,7 +97,7 @@ def total_budget(num_prompts: int, cfg: RolloutConfig) -> int:
     return cfg.vigor.budget * num_prompts // cfg.shard_groups
 
 
-def initial_allocation(num_prompts: int, cfg: RolloutConfig) -> list[int]:
+def initial_allocation(num_prompts: int, cfg: AllocationSettings) -> list[int]:
     """Rollouts per prompt before any variance is known: ``n0`` each (VIGOR), or the fixed split.
 
     Returns a list of ``num_prompts`` counts. Raises AllocationError when the budget cannot give every
@@ -115,7 +124,7 @@ def initial_allocation(num_prompts: int, cfg: RolloutConfig) -> list[int]:
 def next_allocation(
     rewards_per_prompt: list[list[float]],
     spent: int,
-    cfg: RolloutConfig,
+    cfg: AllocationSettings,
     budget: int,
     *,
     last_round: bool = False,
@@ -149,7 +158,7 @@ def next_allocation(
     return extra
 
 
-def num_rounds(cfg: RolloutConfig) -> int:
+def num_rounds(cfg: AllocationSettings) -> int:
     """Allocation rounds after the initial one: R = max(rollout.vigor.rounds, 1) for VIGOR, 0 when fixed.
 
     At least one round, because the last round is the one that spends the budget exactly.
@@ -192,7 +201,7 @@ def num_selected(num_prompts: int, alpha: float) -> int:
     return min(num_prompts, max(1, math.ceil(alpha * num_prompts - ALPHA_ROUNDING_SLACK))) if alpha > 0 else 0
 
 
-def _is_fixed(cfg: RolloutConfig) -> bool:
+def _is_fixed(cfg: AllocationSettings) -> bool:
     return cfg.allocation == "fixed" or cfg.vigor.alpha == 0
 
 

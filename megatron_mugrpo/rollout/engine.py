@@ -35,7 +35,6 @@ from megatron_mugrpo.errors import InputError
 if TYPE_CHECKING:
     import torch
 
-    from megatron_mugrpo.config import RolloutConfig
     from megatron_mugrpo.rollout.placement import EnginePlacement
 
 FINISH_REASONS = ("stop", "length")
@@ -208,7 +207,9 @@ def _generation_problem(gen: Generation, vocab_size: int, max_new_tokens: int) -
 
 # --------------------------------------------------------------------------------------------------
 # Registry. Values are "module:attribute" strings until first use so that importing this module
-# never imports transformers or SGLang; register_engine() also accepts a ready factory.
+# never imports transformers or SGLang; register_engine() also accepts ready objects. Each engine
+# module defines its engine class and the dataclass of its knobs (the ``rollout.<name>.*`` section,
+# whose fields are the engine's constructor keywords): a new engine is one file and one entry here.
 # --------------------------------------------------------------------------------------------------
 
 EngineFactory = Callable[..., RolloutEngine]
@@ -217,13 +218,25 @@ _ENGINES: dict[str, EngineFactory | str] = {
     "transformers": "megatron_mugrpo.rollout.transformers_engine:TransformersEngine",
     "sglang": "megatron_mugrpo.rollout.sglang_engine:SGLangEngine",
 }
+_ENGINE_CONFIGS: dict[str, type | str] = {
+    "transformers": "megatron_mugrpo.rollout.transformers_engine:TransformersEngineConfig",
+    "sglang": "megatron_mugrpo.rollout.sglang_engine:SGLangEngineConfig",
+}
+"""Each engine's config dataclass. Importing it imports the engine's module, which must therefore
+import its heavy library (transformers' models, SGLang) only when the engine is built."""
 
 
-def register_engine(name: str, factory: EngineFactory | str) -> None:
-    """Add an engine: ``factory(hf_dir, **kwargs)`` returns a RolloutEngine (or 'module:attr')."""
+def register_engine(name: str, factory: EngineFactory | str, config: type | str | None = None) -> None:
+    """Add an engine: ``factory(hf_dir, **kwargs)`` returns a RolloutEngine (or 'module:attr').
+
+    ``config`` is the dataclass of its knobs (or 'module:attr'); the ``rollout`` section of the run
+    config gets it as ``rollout.<name>`` when ``rollout.config`` is first imported, so register before that.
+    """
     if name in _ENGINES:
         raise ValueError(f"rollout engine {name!r} is already registered")
     _ENGINES[name] = factory
+    if config is not None:
+        _ENGINE_CONFIGS[name] = config
 
 
 def available_engines() -> tuple[str, ...]:
@@ -241,13 +254,36 @@ def engine_factory(name: str) -> EngineFactory:
         raise ValueError(f"unknown rollout engine {name!r}; choose one of {available_engines()} (rollout.engine)")
     factory = _ENGINES[name]
     if isinstance(factory, str):
-        module_name, attr = factory.split(":")
-        factory = getattr(importlib.import_module(module_name), attr)
+        factory = _resolve(factory)
         _ENGINES[name] = factory
     return factory
 
 
-def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0, placement: EnginePlacement | None = None) -> dict[str, Any]:
+def engine_configs() -> dict[str, type]:
+    """Engine name → the dataclass of its ``rollout.<name>.*`` knobs, for the engines that have knobs."""
+    for name, config in list(_ENGINE_CONFIGS.items()):
+        if isinstance(config, str):
+            _ENGINE_CONFIGS[name] = _resolve(config)
+    return {name: config for name, config in sorted(_ENGINE_CONFIGS.items()) if not isinstance(config, str)}
+
+
+def _resolve(target: str) -> Any:
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+class EngineSettings(Protocol):
+    """What building and sampling read of the ``rollout`` section (``rollout.config.RolloutConfig``)."""
+
+    engine: str
+    """The registered engine; its knobs are the section's attribute of the same name."""
+    temperature: float
+    max_new_tokens: int
+
+
+def engine_kwargs(
+    rollout: EngineSettings, *, seed: int = 0, placement: EnginePlacement | None = None
+) -> dict[str, Any]:
     """Constructor keywords of the configured engine: its own section ``rollout.<engine>.*``, plus the
     run seed for an engine that seeds its sampler at construction (SGLang's ``random_seed``; the
     transformers engine takes a seed with every call instead).
@@ -256,7 +292,8 @@ def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0, placement: EnginePla
     layout: ``tp_size`` workers from the host's local GPU ``base_gpu_id`` (SGLang), and a seed of its
     own per engine so that engines do not draw the same random stream.
     """
-    kwargs = dataclasses.asdict(getattr(rollout, rollout.engine))
+    knobs = getattr(rollout, rollout.engine, None)
+    kwargs = dataclasses.asdict(knobs) if knobs is not None else {}
     accepted = inspect.signature(engine_factory(rollout.engine)).parameters
     if "seed" in accepted:
         kwargs["seed"] = seed + (placement.engine_index if placement is not None else 0)
@@ -267,7 +304,7 @@ def engine_kwargs(rollout: RolloutConfig, *, seed: int = 0, placement: EnginePla
 
 
 def build_engine_from_config(
-    rollout: RolloutConfig,
+    rollout: EngineSettings,
     hf_dir: str,
     *,
     seed: int = 0,
@@ -278,6 +315,6 @@ def build_engine_from_config(
     return build_engine(rollout.engine, hf_dir, **(engine_kwargs(rollout, seed=seed, placement=placement) | overrides))
 
 
-def sampling_params(rollout: RolloutConfig, *, seed: int) -> SamplingParams:
+def sampling_params(rollout: EngineSettings, *, seed: int) -> SamplingParams:
     """The stage's SamplingParams from the rollout config."""
     return SamplingParams(temperature=rollout.temperature, max_new_tokens=rollout.max_new_tokens, seed=seed)

@@ -35,9 +35,9 @@ from megatron_mugrpo.algorithms.allocation import (
     num_rounds,
     total_budget,
 )
-from megatron_mugrpo.config import RolloutConfig
 from megatron_mugrpo.errors import MissingInputError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
+from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import (
     Generation,
     ProgressCallback,

@@ -21,10 +21,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from megatron_mugrpo.config import BenchmarkConfig, DataConfig
-from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.errors import InputError, require
 from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
 
 if TYPE_CHECKING:
@@ -39,6 +38,50 @@ DEFAULT_BUILTIN_EVAL_SIZE = 256
 """Problems in the built-in task's eval split when a 'builtin' benchmark sets no limit."""
 
 REJECT_REASONS = ("missing_prompt", "missing_answer", "empty_prompt", "empty_answer", "too_long")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """``data.*``: training prompts, a local JSONL/Parquet file or the built-in procedural math task."""
+
+    train_path: str = ""
+    """Local JSONL or Parquet file of problems; empty uses the built-in task."""
+    prompt_field: str = "problem"
+    """Column holding the problem text (DeepScaleR: 'problem')."""
+    answer_field: str = "answer"
+    """Column holding the reference answer."""
+    use_chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template when it has one."""
+    builtin_task: str = "arithmetic"
+    """Built-in procedural task used when train_path is empty."""
+    builtin_size: int = 4096
+    """Problems generated for the built-in task."""
+    seed: int = 0
+    """Seed of the prompt order and of the built-in task generator."""
+
+    def __post_init__(self) -> None:
+        if self.train_path:
+            path = Path(self.train_path)
+            require(
+                path.is_file(), f"data.train_path={self.train_path!r} does not exist; give a local JSONL/Parquet file"
+            )
+            require(
+                path.suffix in (".jsonl", ".json", ".parquet"),
+                f"data.train_path={self.train_path!r}: expected a .jsonl, .json or .parquet file",
+            )
+        require(self.builtin_size >= 1, f"data.builtin_size={self.builtin_size} must be >= 1")
+
+
+class BenchmarkFile(Protocol):
+    """What loading reads of one ``eval.benchmarks`` entry (``evaluation.BenchmarkConfig``)."""
+
+    name: str
+    path: str
+    """Local file, or 'builtin' for the built-in task's eval split."""
+    prompt_field: str
+    answer_field: str
+    limit: int
+    """Keep the first N usable problems (0: all)."""
 
 
 class PromptDataError(InputError, ValueError):
@@ -102,7 +145,7 @@ def load_prompts(
 
 
 def load_benchmark(
-    bench: BenchmarkConfig,
+    bench: BenchmarkFile,
     tokenizer: PreTrainedTokenizerBase,
     max_prompt_tokens: int,
     *,

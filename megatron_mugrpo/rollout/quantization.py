@@ -54,7 +54,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rollout.engine import shutdown_engine
@@ -62,7 +62,6 @@ from megatron_mugrpo.rollout.engine import shutdown_engine
 if TYPE_CHECKING:
     import torch
 
-    from megatron_mugrpo.config import RolloutConfig
     from megatron_mugrpo.rollout.engine import RolloutEngine
     from megatron_mugrpo.rollout.prompts import PromptRecord
 
@@ -70,18 +69,6 @@ logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'megatron_mugrpo[fp8]' (NVIDIA Model Optimizer, nvidia-modelopt)"
 NONE = "none"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-"""What a rollout engine may need beside the weights; ModelOpt's export writes none of them."""
 
 
 class QuantizationError(InputError, RuntimeError):
@@ -311,6 +298,9 @@ def export_checkpoint(model: torch.nn.Module, target: str | Path, *, tokenizer_d
         with _quiet():
             export_hf_checkpoint(model, export_dir=str(scratch))
         if tokenizer_dir is not None:
+            # ModelOpt's export writes no tokenizer: copy what the converter also copies beside weights
+            from conversion.hf_io import TOKENIZER_FILES
+
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copy2(Path(tokenizer_dir) / name, scratch / name)
@@ -374,8 +364,16 @@ class BehaviourQuantizer:
     """Where the SGLang path writes the stage's checkpoint (replaced every stage)."""
 
 
+class QuantizationSettings(Protocol):
+    """What the stage's quantizer reads of the ``rollout`` section (``rollout.config.RolloutConfig``)."""
+
+    quantization: str
+    """A value of ``available_schemes()``."""
+    modelopt: ModelOptConfig
+
+
 def behaviour_quantizer(
-    rollout: RolloutConfig, prompts: Sequence[PromptRecord], export_dir: Path
+    rollout: QuantizationSettings, prompts: Sequence[PromptRecord], export_dir: Path
 ) -> BehaviourQuantizer | None:
     """The stage's quantizer from the rollout config (None with rollout.quantization=none), calibrated
     on the first ``rollout.modelopt.calibration_prompts`` of the stage's ``prompts``."""

@@ -12,22 +12,48 @@ buffers, see ``setup.wrap_ddp``).
 
 from __future__ import annotations
 
-import torch
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.transformer.module import MegatronModule
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from megatron_mugrpo.config import OptimConfig
+from megatron_mugrpo.errors import require
+
+if TYPE_CHECKING:  # megatron-core is imported when an optimizer is built, not when a config is loaded
+    import torch
+    from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import MegatronModule
 
 CONSTANT_SCHEDULE_STEPS = 1
 """Warm-up / decay lengths handed to Megatron's scheduler; irrelevant with the 'constant' styles but
 they must be positive for its sanity checks."""
 
 
+@dataclass(kw_only=True)
+class OptimConfig:
+    """``optim.*``: AdamW as in the paper: β = (0.9, 0.999), weight decay 0.01, constant LR 1e-6."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+        require(self.clip_grad >= 0, f"optim.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
+
+
 def megatron_optimizer_config(
     optim: OptimConfig, *, use_distributed_optimizer: bool, dtype: torch.dtype
 ) -> OptimizerConfig:
     """Translate our OptimConfig into Megatron's OptimizerConfig."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
     return OptimizerConfig(
         optimizer="adam",  # Megatron's "adam" is decoupled-weight-decay Adam, i.e. AdamW
         lr=optim.lr,
@@ -56,6 +82,9 @@ def build_optimizer(
     The scheduler is what writes each parameter group's lr and (wd_mult-scaled) weight decay; it is
     stepped once per update by the train step and saved in checkpoints.
     """
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     config = megatron_optimizer_config(optim, use_distributed_optimizer=use_distributed_optimizer, dtype=dtype)
     optimizer = get_megatron_optimizer(config, model_chunks)
     scheduler = OptimizerParamScheduler(

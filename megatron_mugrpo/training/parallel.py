@@ -10,20 +10,71 @@ the groups from the returned ``ParallelGroups`` explicitly instead of reaching f
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
 
+from megatron_mugrpo.errors import require
 from megatron_mugrpo.training import cpu_compat
+
+# megatron-core is imported inside the functions that set up process groups, so that loading a run
+# config (which holds ParallelConfig) does not import it.
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 """Collective timeout; generous because a rank may wait while another saves a checkpoint."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """``parallel.*``: Megatron model parallelism; data parallelism is what the world size leaves."""
+
+    tensor_parallel: int = 1
+    """TP degree; must divide the attention heads and KV heads."""
+    pipeline_parallel: int = 1
+    """PP degree; must divide the number of layers."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch; micro-batches accumulate into one optimizer update."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: activations outside attention/MLP split along the sequence over
+    the TP group (less activation memory). Needs CUDA and tensor_parallel > 1."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size"):
+            require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        require(
+            not self.sequence_parallel or self.tensor_parallel > 1,
+            "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1 (it splits the sequence over "
+            "the tensor-parallel group); set it to false",
+        )
+
+
+def check_model_parallelism(num_heads: int, num_kv_heads: int, num_layers: int, parallel: ParallelConfig) -> None:
+    """Raise ConfigError when TP/PP cannot split a model with these dimensions."""
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    require(num_heads % tp == 0, f"parallel.tensor_parallel={tp} does not divide the {num_heads} attention heads")
+    require(
+        num_kv_heads % tp == 0,
+        f"parallel.tensor_parallel={tp} does not divide the {num_kv_heads} key/value heads (query groups)",
+    )
+    require(num_layers % pp == 0, f"parallel.pipeline_parallel={pp} does not divide the {num_layers} layers")
+
+
+def check_hf_model_parallelism(hf_dir: str | Path, parallel: ParallelConfig) -> None:
+    """Validate TP/PP against a Hugging Face config.json."""
+    path = Path(hf_dir) / "config.json"
+    require(path.is_file(), f"{path} is missing: model.hf_dir must be a Hugging Face checkpoint directory")
+    hf = json.loads(path.read_text())
+    heads = hf["num_attention_heads"]
+    check_model_parallelism(heads, hf.get("num_key_value_heads", heads), hf["num_hidden_layers"], parallel)
 
 
 @dataclass(frozen=True)
@@ -89,6 +140,8 @@ def seed_everything(seed: int) -> None:
 
     Same seed on every rank; Megatron offsets the model-parallel state by the TP rank.
     """
+    from megatron.core import tensor_parallel
+
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -103,6 +156,8 @@ def initialize_parallel(tp: int, pp: int, seed: int, *, world_size: int | None =
     ``world_size``: the ranks that train, when fewer than the launch's (async mode's rollout workers
     are the launch's last ranks and stay outside).
     """
+    from megatron.core import parallel_state
+
     cpu_compat.activate()
     _init_process_group(world_size)
     world = dist.get_world_size()
@@ -129,6 +184,8 @@ def initialize_parallel(tp: int, pp: int, seed: int, *, world_size: int | None =
 
 def current_groups() -> ParallelGroups:
     """The ParallelGroups of an already initialised Megatron parallel state."""
+    from megatron.core import parallel_state
+
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is not initialised: call initialize_parallel() first")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -155,6 +212,8 @@ def destroy_parallel(*, destroy_process_group: bool = False) -> None:
     Keeping the process group lets one process re-initialise at another TP/PP (e.g. a test that
     saves at TP=2 and loads at TP=1 with the same ranks).
     """
+    from megatron.core import parallel_state
+
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if destroy_process_group and dist.is_initialized():

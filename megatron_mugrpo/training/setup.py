@@ -28,14 +28,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_model_config
 
-from megatron_mugrpo import config
-from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.training.model import build_gpt_model
-from megatron_mugrpo.training.optimizer import build_optimizer
+from megatron_mugrpo.training.optimizer import OptimConfig, build_optimizer
 from megatron_mugrpo.training.parallel import ParallelGroups
+from megatron_mugrpo.warmstart import DTYPES as DTYPE_NAMES
 
-DTYPES = {name: getattr(torch, name) for name in config.DTYPES}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 """model.dtype names → torch dtypes."""
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.algorithms.losses import (
     AGGREGATIONS,
     LOG_RATIO_CLAMP,
@@ -19,7 +20,6 @@ from megatron_mugrpo.algorithms.losses import (
     trust_region,
 )
 from megatron_mugrpo.algorithms.veto import veto_mask
-from megatron_mugrpo.config import AlgoConfig
 
 F64 = torch.float64
 LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip")

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_mugrpo.algorithms.allocation import (
     AllocationError,
+    VigorConfig,
     group_variance,
     initial_allocation,
     next_allocation,
@@ -14,7 +15,7 @@ from megatron_mugrpo.algorithms.allocation import (
     rank_by_variance,
     total_budget,
 )
-from megatron_mugrpo.config import RolloutConfig, VigorConfig
+from megatron_mugrpo.rollout.config import RolloutConfig
 
 
 def vigor_cfg(**vigor) -> RolloutConfig:

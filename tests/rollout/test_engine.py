@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from megatron_mugrpo.config import RolloutConfig
+from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import (
     EngineOutputError,
     Generation,

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from megatron_mugrpo.config import RolloutConfig, VigorConfig
+from megatron_mugrpo.algorithms.allocation import VigorConfig
 from megatron_mugrpo.durable import Checksum
+from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import EngineOutputError, Generation, derive_seed
 from megatron_mugrpo.rollout.generate import generate_stage
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup, engine_threads

@@ -9,9 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_mugrpo.config import BenchmarkConfig, DataConfig
+from megatron_mugrpo.evaluation import BenchmarkConfig
 from megatron_mugrpo.rollout.prompts import (
     INSTRUCTION,
+    DataConfig,
     PromptDataError,
     build_records,
     instruction_prompt,

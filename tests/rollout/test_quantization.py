@@ -15,8 +15,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from megatron_mugrpo.config import ConfigError, RolloutConfig, load_config
-from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.config import load_config
+from megatron_mugrpo.errors import ConfigError, InputError
+from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.quantization import (
     BehaviourQuantizer,

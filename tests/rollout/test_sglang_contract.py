@@ -21,8 +21,10 @@ import pytest
 import torch
 from sglang_standin import build_module, load_snapshot, snapshot_versions
 
-from megatron_mugrpo.config import ConfigError, RolloutConfig, load_config
+from megatron_mugrpo.config import load_config
+from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.rollout import quantization, sglang_engine
+from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import SamplingParams, build_engine_from_config, engine_kwargs
 from megatron_mugrpo.rollout.quantization import BehaviourQuantizer, load_behaviour_policy, quantization_scheme
 from megatron_mugrpo.rollout.sglang_engine import (

@@ -1,0 +1,281 @@
+"""The code reward: a model's program run against a problem's tests inside the sandbox.
+
+Per response: take the last fenced code block of the language (``extract_program``; none: reason
+``no_code``), run it on the problem's tests inside one sandbox (``rewards/code_runner.py`` runs each
+test in a fresh interpreter and sees only the inputs), and compare each output here, outside the
+sandbox: stdin/stdout tests line by line with whitespace normalised (``outputs_match``, numbers
+within ``float_tolerance`` when set), functional tests on the returned value. Public tests run
+first; by default the first failing test stops the program's remaining tests, so a wrong program
+costs little.
+
+The reward is 1 when every test passes (the paper's full pass), else 0; with ``partial`` it is the
+fraction passed (VIGOR's average test pass rate). ``CodeScore`` carries both, and the reason: the
+first failure's (``CODE_REASONS``), or ``correct``.
+
+    problem = CodeProblem(inputs=("1 2\\n",), outputs=("3\\n",))
+    score = score_response(Sandbox(slot=0), response_text, problem, CodeRewardConfig())
+    score.reward, score.reason, score.passed, score.total
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.rewards.sandbox import Limits, RunResult, Sandbox
+
+CODE_REASONS = (
+    "correct",
+    "no_code",
+    "syntax_error",
+    "runtime_error",
+    "timeout",
+    "memory_limit",
+    "output_limit",
+    "wrong_answer",
+    "sandbox_error",
+)
+TEST_KINDS = ("stdin", "functional")
+RUNNER_STATUSES = ("ok", "runtime_error", "timeout", "output_limit", "memory_limit", "syntax_error")
+"""What ``code_runner`` reports per test."""
+LANGUAGE_TAGS = {"python": ("python", "python3", "py")}
+"""Fence labels accepted per language; an unlabelled fence is accepted when no labelled one exists."""
+RUNNER = Path(__file__).with_name("code_runner.py")
+JAIL_OVERHEAD_S = 5.0
+"""Wall seconds the jail gets beyond its tests' own: the sandbox's and the runner's start-up."""
+_FENCE = re.compile(r"```([^\n`]*)\n(.*?)```", re.DOTALL)
+
+
+@dataclass(kw_only=True)
+class CodeRewardConfig:
+    """``reward.code.*``: how programs are run and scored."""
+
+    language: str = "python"
+    """Language of the fenced block taken from a response."""
+    partial: bool = False
+    """Reward the fraction of tests passed instead of 1 only for a full pass."""
+    stop_at_first_failure: bool = True
+    """A failing test stops the program's remaining tests (they count as failed)."""
+    float_tolerance: float = 0.0
+    """Numbers in outputs may differ by this much (absolute or relative); 0 compares tokens exactly."""
+    max_cpu_s: float = 4.0
+    """CPU seconds per test: the problem's own time limit, capped here."""
+    max_memory_mib: int = 512
+    """Address space per process: the problem's own memory limit, capped here."""
+    output_bytes: int = 1 << 20
+    """Output per test (and 16× that for the whole run)."""
+    scratch_mib: int = 64
+    """Writable scratch (/tmp) per program."""
+    processes: int = 32
+    """Processes per program (the runner, one interpreter per test, and what the program starts)."""
+
+    def __post_init__(self) -> None:
+        if self.language not in LANGUAGE_TAGS:
+            raise InputError(f"reward.code.language={self.language!r} is not one of {tuple(LANGUAGE_TAGS)}")
+        for name in ("max_cpu_s", "max_memory_mib", "output_bytes", "scratch_mib", "processes"):
+            if not getattr(self, name) > 0:
+                raise InputError(f"reward.code.{name}={getattr(self, name)} must be > 0")
+        if self.float_tolerance < 0:
+            raise InputError(f"reward.code.float_tolerance={self.float_tolerance} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodeProblem:
+    """One problem's tests, public ones first."""
+
+    inputs: tuple[Any, ...]
+    """stdin text per test, or (functional) the JSON-able argument list."""
+    outputs: tuple[str, ...]
+    """Expected stdout per test, or (functional) the JSON of the expected return value."""
+    kind: str = "stdin"
+    """'stdin' or 'functional'."""
+    func_name: str | None = None
+    """Entry point of a functional problem (a method of ``Solution`` or a function)."""
+    time_limit_s: float | None = None
+    memory_limit_mib: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in TEST_KINDS:
+            raise InputError(f"test kind {self.kind!r} is not one of {TEST_KINDS}")
+        if len(self.inputs) != len(self.outputs) or not self.inputs:
+            raise InputError(
+                f"a problem needs tests with one output per input ({len(self.inputs)} vs {len(self.outputs)})"
+            )
+        if self.kind == "functional" and not self.func_name:
+            raise InputError("a functional problem needs func_name (LiveCodeBench: metadata.func_name)")
+
+
+@dataclass(frozen=True)
+class CodeScore:
+    reward: float
+    reason: str
+    """'correct' or the first failure's reason (CODE_REASONS)."""
+    passed: int
+    total: int
+    seconds: float
+
+    @property
+    def pass_fraction(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+def extract_program(response: str, language: str = "python") -> str | None:
+    """The last fenced code block labelled with ``language``; else the last unlabelled one; else None."""
+    blocks = [(label.strip().lower(), body) for label, body in _FENCE.findall(response)]
+    tags = LANGUAGE_TAGS[language]
+    labelled = [body for label, body in blocks if label in tags]
+    if labelled:
+        return labelled[-1]
+    unlabelled = [body for label, body in blocks if not label]
+    return unlabelled[-1] if unlabelled else None
+
+
+def outputs_match(expected: str, actual: str, tolerance: float = 0.0) -> bool:
+    """Equal line by line after normalising whitespace (trailing blank lines ignored); with a
+    tolerance, numeric tokens match within it (absolute or relative)."""
+    want, got = _lines(expected), _lines(actual)
+    if len(want) != len(got):
+        return False
+    for a_line, b_line in zip(want, got):
+        a_tokens, b_tokens = a_line.split(), b_line.split()
+        if len(a_tokens) != len(b_tokens):
+            return False
+        if any(not _token_match(a, b, tolerance) for a, b in zip(a_tokens, b_tokens)):
+            return False
+    return True
+
+
+def values_match(expected: Any, actual: Any, tolerance: float = 0.0) -> bool:
+    """Returned values (parsed JSON) equal, floats within the tolerance, tuples as lists."""
+    if isinstance(expected, bool) or isinstance(actual, bool):
+        return type(expected) is type(actual) and expected == actual  # True is not 1
+    if isinstance(expected, (int, float)) and isinstance(actual, (int, float)):
+        return expected == actual or (tolerance > 0 and _close(float(expected), float(actual), tolerance))
+    if isinstance(expected, list) and isinstance(actual, list):
+        return len(expected) == len(actual) and all(values_match(a, b, tolerance) for a, b in zip(expected, actual))
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        return expected.keys() == actual.keys() and all(
+            values_match(expected[k], actual[k], tolerance) for k in expected
+        )
+    return expected == actual
+
+
+def score_response(box: Sandbox, response: str, problem: CodeProblem, cfg: CodeRewardConfig) -> CodeScore:
+    """Extract the program from ``response`` and score it (``score_program``)."""
+    program = extract_program(response, cfg.language)
+    if program is None:
+        return CodeScore(0.0, "no_code", 0, len(problem.inputs), 0.0)
+    return score_program(box, program, problem, cfg)
+
+
+def score_program(box: Sandbox, program: str, problem: CodeProblem, cfg: CodeRewardConfig) -> CodeScore:
+    """Run ``program`` on every test of ``problem`` in one sandbox and compare the outputs here."""
+    started = time.perf_counter()
+    cpu_s = min(problem.time_limit_s or cfg.max_cpu_s, cfg.max_cpu_s)
+    test_wall_s = 2 * cpu_s + 1  # a program that sleeps or waits uses no CPU: bound its wall time too
+    total = len(problem.inputs)
+    spec = {
+        "kind": problem.kind,
+        "func_name": problem.func_name,
+        "tests": list(problem.inputs),
+        "cpu_s": cpu_s,
+        "wall_s": test_wall_s,
+        "output_bytes": cfg.output_bytes,
+        "stop_at_first_failure": cfg.stop_at_first_failure,
+    }
+    limits = Limits(
+        cpu_s=total * cpu_s + JAIL_OVERHEAD_S,
+        wall_s=total * test_wall_s + JAIL_OVERHEAD_S,
+        memory_mib=min(problem.memory_limit_mib or cfg.max_memory_mib, cfg.max_memory_mib),
+        processes=cfg.processes,
+        output_bytes=16 * cfg.output_bytes + 4096 * total,
+        scratch_mib=cfg.scratch_mib,
+    )
+    files = {"main.py": program.encode(), "runner.py": RUNNER.read_bytes(), "tests.json": json.dumps(spec).encode()}
+
+    def failed(stdout: bytes) -> bool:  # expected outputs never enter the sandbox: stop from here
+        results = _runner_results(stdout, total)
+        return any(_test_status(problem, i, r, cfg.float_tolerance) != "ok" for i, r in enumerate(results))
+
+    stop = failed if cfg.stop_at_first_failure else None
+    run = box.run(files, ["runner.py"], stdin=b"", limits=limits, stop=stop)
+    results = _runner_results(run.stdout, total)
+    passed, reason = 0, "correct"
+    for index, result in enumerate(results):
+        status = _test_status(problem, index, result, cfg.float_tolerance)
+        if status == "ok":
+            passed += 1
+        elif reason == "correct":
+            reason = status
+    if len(results) < total and reason == "correct":
+        reason = _jail_reason(run)
+    reward = 1.0 if passed == total else (passed / total if cfg.partial else 0.0)
+    return CodeScore(reward, reason, passed, total, time.perf_counter() - started)
+
+
+def _runner_results(stdout: bytes, total: int) -> list[dict[str, str]]:
+    """The runner's JSON lines, in test order; stops at the first line that is not one (a program that
+    wrote into the runner's output spoils only its own score)."""
+    results = []
+    for line in stdout.decode(errors="replace").split("\n")[:total]:
+        try:
+            result = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if not isinstance(result, dict) or result.get("status") not in RUNNER_STATUSES:
+            break
+        results.append({"status": result["status"], "output": str(result.get("output", ""))})
+    return results
+
+
+def _jail_reason(run: RunResult) -> str:
+    """Why the sandbox ended before every test ran (the runner itself stopped)."""
+    if run.status == "stopped":
+        return "wrong_answer"
+    if run.status in ("timeout", "memory_limit", "output_limit", "sandbox_error"):
+        return run.status
+    return "runtime_error"
+
+
+def _test_status(problem: CodeProblem, index: int, result: dict[str, str], tolerance: float) -> str:
+    """'ok', 'wrong_answer', or the runner's status for test ``index``."""
+    if result["status"] != "ok":
+        return result["status"]
+    return "ok" if _matches(problem.kind, problem.outputs[index], result["output"], tolerance) else "wrong_answer"
+
+
+def _matches(kind: str, expected: str, actual: str, tolerance: float) -> bool:
+    if kind == "stdin":
+        return outputs_match(expected, actual, tolerance)
+    try:
+        return values_match(json.loads(expected), json.loads(actual), tolerance)
+    except json.JSONDecodeError:
+        return False
+
+
+def _lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _token_match(a: str, b: str, tolerance: float) -> bool:
+    if a == b:
+        return True
+    if tolerance <= 0:
+        return False
+    try:
+        return _close(float(a), float(b), tolerance)
+    except ValueError:
+        return False
+
+
+def _close(a: float, b: float, tolerance: float) -> bool:
+    return math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance)
