@@ -20,15 +20,19 @@ first failure's (``CODE_REASONS``), or ``correct``.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import queue
 import re
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_mugrpo.errors import InputError
-from megatron_mugrpo.rewards.sandbox import Limits, RunResult, Sandbox
+from megatron_mugrpo.rewards.sandbox import Limits, RunResult, Sandbox, Unsandboxed, check_available
 
 CODE_REASONS = (
     "correct",
@@ -46,7 +50,10 @@ RUNNER_STATUSES = ("ok", "runtime_error", "timeout", "output_limit", "memory_lim
 """What ``code_runner`` reports per test."""
 LANGUAGE_TAGS = {"python": ("python", "python3", "py")}
 """Fence labels accepted per language; an unlabelled fence is accepted when no labelled one exists."""
+SANDBOXES = ("bwrap", "none")
+"""reward.code.sandbox: 'bwrap' (the default, see rewards.sandbox) or 'none' (UNSAFE: trusted programs only)."""
 RUNNER = Path(__file__).with_name("code_runner.py")
+log = logging.getLogger(__name__)
 JAIL_OVERHEAD_S = 5.0
 """Wall seconds the jail gets beyond its tests' own: the sandbox's and the runner's start-up."""
 _FENCE = re.compile(r"```([^\n`]*)\n(.*?)```", re.DOTALL)
@@ -74,6 +81,9 @@ class CodeRewardConfig:
     """Writable scratch (/tmp) per program."""
     processes: int = 32
     """Processes per program (the runner, one interpreter per test, and what the program starts)."""
+    sandbox: str = "bwrap"
+    """'bwrap': every program in an isolated sandbox. 'none' is UNSAFE: programs run with this
+    process's network, files and processes in reach; only for trusted programs (tests)."""
 
     def __post_init__(self) -> None:
         if self.language not in LANGUAGE_TAGS:
@@ -81,6 +91,8 @@ class CodeRewardConfig:
         for name in ("max_cpu_s", "max_memory_mib", "output_bytes", "scratch_mib", "processes"):
             if not getattr(self, name) > 0:
                 raise InputError(f"reward.code.{name}={getattr(self, name)} must be > 0")
+        if self.sandbox not in SANDBOXES:
+            raise InputError(f"reward.code.sandbox={self.sandbox!r} is not one of {SANDBOXES}")
         if self.float_tolerance < 0:
             raise InputError(f"reward.code.float_tolerance={self.float_tolerance} must be >= 0")
 
@@ -217,6 +229,49 @@ def score_program(box: Sandbox, program: str, problem: CodeProblem, cfg: CodeRew
         reason = _jail_reason(run)
     reward = 1.0 if passed == total else (passed / total if cfg.partial else 0.0)
     return CodeScore(reward, reason, passed, total, time.perf_counter() - started)
+
+
+class CodeRewardPool:
+    """A bounded pool of sandbox slots that scores a stage's programs, ``workers`` at a time.
+
+    Each slot is a thread with a ``Sandbox`` of its own (its own host uid, so its own process budget);
+    the programs themselves run in the sandboxes' processes, so one slow program holds one slot and
+    never the stage. Starting the pool checks the sandbox once and fails closed.
+    """
+
+    def __init__(self, cfg: CodeRewardConfig, *, workers: int) -> None:
+        if workers < 1:
+            raise InputError(f"the code reward needs workers >= 1, got {workers}")
+        if cfg.sandbox == "none":
+            log.warning(
+                "reward.code.sandbox=none: model-written programs run WITHOUT isolation (network, files and "
+                "processes of this machine are in their reach). Use it for trusted programs only"
+            )
+            slots = [Unsandboxed(slot=i) for i in range(workers)]
+        else:
+            check_available()
+            slots = [Sandbox(slot=i) for i in range(workers)]
+        self.cfg = cfg
+        self._slots: queue.Queue[Sandbox] = queue.Queue()
+        for slot in slots:
+            self._slots.put(slot)
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="code-reward")
+
+    def score(self, responses: Sequence[str], problems: Sequence[CodeProblem]) -> list[CodeScore]:
+        """Scores in input order."""
+        if len(responses) != len(problems):
+            raise ValueError(f"{len(responses)} responses for {len(problems)} problems")
+        return list(self._executor.map(self._score_one, responses, problems))
+
+    def _score_one(self, response: str, problem: CodeProblem) -> CodeScore:
+        box = self._slots.get()
+        try:
+            return score_response(box, response, problem, self.cfg)
+        finally:
+            self._slots.put(box)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
 
 
 def _runner_results(stdout: bytes, total: int) -> list[dict[str, str]]:

@@ -6,7 +6,7 @@ the trainer compares outside the sandbox, so a program that tampers with the run
 inside the jail) can at most spoil its own results. It is made non-dumpable, so the program cannot
 open its file descriptors through /proc either.
 
-Input (``/code/tests.json``): ``{"kind": "stdin" | "functional", "func_name": str | null,
+Input (``tests.json`` beside it): ``{"kind": "stdin" | "functional", "func_name": str | null,
 "tests": [input, ...], "cpu_s": float, "wall_s": float, "output_bytes": int, "stop_at_first_failure": bool}``;
 stdin tests' inputs are strings, functional tests' are JSON argument lists. Output, on stdout, one
 JSON line per test run: ``{"status": "ok" | "runtime_error" | "timeout" | "output_limit" |
@@ -21,9 +21,11 @@ import resource
 import subprocess
 import sys
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+"""Where the program and the tests lie: /code in the sandbox."""
 FUNCTIONAL_DRIVER = r"""
 import json, os, sys
-source = open("/code/main.py").read()
+source = open(os.path.join(sys.argv[3], "main.py")).read()
 namespace = {"__name__": "__solution__"}
 exec(compile(source, "main.py", "exec"), namespace)
 name, result_fd = sys.argv[1], int(sys.argv[2])
@@ -39,7 +41,8 @@ os.write(result_fd, json.dumps(result).encode())
 
 def main() -> None:
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the program cannot read our /proc/<pid>/fd
-    spec = json.loads(open("/code/tests.json").read())  # noqa: SIM115 - read once, at start
+    with open(os.path.join(HERE, "tests.json")) as handle:
+        spec = json.load(handle)
     for test in spec["tests"]:
         result = run_one(spec, test)
         sys.stdout.write(json.dumps(result) + "\n")
@@ -57,10 +60,10 @@ def run_one(spec: dict, test: object) -> dict:
     functional = spec["kind"] == "functional"
     if functional:
         read_end, write_end = os.pipe()
-        command = [sys.executable, "-I", "-c", FUNCTIONAL_DRIVER, spec["func_name"], str(write_end)]
+        command = [sys.executable, "-I", "-c", FUNCTIONAL_DRIVER, spec["func_name"], str(write_end), HERE]
         stdin, pass_fds = json.dumps(test).encode(), (write_end,)
     else:
-        command, stdin, pass_fds = [sys.executable, "-I", "/code/main.py"], test.encode(), ()
+        command, stdin, pass_fds = [sys.executable, "-I", os.path.join(HERE, "main.py")], test.encode(), ()
     try:
         done = subprocess.run(
             command,

@@ -200,6 +200,7 @@ class Sandbox:
                     env={},
                     close_fds=True,
                     start_new_session=True,
+                    cwd=code,
                     **self._identity(),
                 )
             except OSError as exc:
@@ -268,6 +269,31 @@ class Sandbox:
         if self.uid is not None:
             _kill_uid(self.uid)
             _reap(self.uid)
+
+
+class Unsandboxed(Sandbox):
+    """Runs programs with the same limits and clean-up but NO isolation: network, files and processes
+    of this machine are all within their reach. Only for trusted programs (``reward.code.sandbox=none``,
+    tests of the harness, and the baseline of ``benchmarks/code_reward.py``)."""
+
+    def __init__(self, *, slot: int = 0) -> None:
+        self.prlimit = _tool("prlimit", "util-linux")
+        self.python = interpreter()
+        self.uid = UID_BASE + slot if os.geteuid() == 0 else None
+        if self.uid is not None:
+            _become_subreaper()
+
+    def _command(self, code: str, argv: list[str], limits: Limits) -> list[str]:
+        cpu = int(limits.cpu_s) + (1 if limits.cpu_s % 1 else 0)
+        return [
+            self.prlimit,
+            f"--cpu={cpu}",
+            f"--as={limits.memory_mib << 20}",
+            f"--fsize={limits.scratch_mib << 20}",
+            f"--nproc={limits.processes}",
+            "--core=0",
+            str(self.python), "-I", f"{code}/{argv[0]}", *argv[1:],
+        ]  # fmt: skip
 
 
 def _communicate(

@@ -10,6 +10,7 @@ from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rewards.code import (
     CodeProblem,
     CodeRewardConfig,
+    CodeRewardPool,
     extract_program,
     outputs_match,
     score_program,
@@ -116,3 +117,16 @@ def test_bad_problems_and_options_are_refused():
         CodeProblem(inputs=([1],), outputs=("1",), kind="functional")
     with pytest.raises(InputError, match=r"reward\.code\.language='rust'"):
         CodeRewardConfig(language="rust")
+
+
+def test_pool_scores_in_order_and_plain_processes_agree():
+    responses = [fenced("print(sum(map(int, input().split())))\n"), "no code", fenced("print(0)\n")] * 2
+    for sandbox_name in ("bwrap", "none"):
+        pool = CodeRewardPool(CodeRewardConfig(max_cpu_s=1.0, sandbox=sandbox_name), workers=2)
+        try:
+            scores = pool.score(responses, [SUM] * len(responses))
+        finally:
+            pool.close()
+        assert [s.reason for s in scores] == ["correct", "no_code", "wrong_answer"] * 2
+    with pytest.raises(InputError, match="sandbox='docker'"):
+        CodeRewardConfig(sandbox="docker")
