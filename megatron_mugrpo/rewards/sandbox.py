@@ -220,14 +220,8 @@ class Sandbox:
     def _command(self, code: str, argv: list[str], limits: Limits) -> list[str]:
         """prlimit (the rlimits, set in the child: no preexec_fn, so pools of threads may run sandboxes) → bwrap."""
         prefix = str(self.python.parent.parent)
-        cpu = int(limits.cpu_s) + (1 if limits.cpu_s % 1 else 0)
         command = [
-            self.prlimit,
-            f"--cpu={cpu}",
-            f"--as={limits.memory_mib << 20}",
-            f"--fsize={limits.scratch_mib << 20}",
-            f"--nproc={limits.processes}",
-            "--core=0",
+            *_prlimit(self.prlimit, limits),
             self.bwrap,
             "--unshare-all",
             "--die-with-parent",
@@ -284,16 +278,20 @@ class Unsandboxed(Sandbox):
             _become_subreaper()
 
     def _command(self, code: str, argv: list[str], limits: Limits) -> list[str]:
-        cpu = int(limits.cpu_s) + (1 if limits.cpu_s % 1 else 0)
-        return [
-            self.prlimit,
-            f"--cpu={cpu}",
-            f"--as={limits.memory_mib << 20}",
-            f"--fsize={limits.scratch_mib << 20}",
-            f"--nproc={limits.processes}",
-            "--core=0",
-            str(self.python), "-I", f"{code}/{argv[0]}", *argv[1:],
-        ]  # fmt: skip
+        return [*_prlimit(self.prlimit, limits), str(self.python), "-I", f"{code}/{argv[0]}", *argv[1:]]
+
+
+def _prlimit(prlimit: str, limits: Limits) -> list[str]:
+    """``prlimit`` with the run's rlimits (CPU in whole seconds, rounded up), to prefix a command."""
+    cpu = int(limits.cpu_s) + (1 if limits.cpu_s % 1 else 0)
+    return [
+        prlimit,
+        f"--cpu={cpu}",
+        f"--as={limits.memory_mib << 20}",
+        f"--fsize={limits.scratch_mib << 20}",
+        f"--nproc={limits.processes}",
+        "--core=0",
+    ]
 
 
 def _communicate(
