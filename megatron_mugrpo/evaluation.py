@@ -32,12 +32,15 @@ class BenchmarkConfig:
     """One evaluation benchmark: a local JSONL/Parquet file (or 'builtin')."""
 
     name: str
+    """Names the metrics: ``eval/<name>/pass@1``."""
     path: str
     """Local file, or 'builtin' for the held-out split of the built-in task."""
     k: int = 4
     """Samples per problem; pass@1 is averaged over them (paper: 16 for AIME, 4 for AMC/MATH-500)."""
     prompt_field: str = "problem"
+    """Column holding the problem text."""
     answer_field: str = "answer"
+    """Column holding the reference answer."""
     limit: int = 0
     """Evaluate at most this many problems (0: all)."""
 
@@ -54,8 +57,11 @@ class EvalConfig:
     every_updates: int = 0
     """Evaluate every N optimizer updates (0: only before training and at the end of each stage)."""
     benchmarks: list[BenchmarkConfig] = field(default_factory=list)
+    """The benchmarks evaluated (none: no evaluation)."""
     temperature: float = 1.0
+    """Sampling temperature of the evaluation samples."""
     max_new_tokens: int = 512
+    """Response length cap of the evaluation samples."""
     chunk_problems: int = 32
     """Problems per unit of evaluation work (one engine call with its own derived seed). Chunks are
     spread over the engine hosts; smaller ones spread a small benchmark over more engines, larger ones

@@ -42,13 +42,21 @@ class TinyModelConfig:
     """``model.tiny.*``: shape of the small Qwen2-architecture model built locally for the CPU demo and tests."""
 
     hidden_size: int = 64
+    """Width of the residual stream; a multiple of num_attention_heads."""
     num_layers: int = 2
+    """Transformer layers (parallel.pipeline_parallel must divide it)."""
     num_attention_heads: int = 4
+    """Query heads (parallel.tensor_parallel must divide it)."""
     num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention); divides num_attention_heads."""
     intermediate_size: int = 128
+    """Width of the gated MLP."""
     max_position_embeddings: int = 256
+    """Longest sequence (prompt + response) the model is built for."""
     tie_word_embeddings: bool = True
+    """Share the input embedding and the output layer."""
     rope_theta: float = 10000.0
+    """RoPE base frequency."""
 
     def __post_init__(self) -> None:
         require(
@@ -92,7 +100,9 @@ class WarmStartConfig:
     steps: int = 0
     """SFT steps on the built-in task before RL (0: none)."""
     lr: float = 3e-3
+    """AdamW learning rate of the supervised phase (decayed linearly to 0)."""
     batch_size: int = 32
+    """Examples per supervised step."""
     answer_noise: float = 0.0
     """Fraction of warm-start examples whose final boxed answer has one digit miscopied (the worked
     steps stay right). The demo uses it to start RL from a policy with a systematic, verifiable flaw."""

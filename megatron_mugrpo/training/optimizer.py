@@ -33,10 +33,15 @@ class OptimConfig:
     """``optim.*``: AdamW as in the paper: β = (0.9, 0.999), weight decay 0.01, constant LR 1e-6."""
 
     lr: float = 1e-6
+    """Learning rate, constant over the run (no warm-up, no decay)."""
     weight_decay: float = 0.01
+    """Decoupled weight decay; not applied to biases and norm weights (Megatron's wd_mult = 0)."""
     beta1: float = 0.9
+    """Adam β1 (first-moment decay)."""
     beta2: float = 0.999
+    """Adam β2 (second-moment decay)."""
     eps: float = 1e-8
+    """Adam ε added to the second-moment square root."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
 

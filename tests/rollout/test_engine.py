@@ -273,3 +273,25 @@ def test_sglang_engine_is_placed_on_its_groups_first_gpu():
     }
     cfg = RolloutConfig(transformers=TransformersEngineConfig(batch_size=3))
     assert engine_kwargs(cfg, seed=10, placement=placement) == {"batch_size": 3}
+
+
+def test_engine_sections_come_from_the_registry_without_heavy_imports():
+    """Each engine module brings its ``rollout.<name>`` section; loading the run config (all sections)
+    imports neither SGLang, transformers' models nor megatron-core."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dataclasses\n"
+        "import megatron_mugrpo.config\n"
+        "from megatron_mugrpo.rollout.config import RolloutConfig\n"
+        "from megatron_mugrpo.rollout.engine import available_engines, engine_configs\n"
+        "fields = {f.name: f.type for f in dataclasses.fields(RolloutConfig)}\n"
+        "assert all(fields[name] is cls for name, cls in engine_configs().items()), fields\n"
+        "assert set(engine_configs()) == set(available_engines())\n"
+        "heavy = [m for m in sys.modules if m == 'sglang' or m.startswith(('sglang.', 'transformers.models.'))]\n"
+        "assert not heavy, heavy\n"
+        "megatron = [m for m in sys.modules if m.startswith('megatron.core')]\n"
+        "assert not megatron, megatron[:3]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
