@@ -1,7 +1,7 @@
 """Per-stage weight sync: the in-memory path against writing the same bytes to disk.
 
 At the start of every stage the trainer pushes its weights to the rollout engine
-(``runtime.sync_engine``): ``conversion.export_hf`` streams HF-named tensors out of the live
+(``loop.engines.sync_engine``): ``conversion.export_hf`` streams HF-named tensors out of the live
 Megatron model into the engine's ``load_weights``. This script times that path against
 ``safetensors.save_file`` of the same tensors (the cheapest way to hand weights over through
 disk), in one process (TP = PP = 1, gloo, the transformers engine on this device):

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +33,7 @@ from megatron_mugrpo.errors import InputError
 
 if TYPE_CHECKING:
     from megatron_mugrpo.config import RunConfig
+    from megatron_mugrpo.rundir import Claim
 
 EXIT_BAD_INPUT = 2
 EXIT_RANK_FAILED = 1
@@ -148,48 +152,34 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Imports stay light until the role is known: async mode's rollout workers never need Megatron.
     from megatron_mugrpo.asynchronous.roles import role_from_env
     from megatron_mugrpo.config import load_config
-    from megatron_mugrpo.rundir import is_run, produced_nothing
 
-    if args.resume is not None:
-        if args.config is not None or args.run_dir is not None:
-            raise _UsageError("--resume RUN_DIR takes neither --config nor --run-dir (the run's config.yaml is used)")
-        if not args.resume.is_dir():
-            raise _UsageError(f"--resume {args.resume}: no such run directory")
-        if not is_run(args.resume):
-            raise _UsageError(f"{args.resume} is not a run (no config.yaml): start one with --config C --run-dir DIR")
-        run_dir, resolved = args.resume, resolve_config(args, args.resume, "train --resume")
-        cfg = resolved.cfg
-        open_args = {"resume": True, "record": resolved.record, "redo_after_checkpoint": True}
-    else:
-        if args.config is None or args.run_dir is None:
-            raise _UsageError("train needs --config C and --run-dir DIR (or --resume RUN_DIR)")
-        run_dir, cfg = args.run_dir, load_config(args.config, args.overrides)
-        open_args = {"resume": False, "record": _created("train", args), "replace_failed_start": is_run(run_dir)}
-    model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
-    role = role_from_env(mode=cfg.mode, rollout_ranks=cfg.async_.rollout_ranks, model_parallel=model_parallel)
+    run_dir = _train_run_dir(args)
+    new = load_config(args.config, args.overrides) if args.resume is None else None  # reads the YAML only
+    with locked_run_dir(run_dir, replace_failed_start=new is not None) as claimed:  # the lock, then the judging
+        if new is not None:  # a run that produced something was refused as the lock was taken
+            cfg, open_args = new, {"resume": False, "record": _created("train", args)}
+        else:
+            cfg, open_args = _resumed(args)
+        model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+        role = role_from_env(mode=cfg.mode, rollout_ranks=cfg.async_.rollout_ranks, model_parallel=model_parallel)
     if role.is_worker:  # async mode's rollout ranks: no Megatron, no process group, only the run directory
         from megatron_mugrpo.asynchronous.worker import run_worker
 
         run_worker(cfg, run_dir, role)
         return 0
-    if args.resume is None and is_run(run_dir) and not produced_nothing(run_dir):
-        raise _UsageError(
-            f"{run_dir} already holds a run: continue it with `mugrpo train --resume {run_dir}` "
-            "or choose another --run-dir"
-        )
     from megatron_mugrpo.asynchronous.files import AsyncPaths
     from megatron_mugrpo.asynchronous.liveness import beating
 
     # Async mode: rank 0 beats for the trainer from here (before Megatron is even imported) to the end; the
     # last beat says done, or failed with the error, and the workers stop on reading it.
     with beating(AsyncPaths(run_dir).trainer_heartbeat, enabled=role.rank == 0 and role.num_workers > 0):
-        from megatron_mugrpo import stages
-        from megatron_mugrpo.asynchronous.loop import train_async
-        from megatron_mugrpo.runtime import open_run
+        from megatron_mugrpo.loop.asynchronous import train_async
+        from megatron_mugrpo.loop.setup import open_run
+        from megatron_mugrpo.loop.staged import train
 
-        run = open_run(cfg, run_dir, world_size=role.trainer_world, **open_args)
+        run = open_run(cfg, run_dir, claimed=claimed, world_size=role.trainer_world, **open_args)
         try:
-            result = train_async(run, role) if cfg.mode == "async" else stages.train(run)
+            result = train_async(run, role) if cfg.mode == "async" else train(run)
         finally:
             run.close()
     if run.is_writer:
@@ -198,6 +188,51 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         write_report([run_dir], run_dir / "report")
     return 0
+
+
+def _train_run_dir(args: argparse.Namespace) -> Path:
+    """The directory `train` writes; checks only the arguments (the directory is judged under its lock)."""
+    if args.resume is not None:
+        if args.config is not None or args.run_dir is not None:
+            raise _UsageError("--resume RUN_DIR takes neither --config nor --run-dir (the run's config.yaml is used)")
+        if not args.resume.is_dir():
+            raise _UsageError(f"--resume {args.resume}: no such run directory")
+        return args.resume
+    if args.config is None or args.run_dir is None:
+        raise _UsageError("train needs --config C and --run-dir DIR (or --resume RUN_DIR)")
+    return args.run_dir
+
+
+def _resumed(args: argparse.Namespace) -> tuple[RunConfig, dict]:
+    """`train --resume`: the run's config and how to open it (called with the directory locked)."""
+    from megatron_mugrpo.rundir import is_run
+
+    if not is_run(args.resume):
+        raise _UsageError(f"{args.resume} is not a run (no config.yaml): start one with --config C --run-dir DIR")
+    resolved = resolve_config(args, args.resume, "train --resume")
+    return resolved.cfg, {"resume": True, "record": resolved.record, "redo_after_checkpoint": True}
+
+
+@contextmanager
+def locked_run_dir(run_dir: Path, *, replace_failed_start: bool = False) -> Iterator[Claim | None]:
+    """Rank 0 of the launch (torchrun's RANK) locks ``run_dir`` before the verb judges it.
+
+    So a second process is told who holds the directory, never a verdict drawn from a directory the
+    holder is still setting up. With ``replace_failed_start`` (a new `train`) a start that failed
+    before producing anything is cleared and one that produced something refused, under the lock.
+    An error inside the block abandons the claim (unlock; remove the directory if the claim created
+    it); otherwise the claim goes on to ``open_run``, which holds it until the run closes.
+    """
+    from megatron_mugrpo.rundir import claim
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    claimed = claim(run_dir, replace_failed_start=replace_failed_start) if rank0 else None
+    try:
+        yield claimed
+    except BaseException:
+        if claimed is not None:
+            claimed.abandon()
+        raise
 
 
 def print_summary(result: dict[str, float]) -> None:
@@ -223,25 +258,26 @@ def print_summary(result: dict[str, float]) -> None:
 
 
 def cmd_phase(args: argparse.Namespace) -> int:
-    from megatron_mugrpo import stages
+    from megatron_mugrpo.loop.setup import open_run
+    from megatron_mugrpo.loop.staged import optimize_stage, rollout_phase
     from megatron_mugrpo.rollout.store import is_complete
-    from megatron_mugrpo.runtime import open_run
 
-    resolved = resolve_config(args, args.run_dir, args.verb)
-    cfg = resolved.cfg
-    if cfg.mode != "staged":
-        raise _UsageError(
-            f"mugrpo {args.verb} replays one phase of the staged loop; a mode: {cfg.mode} run has no stage "
-            "datasets: run it with `mugrpo train`"
-        )
-    if not 0 <= args.stage < cfg.stages.num_stages:
-        raise _UsageError(f"--stage {args.stage} is outside [0, stages.num_stages={cfg.stages.num_stages})")
+    with locked_run_dir(args.run_dir) as claimed:
+        resolved = resolve_config(args, args.run_dir, args.verb)
+        cfg = resolved.cfg
+        if cfg.mode != "staged":
+            raise _UsageError(
+                f"mugrpo {args.verb} replays one phase of the staged loop; a mode: {cfg.mode} run has no stage "
+                "datasets: run it with `mugrpo train`"
+            )
+        if not 0 <= args.stage < cfg.stages.num_stages:
+            raise _UsageError(f"--stage {args.stage} is outside [0, stages.num_stages={cfg.stages.num_stages})")
     # `optimize` continues from the latest checkpoint and redoes the updates logged after it.
     redo = args.verb == "optimize"
-    run = open_run(cfg, args.run_dir, resume=True, record=resolved.record, redo_after_checkpoint=redo)
+    run = open_run(cfg, args.run_dir, resume=True, claimed=claimed, record=resolved.record, redo_after_checkpoint=redo)
     try:
         if args.verb == "generate":
-            stages.rollout_phase(run, args.stage)
+            rollout_phase(run, args.stage)
             if run.is_writer:
                 print(f"rollout dataset complete: {run.rollout_dir(args.stage)}")
             return 0
@@ -250,27 +286,34 @@ def cmd_phase(args: argparse.Namespace) -> int:
                 f"{run.rollout_dir(args.stage)} is not a complete rollout dataset: run "
                 f"`mugrpo generate --run-dir {args.run_dir} --stage {args.stage}` first"
             )
-        stages.optimize_stage(run, args.stage)
+        optimize_stage(run, args.stage)
     finally:
         run.close()
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from megatron_mugrpo import stages
-    from megatron_mugrpo.runtime import open_run
+    from megatron_mugrpo.loop.actions import run_evaluation
+    from megatron_mugrpo.loop.setup import open_run
 
-    # Overrides (e.g. eval.benchmarks.0.k=16) apply to this evaluation only: the run's config is kept.
-    resolved = resolve_config(args, args.run_dir, "eval", persist=False)
-    if not resolved.cfg.eval.benchmarks:
-        raise _UsageError("no benchmarks configured: add eval.benchmarks to the config")
     if args.checkpoint is not None and not (args.checkpoint / "metadata.json").is_file():
         raise _UsageError(f"--checkpoint {args.checkpoint} is not a checkpoint step directory (no metadata.json)")
+    with locked_run_dir(args.run_dir) as claimed:
+        # Overrides (e.g. eval.benchmarks.0.k=16) apply to this evaluation only: the run's config is kept.
+        resolved = resolve_config(args, args.run_dir, "eval", persist=False)
+        if not resolved.cfg.eval.benchmarks:
+            raise _UsageError("no benchmarks configured: add eval.benchmarks to the config")
     run = open_run(
-        resolved.cfg, args.run_dir, resume=True, checkpoint=args.checkpoint, record=resolved.record, standalone="eval"
+        resolved.cfg,
+        args.run_dir,
+        resume=True,
+        claimed=claimed,
+        checkpoint=args.checkpoint,
+        record=resolved.record,
+        standalone="eval",
     )
     try:
-        metrics = stages.run_evaluation(run)
+        metrics = run_evaluation(run)
     finally:
         run.close()
     for key, value in sorted(metrics.items()):

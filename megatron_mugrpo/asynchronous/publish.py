@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_mugrpo.asynchronous.files import read_json, write_json
+from megatron_mugrpo.loop.export import NamedTensors, export_policy
 
 if TYPE_CHECKING:
-    from megatron_mugrpo.runtime import Run
+    from megatron_mugrpo.loop.setup import Run
 
 POINTER = "latest"
 LOG = "publications.jsonl"
@@ -76,24 +77,25 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 def publish_policy(run: Run, root: Path, *, version: int, digest: bool) -> Publication | None:
     """Export the trainer's policy into a new publication (collective over the trainer ranks).
 
-    Every trainer rank iterates ``export_hf`` (tensors are gathered across TP / PP); rank 0 writes the
-    directory, then the pointer, then the log line, and prunes old publications. Returns the
+    Every trainer rank takes part in the export (tensors are gathered across TP / PP); rank 0 writes
+    the directory, then the pointer, then the log line, and prunes old publications. Returns the
     publication on rank 0, None elsewhere.
     """
-    from conversion import export_hf, save_hf_dir
+    from conversion import save_hf_dir
 
-    tensors = export_hf(run.policy.unwrapped(), run.hf_config, run.groups)
-    if not run.is_writer:
-        for _ in tensors:  # take part in the export's collectives
-            pass
-        return None
     name = f"v{version:08d}-{uuid.uuid4().hex[:8]}"
-    kept: list[tuple[str, torch.Tensor]] = []
-    stream: Iterator[tuple[str, torch.Tensor]] = ((n, t.cpu()) for n, t in tensors)
-    if digest:  # keep the tensors for the hash (only when verifying: it costs a copy of the weights)
-        stream = _keeping(stream, kept)
-    save_hf_dir(stream, root / name, run.hf_config, run.hf_dir, fsync=True)  # durable before the pointer names it
-    publication = Publication(name=name, version=version, digest=weights_digest(kept) if digest else "")
+
+    def write(tensors: NamedTensors) -> Publication:
+        kept: list[tuple[str, torch.Tensor]] = []
+        stream: Iterator[tuple[str, torch.Tensor]] = ((n, t.cpu()) for n, t in tensors)
+        if digest:  # keep the tensors for the hash (only when verifying: it costs a copy of the weights)
+            stream = _keeping(stream, kept)
+        save_hf_dir(stream, root / name, run.hf_config, run.hf_dir, fsync=True)  # durable before the pointer names it
+        return Publication(name=name, version=version, digest=weights_digest(kept) if digest else "")
+
+    publication = export_policy(run.policy, run.hf_config, run.groups, consume=run.is_writer, use=write)
+    if publication is None:
+        return None
     record = dataclasses.asdict(publication)
     write_json(root / POINTER, record)
     with open(root / LOG, "a") as log:

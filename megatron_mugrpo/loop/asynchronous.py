@@ -1,4 +1,4 @@
-"""The trainer's loop in async mode, ``train_async``: the twin of ``stages.train``, and as short.
+"""The trainer's loop in async mode, ``train_async``: the twin of ``loop.staged.train``, and as short.
 
     publish π → evaluate → per update: take B_mini fresh groups from the rollout queue (waiting for
     them is the trainer's idle time) → one optimizer update → publish every async.sync_every updates
@@ -16,9 +16,6 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch.distributed as dist
 
 from megatron_mugrpo.asynchronous.files import AsyncPaths
 from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError
@@ -26,18 +23,19 @@ from megatron_mugrpo.asynchronous.publish import Publication, publication_digest
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.evaluation import AVG_KEY
 from megatron_mugrpo.faults import crash_point
-from megatron_mugrpo.rollout.queue import QueueCursor, QueueReader, ShardRecord, Taken
-from megatron_mugrpo.rollout.store import StoreError, shard_stats, store_metrics
-from megatron_mugrpo.runtime import Run
-from megatron_mugrpo.stages import (
+from megatron_mugrpo.loop.actions import (
     check_first_update,
-    checkpoint,
-    export_final,
+    evaluate_and_checkpoint,
     progress_range,
     run_evaluation,
     summary,
     train_on_groups,
 )
+from megatron_mugrpo.loop.export import export_final
+from megatron_mugrpo.loop.setup import Run
+from megatron_mugrpo.rollout.placement import HostGroup
+from megatron_mugrpo.rollout.queue import QueueCursor, QueueReader, ShardRecord, Taken
+from megatron_mugrpo.rollout.store import StoreError, shard_stats, store_metrics
 
 POLL_S = 0.02
 """Seconds between two looks at the queue while the trainer waits for groups."""
@@ -56,7 +54,7 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
             taken = feed.next_groups(run)
         with run.timer("perf/t_optimize_s"):
             metrics = async_update(run, taken)
-            if _due(cfg.async_.sync_every, run.state.global_update):
+            if run.state.global_update % cfg.async_.sync_every == 0:
                 metrics |= feed.publish(run)
         run.logger.log(metrics | feed.update_metrics(taken, started), step=run.state.global_update)
         crash_point(f"update:{run.state.global_update}")
@@ -78,19 +76,14 @@ def async_update(run: Run, taken: Taken) -> dict[str, float]:
 
 
 def end_of_update(run: Run, feed: Feed) -> None:
-    """At a stage end, the stage's rollout summary and evaluation; a checkpoint when one is due."""
-    cfg, done = run.cfg, run.state.global_update
+    """At a stage end, the stage's rollout summary; then evaluation and checkpoint when ``run.cadence`` says."""
+    done = run.state.global_update
     run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
-    stage_end, last = run.state.update_in_stage == 0, done == cfg.stages.total_updates
+    stage_end, last = run.state.update_in_stage == 0, done == run.cfg.stages.total_updates
     if stage_end:
         run.logger.log(feed.stage_summary(run.state.stage - 1), step=done)
-    every = cfg.eval.every_updates
-    if _due(every, done) or (every == 0 and stage_end) or last:
-        run_evaluation(run)  # before the checkpoint, so that it holds the result
-    stage_due = stage_end and _due(cfg.checkpoint.every_stages, run.state.stage)
-    if stage_due or last or _due(cfg.checkpoint.every_updates, done):
-        run.state.queue = feed.cursor()  # a copy: a background save must not see the cursor move on
-        checkpoint(run)
+    run.state.queue = feed.cursor()  # a copy: a background save must not see the cursor move on
+    evaluate_and_checkpoint(run, stage_end=stage_end, last=last)
 
 
 @dataclass
@@ -101,6 +94,8 @@ class Feed:
 
     paths: AsyncPaths
     is_writer: bool
+    hosts: HostGroup
+    """The trainer ranks' group: rank 0 sends every update's groups over it."""
     reader: QueueReader | None = None
     workers: list[Peer] = field(default_factory=list)
     max_lag: int = 0
@@ -115,7 +110,7 @@ class Feed:
     @classmethod
     def open(cls, run: Run, role: ProcessRole) -> Feed:
         cfg = run.cfg.async_
-        feed = cls(paths=AsyncPaths(run.run_dir), is_writer=run.is_writer, max_lag=cfg.max_lag)
+        feed = cls(paths=AsyncPaths(run.run_dir), is_writer=run.is_writer, hosts=run.hosts, max_lag=cfg.max_lag)
         feed.verify_weights = cfg.verify_weights
         if run.is_writer:
             feed.paths.make()
@@ -156,9 +151,9 @@ class Feed:
             try:
                 payload = self._assemble(run.state.global_update, run.cfg.stages.mini_groups)
             except RankFailedError as exc:
-                _broadcast(str(exc))  # the other trainer ranks stop with the same message
+                self.hosts.broadcast(str(exc))  # the other trainer ranks stop with the same message
                 raise
-        payload = _broadcast(payload if self.is_writer else None)
+        payload = self.hosts.broadcast(payload if self.is_writer else None)
         if isinstance(payload, str):
             raise RankFailedError(payload)
         self.wait_s = time.perf_counter() - started
@@ -253,22 +248,9 @@ class _Summed:
     shards: list[_Stats]
 
 
-def _due(every: int, count: int) -> bool:
-    return every > 0 and count % every == 0
-
-
 def _summed(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {key: a.get(key, 0.0) + b.get(key, 0.0) for key in a.keys() | b.keys()}
 
 
 def _worker_name(role: ProcessRole, index: int) -> str:
     return f"rollout worker {index} (rank {role.trainer_world + index})"
-
-
-def _broadcast(value: Any) -> Any:
-    """``value`` from trainer rank 0 on every trainer rank (the groups are small next to the model)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

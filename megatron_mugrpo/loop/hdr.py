@@ -1,18 +1,15 @@
-"""Headroom-Drift Replay in the staged loop: re-scoring through the trainer, mini-batch assembly, buffer I/O.
+"""Headroom-Drift Replay in the staged loop: re-scoring through the trainer, the stage's decision, buffer I/O.
 
 One HDR "step" is one stage k of the loop: its rollout batch D_k and the μ updates on it. With
 ``replay.enabled`` the loop calls, per stage:
 
-* ``stage_data(run, k, store)`` (B, C): order the buffer (``replay.policy``: by headroom, or the
+* ``replayed_groups(run, k)`` (B, C): order the buffer (``replay.policy``: by headroom, or the
   naive most-recent order), re-score groups teacher-forced with the current policy through
-  ``forward_logprobs`` (a collective no-grad pass; every rank gets the same log-probs, and rank 0's
-  scores are broadcast so every rank takes the same decisions) and accept those that pass the drift
-  gate. Logs ``replay/*`` (step = the stage's first update). Returns the stage's data source.
-* ``StageData.minibatch(u, ...)`` (D): update u's B_mini fresh groups of D_k, preceded by its share
-  of the accepted groups (``algorithms.replay.replay_slots``: none at update 0, where π_θ = β must
-  hold exactly, then spread evenly over updates 1 … μ−1). A replayed group enters the batch exactly
-  as stored: its generation-time log-probs are the ratio's denominator and its advantages are the
-  ones computed when it was generated, so the registry loss (grpo, mu_grpo, m2po, ...) needs no change.
+  ``forward_logprobs`` (a collective no-grad pass with the run's ``ScoreSettings``; every rank gets
+  the same log-probs, and rank 0's scores are broadcast over ``run.hosts`` so every rank takes the
+  same decisions) and accept those that pass the drift gate. Logs ``replay/*`` (step = the stage's
+  first update). Returns the accepted groups, which ``loop.data.StageData`` spreads over the
+  stage's updates (D); the registry loss (grpo, mu_grpo, m2po, ...) needs no change.
 * ``end_stage(run, k, store)`` (E): D_k's mixed-outcome groups enter the FIFO.
 
 The buffer and the stage's decision (so a run resumed mid-stage replays the same groups, although
@@ -29,10 +26,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow.parquet as pq
-import torch.distributed as dist
 
 from megatron_mugrpo import durable
 from megatron_mugrpo.algorithms.replay import (
@@ -42,20 +38,21 @@ from megatron_mugrpo.algorithms.replay import (
     candidate_entries,
     group_headroom_drift,
     replay_policy,
-    replay_slots,
     select_groups,
     selection_metrics,
 )
-from megatron_mugrpo.config import RunConfig
 from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.rollout.shards import SCHEMA, groups_to_table, row_to_group
 from megatron_mugrpo.rollout.store import RolloutStore
 from megatron_mugrpo.training.checkpoint import CheckpointError
-from megatron_mugrpo.training.stage_reference import OldLogprobs
-from megatron_mugrpo.training.stage_reference import minibatch as fresh_minibatch
+from megatron_mugrpo.training.stage_reference import ScoreSettings
 
 if TYPE_CHECKING:
-    from megatron_mugrpo.runtime import Run
+    from megatron_mugrpo.algorithms.replay import ReplayConfig
+    from megatron_mugrpo.metrics import MetricsLogger
+    from megatron_mugrpo.rollout.placement import HostGroup
+    from megatron_mugrpo.state import TrainerState
+    from megatron_mugrpo.training.setup import Policy
 
 FORMAT = "megatron_mugrpo.replay/1"
 REPLAY_DIR = "replay"
@@ -78,8 +75,12 @@ class StagePlan:
 
 @dataclass(kw_only=True)
 class ReplayState:
-    """What a run carries between stages (and through checkpoints)."""
+    """What a run carries between stages (and through checkpoints), with the settings it runs by."""
 
+    config: ReplayConfig
+    """The run's ``replay`` section."""
+    train_groups: int
+    """B_train (stages.train_groups): K_rep, the scoring budget and the capacity are sized by it."""
     buffer: ReplayBuffer
     plan: StagePlan | None = None
     """The current stage's decision; None between stages."""
@@ -87,46 +88,38 @@ class ReplayState:
     """Opened earlier stores, for ``replay.cross_stage`` references (not saved)."""
 
 
-@dataclass(kw_only=True)
-class StageData:
-    """The data of one stage's updates: fresh D_k plus the accepted replayed groups (none without replay)."""
+class ReplayRun(Protocol):
+    """What HDR uses of a run (``loop.setup.Run`` has all of it; tests pass a namespace)."""
 
-    store: RolloutStore
-    replayed: list[RolloutGroup]
-    """Accepted groups, as stored (generation-time log-probs and advantages)."""
-    updates: int
-    """μ: the stage's updates, over which the replayed groups are spread."""
+    replay: ReplayState | None
+    state: TrainerState
+    policy: Policy
+    scoring: ScoreSettings
+    hosts: HostGroup
+    logger: MetricsLogger
 
-    def minibatch(
-        self, update_index: int, mini_groups: int, seed: int, old_logprobs: OldLogprobs | None = None
-    ) -> list[RolloutGroup]:
-        """Update ``update_index``'s groups: its share of replayed groups first, then its fresh ones
-        (``store.minibatch``, with log π_old attached when the rollout correction is on)."""
-        share = replay_slots(len(self.replayed), self.updates)[update_index] if update_index < self.updates else []
-        fresh = fresh_minibatch(self.store, update_index, mini_groups, seed, old_logprobs)
-        return [self.replayed[i] for i in share] + fresh
+    def rollout_dir(self, stage: int) -> Path: ...
 
 
 # -------------------------------------------------------------------------------- per stage
 
 
-def stage_data(run: Run, stage: int, store: RolloutStore) -> StageData:
-    """B–C: the stage's replay decision (made now, or restored from the checkpoint); the data of its updates.
+def replayed_groups(run: ReplayRun, stage: int) -> list[RolloutGroup]:
+    """B–C: the groups the stage replays, by its decision (made now, or restored from the checkpoint).
 
-    Collective when it scores. Without replay: D_k alone.
+    Collective when it scores. Without replay: none.
     """
     state = run.replay
     if state is None:
-        return StageData(store=store, replayed=[], updates=run.cfg.stages.updates_per_stage)
+        return []
     if state.plan is None or state.plan.stage != stage:
         state.plan = plan_stage(run, state, stage)
-    replayed = [resolve_group(run, state, key) for key in state.plan.accepted]
-    return StageData(store=store, replayed=replayed, updates=run.cfg.stages.updates_per_stage)
+    return [resolve_group(run, state, key) for key in state.plan.accepted]
 
 
-def plan_stage(run: Run, state: ReplayState, stage: int) -> StagePlan:
+def plan_stage(run: ReplayRun, state: ReplayState, stage: int) -> StagePlan:
     """Rank, re-score and gate the buffer with the current policy; log the replay/* metrics."""
-    cfg, train_groups = run.cfg.replay, run.cfg.stages.train_groups
+    cfg, train_groups = state.config, state.train_groups
     policy = replay_policy(cfg.policy)
     # Only earlier stages: E pushes a stage's groups after its updates, so this matters only when
     # `mugrpo optimize` redoes a stage whose groups (or later ones) are already buffered.
@@ -149,12 +142,12 @@ def plan_stage(run: Run, state: ReplayState, stage: int) -> StagePlan:
     return StagePlan(stage=stage, accepted=selection.accepted)
 
 
-def end_stage(run: Run, stage: int, store: RolloutStore) -> None:
+def end_stage(run: ReplayRun, stage: int, store: RolloutStore) -> None:
     """E: the stage's mixed-outcome groups enter the FIFO (after its updates: never replayed in their own stage)."""
     state = run.replay
     if state is None:
         return
-    copy_groups = not run.cfg.replay.cross_stage
+    copy_groups = not state.config.cross_stage
     for start in range(0, store.num_groups, CANDIDATE_READ_GROUPS):
         indices = range(start, min(start + CANDIDATE_READ_GROUPS, store.num_groups))
         entries = candidate_entries(zip(indices, store.groups(indices)), copy_groups=copy_groups)
@@ -164,7 +157,7 @@ def end_stage(run: Run, stage: int, store: RolloutStore) -> None:
     state.stores = {k: v for k, v in state.stores.items() if k in live}  # release stores with nothing left buffered
 
 
-def resolve_group(run: Run, state: ReplayState, key: GroupKey) -> RolloutGroup:
+def resolve_group(run: ReplayRun, state: ReplayState, key: GroupKey) -> RolloutGroup:
     """A buffered group's record: its copy, or (``replay.cross_stage``) read from D_stage on disk."""
     entry = state.buffer.get(key)
     if entry.group is not None:
@@ -175,18 +168,19 @@ def resolve_group(run: Run, state: ReplayState, key: GroupKey) -> RolloutGroup:
     return state.stores[stage].groups([index])[0]
 
 
-def score_groups(run: Run, groups: list[RolloutGroup]) -> tuple[list[float], list[float]]:
+def score_groups(run: ReplayRun, groups: list[RolloutGroup]) -> tuple[list[float], list[float]]:
     """Teacher-forced headroom and drift of ``groups`` under the current policy (collective)."""
     from megatron_mugrpo.training.train_step import forward_logprobs
 
-    cfg = run.cfg
-    batch = collate(groups, pad_id=run.tokenizer.pad_token_id or 0)
+    scoring = run.scoring
+    batch = collate(groups, pad_id=scoring.pad_id)
     logprobs = forward_logprobs(
         run.policy,
         batch,
-        temperature=cfg.rollout.temperature,
-        micro_batch_size=cfg.parallel.micro_batch_size,
-        impl=cfg.kernels.logprob_impl,
+        temperature=scoring.temperature,
+        micro_batch_size=scoring.micro_batch_size,
+        impl=scoring.impl,
+        logits_budget_mib=scoring.logits_budget_mib,
     )
     headroom, drift = group_headroom_drift(
         logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask, batch.group_index, len(groups)
@@ -194,36 +188,33 @@ def score_groups(run: Run, groups: list[RolloutGroup]) -> tuple[list[float], lis
     return headroom.tolist(), drift.tolist()
 
 
-def _score_keys(run: Run, state: ReplayState, keys: list[GroupKey]) -> list[GroupScore]:
+def _score_keys(run: ReplayRun, state: ReplayState, keys: list[GroupKey]) -> list[GroupScore]:
     headroom, drift = score_groups(run, [resolve_group(run, state, key) for key in keys])
     version = run.state.global_update
     scores = [GroupScore(headroom=h, drift=d, scored_at=version) for h, d in zip(headroom, drift)]
     # Every rank computed the same log-probs; rank 0's scores make the identical decisions certain.
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [scores]
-        dist.broadcast_object_list(box, src=0)
-        scores = box[0]
-    return scores
+    return run.hosts.broadcast(scores)
 
 
 # -------------------------------------------------------------------------------- persistence
 
 
-def open_replay(cfg: RunConfig, step_dir: Path | None) -> ReplayState | None:
+def open_replay(config: ReplayConfig, train_groups: int, step_dir: Path | None) -> ReplayState | None:
     """The run's replay state: None when replay is off, restored from ``step_dir`` when it has one, else empty."""
-    if not cfg.replay.enabled:
+    if not config.enabled:
         return None
-    capacity = cfg.replay.capacity_groups(cfg.stages.train_groups)
+    capacity = config.capacity_groups(train_groups)
+    buffer, plan = ReplayBuffer(capacity), None
     if step_dir is not None and (step_dir / REPLAY_DIR).is_dir():
-        return load_replay(step_dir / REPLAY_DIR, capacity)
-    return ReplayState(buffer=ReplayBuffer(capacity))
+        buffer, plan = load_replay(step_dir / REPLAY_DIR, capacity)
+    return ReplayState(config=config, train_groups=train_groups, buffer=buffer, plan=plan)
 
 
-def checkpoint_writer(run: Run) -> Callable[[Path], None] | None:
+def checkpoint_writer(state: ReplayState | None) -> Callable[[Path], None] | None:
     """What ``save_checkpoint`` calls (rank 0) to put the buffer into the step directory before it is published."""
-    if run.replay is None:
+    if state is None:
         return None
-    return partial(save_replay, run.replay)
+    return partial(save_replay, state)
 
 
 def save_replay(state: ReplayState, step_dir: Path) -> None:
@@ -243,7 +234,7 @@ def save_replay(state: ReplayState, step_dir: Path) -> None:
     durable.atomic_write_json(out / STATE_FILE, record, indent=None)
 
 
-def load_replay(replay_dir: Path, capacity: int) -> ReplayState:
+def load_replay(replay_dir: Path, capacity: int) -> tuple[ReplayBuffer, StagePlan | None]:
     """Inverse of ``save_replay``; CheckpointError when the files are missing, altered or of another format."""
     record = _read_state(replay_dir)
     copies: list[RolloutGroup] = []
@@ -260,18 +251,15 @@ def load_replay(replay_dir: Path, capacity: int) -> ReplayState:
         copies = [row_to_group(row) for row in pq.read_table(path, schema=SCHEMA).to_pylist()]
     buffer = ReplayBuffer.from_state_dict(record["buffer"], copies, capacity=capacity)
     plan = record["plan"]
-    return ReplayState(
-        buffer=buffer,
-        plan=None if plan is None else StagePlan(stage=plan["stage"], accepted=[tuple(k) for k in plan["accepted"]]),
-    )
+    if plan is None:
+        return buffer, None
+    return buffer, StagePlan(stage=plan["stage"], accepted=[tuple(k) for k in plan["accepted"]])
 
 
 def _groups_checksum(record: dict[str, Any]) -> durable.Checksum | None:
-    """The copies' checksum in state.json (``groups_sha256``, a bare hex digest, in earlier checkpoints)."""
+    """The copies' checksum in state.json (None: the buffer held no copies)."""
     if record.get("groups_checksum") is not None:
         return durable.Checksum.from_json(record["groups_checksum"])
-    if record.get("groups_sha256") is not None:
-        return durable.Checksum("sha256", record["groups_sha256"])
     return None
 
 

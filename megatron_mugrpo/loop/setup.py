@@ -1,13 +1,15 @@
-"""Setting up (or resuming) a run: everything the staged loop in ``stages.py`` operates on.
+"""Setting up (or resuming) a run, the composition root: everything the loops in ``loop/`` operate on.
 
-``open_run`` builds, in order: the process groups, the base Hugging Face model (the user's, or the
-demo's locally built and warm-started one), the Megatron policy with its optimizer, the weights
-(from the latest checkpoint when resuming, else from the Hugging Face directory), the prompts,
-benchmarks, verifier and metrics logger, and places the rollout engines: every rank belongs to an
-engine group of ``rollout.tensor_parallel`` ranks whose first rank hosts one engine (see
-``rollout/placement.py``). Each host's engine is created at the first weight sync and lives for the
-whole run, released between phases; every host generates, evaluates and scores rewards with its
-own verifier pool.
+``open_run`` builds, in order (the verb has locked the run directory before judging it, see
+``cli.locked_run_dir``): the cheap inputs that a typo breaks (the tokenizer, the prompts, the
+benchmarks, the reward), so that bad data fails in seconds; the process groups; only then the base
+Hugging Face model (the user's, or the demo's locally built and warm-started one), the Megatron policy with
+its optimizer and the weights (from the latest checkpoint when resuming, else from the Hugging Face
+directory), the metrics logger, the scoring settings every trainer pass shares, and the rollout
+engines' placement: every rank belongs to an engine group of ``rollout.tensor_parallel`` ranks whose
+first rank hosts one engine (see ``rollout/placement.py``). Each host's engine is created at the
+first weight sync and lives for the whole run, released between phases; every host generates,
+evaluates and scores rewards with its own verifier pool.
 
 Run directory layout (its guarantees, lock and config written last, are in ``rundir.py``)::
 
@@ -24,29 +26,25 @@ Run directory layout (its guarantees, lock and config written last, are in ``run
 
 from __future__ import annotations
 
-import logging
+import tempfile
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from megatron_mugrpo.config import RunConfig, check_hf_model_parallelism, load_config
+from megatron_mugrpo.config import RunConfig, check_hf_model_parallelism
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
+from megatron_mugrpo.loop.cadence import Cadence
+from megatron_mugrpo.loop.hdr import ReplayState, open_replay
 from megatron_mugrpo.metrics import TENSORBOARD_DIR, MetricsLogger, Timer
-from megatron_mugrpo.replay import ReplayState, open_replay
-from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config, shutdown_engine
+from megatron_mugrpo.rollout.engine import RolloutEngine, shutdown_engine
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
-from megatron_mugrpo.rollout.prompts import stage_prompts as stage_prompts  # re-exported: it moved to the prompts
-from megatron_mugrpo.rollout.quantization import behaviour_quantizer, load_behaviour_policy
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
-from megatron_mugrpo.rundir import CONFIG_FILE, RunLock, claim, record_config
+from megatron_mugrpo.rundir import Claim, RunLock, claim, record_config
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training.checkpoint import (
     CheckpointSaver,
@@ -54,12 +52,10 @@ from megatron_mugrpo.training.checkpoint import (
     load_checkpoint,
     load_latest_intact,
     read_metadata,
-    step_dir_name,
 )
 from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy, resolve_dtype
-
-log = logging.getLogger(__name__)
+from megatron_mugrpo.training.stage_reference import ScoreSettings
 
 
 class RunError(InputError, RuntimeError):
@@ -78,8 +74,12 @@ class Run:
     tokenizer: Any
     groups: ParallelGroups
     hosts: HostGroup
-    """This rank's place among the rollout engine groups, and the group the hosts coordinate on."""
+    """This rank's place among the rollout engine groups, and the group every rank coordinates on."""
     policy: Policy
+    scoring: ScoreSettings
+    """How every trainer pass scores responses (the update, the stage reference, HDR's re-scoring)."""
+    cadence: Cadence
+    """When both loops evaluate and checkpoint."""
     state: TrainerState
     prompts: list[PromptRecord]
     benchmarks: list[Benchmark]
@@ -127,20 +127,14 @@ class Run:
             self.lock.release()
 
 
-def load_run_config(run_dir: Path) -> RunConfig:
-    """The configuration snapshot of an existing run directory (for ``--resume`` and the phase verbs)."""
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        raise RunError(
-            f"{run_dir} is not a run directory ({CONFIG_FILE} is missing); start one with "
-            "`mugrpo train --config C --run-dir DIR`"
-        )
-    return load_config(path)
+@dataclass(kw_only=True)
+class Inputs:
+    """What a run reads before it builds any model: seconds of work, where a typo in the data shows."""
 
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    tokenizer: Any
+    prompts: list[PromptRecord]
+    benchmarks: list[Benchmark]
+    reward_fn: RewardFn
 
 
 def set_determinism(cfg: RunConfig) -> None:
@@ -153,6 +147,7 @@ def open_run(
     run_dir: Path,
     *,
     resume: bool,
+    claimed: Claim | None = None,
     checkpoint: Path | None = None,
     record: str | None = None,
     redo_after_checkpoint: bool = False,
@@ -162,23 +157,37 @@ def open_run(
 ) -> Run:
     """Build this rank's Run. ``resume`` loads the latest checkpoint (or ``checkpoint``) when one exists.
 
-    Rank 0 locks the run directory first and keeps the lock until ``Run.close()``. Once everything
-    is set up it writes config.yaml with the history entry ``record`` (None: the stored config is
-    unchanged), so a directory becomes a run only when set-up succeeded; a failed set-up removes the
-    directory it created. ``redo_after_checkpoint``: this verb redoes the work logged after the
-    checkpoint (train --resume, optimize), whose metrics records are dropped first. ``standalone``
-    (e.g. 'eval') marks every metrics record as that command's, never dropped by a later resume.
-    ``world_size``: the trainer ranks when they are fewer than the launch's processes (async mode).
+    Rank 0 holds the run directory's lock (``claimed``: the verb took it before judging the
+    directory, see ``cli.locked_run_dir``; taken here when None) until ``Run.close()``. Once
+    everything is set up it writes config.yaml with the history entry ``record`` (None: the stored
+    config is unchanged), so a directory becomes a run only when set-up succeeded; a failed set-up
+    removes the directory it created. ``redo_after_checkpoint``: this verb redoes the work logged
+    after the checkpoint (train --resume, optimize), whose metrics records are dropped first.
+    ``standalone`` (e.g. 'eval') marks every metrics record as that command's, never dropped by a
+    later resume. ``world_size``: the trainer ranks when they are fewer than the launch's processes
+    (async mode).
     """
     set_determinism(cfg)
-    parallel = cfg.parallel
-    groups = initialize_parallel(parallel.tensor_parallel, parallel.pipeline_parallel, cfg.seed, world_size=world_size)
-    claimed = claim(run_dir, replace_failed_start=replace_failed_start) if groups.rank == 0 else None
+    inputs: Inputs | None = None
     try:
+        inputs = read_inputs(cfg)  # seconds: bad data fails here, on every rank alike, before any model exists
+        parallel = cfg.parallel
+        groups = initialize_parallel(
+            parallel.tensor_parallel, parallel.pipeline_parallel, cfg.seed, world_size=world_size
+        )
+        if claimed is None and groups.rank == 0:
+            claimed = claim(run_dir, replace_failed_start=replace_failed_start)
+        rollout = cfg.rollout
+        placement = EnginePlacement.from_env(
+            tensor_parallel=rollout.tensor_parallel, cpu_threads=rollout.cpu_threads, world_size=groups.world_size
+        )
+        hosts = HostGroup.create(placement)  # collective: every rank, before anything can fail on one rank only
         run = _set_up(
             cfg,
             run_dir,
             groups,
+            hosts,
+            inputs,
             resume=resume,
             checkpoint=checkpoint,
             redo_after_checkpoint=redo_after_checkpoint,
@@ -187,55 +196,19 @@ def open_run(
         if claimed is not None and record is not None:
             record_config(cfg, run_dir, event=record)  # last: from here on the directory is a run
     except BaseException:
+        if inputs is not None:
+            inputs.reward_fn.close()
         if claimed is not None:
             claimed.abandon()
         raise
     run.lock = claimed.lock if claimed is not None else None
-    barrier()
+    hosts.barrier()
     return run
 
 
-def _set_up(
-    cfg: RunConfig,
-    run_dir: Path,
-    groups: ParallelGroups,
-    *,
-    resume: bool,
-    checkpoint: Path | None,
-    redo_after_checkpoint: bool,
-    standalone: str | None,
-) -> Run:
-    """Base model, policy, weights, prompts, benchmarks, verifier and metrics logger of one rank."""
-    placement = EnginePlacement.from_env(
-        tensor_parallel=cfg.rollout.tensor_parallel, cpu_threads=cfg.rollout.cpu_threads, world_size=groups.world_size
-    )
-    hosts = HostGroup.create(placement)
-    hf_dir = _base_model(cfg, run_dir, is_writer=groups.rank == 0)
-    check_hf_model_parallelism(hf_dir, cfg.parallel)
-    from transformers import AutoTokenizer
-
-    from conversion.hf_io import load_hf_config
-
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-    hf_config = load_hf_config(hf_dir)
-    _check_checkpoint_model(hf_config, checkpoint or (latest_checkpoint(run_dir / "checkpoints") if resume else None))
-    policy = build_policy(
-        hf_config,
-        groups=groups,
-        dtype=resolve_dtype(cfg.model.dtype),
-        optim=cfg.optim,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        fp8=cfg.kernels.fp8,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-    )
-    state, resumed_from = _initial_weights(policy, hf_dir, run_dir, resume=resume, checkpoint=checkpoint)
-    checkpoints = CheckpointSaver(
-        run_dir / "checkpoints",
-        groups=groups,
-        async_save=cfg.checkpoint.async_save,
-        fsync=cfg.checkpoint.fsync,
-        keep_last=cfg.checkpoint.keep_last,
-    )
+def read_inputs(cfg: RunConfig) -> Inputs:
+    """Tokenizer, prompts, benchmarks and reward: read and checked before any model is built."""
+    tokenizer = load_tokenizer(cfg)
     prompts = load_prompts(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens)
     benchmarks = [
         Benchmark(
@@ -254,6 +227,63 @@ def _set_up(
     reward_fn = build_reward(
         cfg.rollout.reward, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
     )
+    return Inputs(tokenizer=tokenizer, prompts=prompts, benchmarks=benchmarks, reward_fn=reward_fn)
+
+
+def load_tokenizer(cfg: RunConfig) -> Any:
+    """The run's tokenizer without its model: ``model.hf_dir``'s, or the demo's character tokenizer.
+
+    The demo's is written and read back exactly as the built base model's is (``warmstart``), so it
+    is the same tokenizer, available before the warm start has run.
+    """
+    from transformers import AutoTokenizer
+
+    if cfg.model.hf_dir:
+        return AutoTokenizer.from_pretrained(str(cfg.model.hf_dir))
+    from megatron_mugrpo.rollout.tasks import build_char_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_char_tokenizer(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def _set_up(
+    cfg: RunConfig,
+    run_dir: Path,
+    groups: ParallelGroups,
+    hosts: HostGroup,
+    inputs: Inputs,
+    *,
+    resume: bool,
+    checkpoint: Path | None,
+    redo_after_checkpoint: bool,
+    standalone: str | None,
+) -> Run:
+    """Base model, policy, weights and metrics logger of one rank (the inputs are already checked)."""
+    hf_dir = _base_model(cfg, run_dir, hosts)
+    check_hf_model_parallelism(hf_dir, cfg.parallel)
+    from conversion.hf_io import load_hf_config
+
+    hf_config = load_hf_config(hf_dir)
+    resuming_from = checkpoint or (latest_checkpoint(run_dir / "checkpoints") if resume else None)
+    _check_checkpoint_model(hf_config, resuming_from)
+    policy = build_policy(
+        hf_config,
+        groups=groups,
+        dtype=resolve_dtype(cfg.model.dtype),
+        optim=cfg.optim,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        fp8=cfg.kernels.fp8,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    )
+    state, resumed_from = _initial_weights(policy, hf_dir, run_dir, resume=resume, checkpoint=checkpoint)
+    checkpoints = CheckpointSaver(
+        run_dir / "checkpoints",
+        groups=groups,
+        async_save=cfg.checkpoint.async_save,
+        fsync=cfg.checkpoint.fsync,
+        keep_last=cfg.checkpoint.keep_last,
+    )
     logger = _metrics_logger(cfg, run_dir, groups.rank, state, resumed_from, redo_after_checkpoint, standalone)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else None
     return Run(
@@ -261,20 +291,38 @@ def _set_up(
         run_dir=run_dir,
         hf_dir=hf_dir,
         hf_config=hf_config,
-        tokenizer=tokenizer,
+        tokenizer=inputs.tokenizer,
         groups=groups,
         hosts=hosts,
         policy=policy,
+        scoring=score_settings(cfg, inputs.tokenizer),
+        cadence=Cadence(
+            eval_every=cfg.eval.every_updates,
+            checkpoint_every=cfg.checkpoint.every_updates,
+            checkpoint_every_stages=cfg.checkpoint.every_stages,
+        ),
         state=state,
         checkpoints=checkpoints,
-        prompts=prompts,
-        benchmarks=benchmarks,
-        reward_fn=reward_fn,
+        prompts=inputs.prompts,
+        benchmarks=inputs.benchmarks,
+        reward_fn=inputs.reward_fn,
         logger=logger,
         timer=Timer(sync=sync),
         resumed_from=resumed_from,
-        replay=open_replay(cfg, resumed_from),
+        replay=open_replay(cfg.replay, cfg.stages.train_groups, resumed_from),
         extra_timers=dict(state.timers),
+    )
+
+
+def score_settings(cfg: RunConfig, tokenizer: Any) -> ScoreSettings:
+    """The one set of scoring settings: the update, the stage reference and HDR's re-scoring agree by construction."""
+    return ScoreSettings(
+        temperature=cfg.rollout.temperature,
+        micro_batch_size=cfg.parallel.micro_batch_size,
+        impl=cfg.kernels.logprob_impl,
+        logits_budget_mib=cfg.kernels.logits_budget_mib,
+        pad_id=tokenizer.pad_token_id or 0,
+        chunk_groups=cfg.stages.mini_groups,
     )
 
 
@@ -303,13 +351,9 @@ def _metrics_logger(
     standalone: str | None,
 ) -> MetricsLogger:
     """The run's logger: appending, or first dropping the records of work this process redoes."""
-    keep_records = purge_step = None
-    if redo_after_checkpoint and resumed_from is None:
-        keep_records = 0  # no checkpoint: everything logged so far is redone
-    elif redo_after_checkpoint and state.metrics_records is not None:
-        keep_records = state.metrics_records
-    elif redo_after_checkpoint:  # a checkpoint written before record counts were stored
-        purge_step = state.global_update + 1
+    keep_records = None
+    if redo_after_checkpoint:  # without a checkpoint everything logged so far is redone
+        keep_records = state.metrics_records if resumed_from is not None else 0
     source, tensorboard_dir = None, TENSORBOARD_DIR
     if standalone is not None:  # its own TensorBoard run: an older step written later would hide newer points
         evaluated = resumed_from.name if resumed_from is not None else "base_model"
@@ -320,20 +364,20 @@ def _metrics_logger(
         console=cfg.logging.progress_bars,
         rank=rank,
         keep_records=keep_records,
-        purge_step=purge_step,
         source=source,
         tensorboard_dir=tensorboard_dir,
     )
 
 
-def _base_model(cfg: RunConfig, run_dir: Path, *, is_writer: bool) -> Path:
+def _base_model(cfg: RunConfig, run_dir: Path, hosts: HostGroup) -> Path:
     """Rank 0 builds (or finds cached) the starting Hugging Face directory; the others wait for it."""
     from megatron_mugrpo.warmstart import prepare_base_model
 
     target = run_dir / "base_model"
+    is_writer = hosts.placement.rank == 0
     if is_writer:
         hf_dir = prepare_base_model(cfg, target)
-    barrier()
+    hosts.barrier()
     return hf_dir if is_writer else (Path(cfg.model.hf_dir) if cfg.model.hf_dir else target)
 
 
@@ -357,95 +401,3 @@ def _initial_weights(
     load_hf_into_model(policy.unwrapped(), hf_dir, policy.groups)
     policy.weights_loaded()  # optimizers holding fp32 main copies re-read the loaded weights
     return TrainerState(), None
-
-
-def sync_engine(run: Run) -> dict[str, float]:
-    """Push the current policy weights to every engine host's engine (each built on first use).
-
-    ``export_hf`` is collective within each model-parallel group and yields full Hugging Face
-    tensors on every rank; each host hands them to its engine in memory (SGLang: in buckets through
-    ``update_weights_from_tensor``), the other ranks drain them. Returns, and logs, rank 0's
-    ``perf/weight_sync_s`` and ``perf/weight_sync_gb_per_s`` (export + load, bytes as exported).
-    With ``rollout.quantization`` the hosts load the quantized behaviour policy instead (SGLang
-    through a quantized checkpoint in RUN_DIR/behaviour_policy/engine_E; see ``rollout.quantization``).
-    """
-    from conversion import export_hf
-
-    started = time.perf_counter()
-    tensors = export_hf(run.policy.unwrapped(), run.hf_config, run.groups)
-    if not run.placement.is_host:
-        for _ in tensors:
-            pass
-        return {}
-    cfg, counted = run.cfg, _CountedBytes(tensors)
-    calibration = stage_prompts(run.prompts, run.state.stage, cfg.stages.train_groups, cfg.data.seed)
-    export_dir = run.run_dir / "behaviour_policy" / f"engine_{run.placement.engine_index:03d}"  # one per host
-    run.engine = load_behaviour_policy(
-        run.engine,
-        counted,
-        engine_name=cfg.rollout.engine,
-        hf_dir=run.hf_dir,
-        build=lambda hf_dir: build_engine_from_config(cfg.rollout, hf_dir, seed=cfg.seed, placement=run.placement),
-        quantizer=behaviour_quantizer(cfg.rollout, calibration, export_dir),
-    )
-    seconds = time.perf_counter() - started
-    metrics = {"perf/weight_sync_s": seconds, "perf/weight_sync_gb_per_s": counted.bytes / 1e9 / max(seconds, 1e-9)}
-    run.logger.log(metrics, step=run.state.global_update)
-    return metrics
-
-
-class _CountedBytes:
-    """Passes (name, tensor) pairs through, adding up their bytes."""
-
-    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]]):
-        self.tensors, self.bytes = tensors, 0
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.tensors:
-            self.bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
-
-
-def release_engine(run: Run) -> None:
-    """Free this host's engine memory for the optimizer phase (the next sync brings the weights back)."""
-    if run.engine is not None:
-        run.engine.release()
-
-
-@contextmanager
-def behaviour_policy(run: Run, version: int) -> Iterator[None]:
-    """Inside the block the policy holds the weights of update ``version``.
-
-    That is the current policy, except when a rollout store made by an older policy must be
-    completed: a damaged shard of the stage a run resumed in the middle of, or ``mugrpo generate
-    --stage K`` for a stage trained past. Its missing shards must come from the policy that made
-    the others, so its weights are loaded from that update's checkpoint (the base model for update
-    0), and the trainer's state is reloaded afterwards from the checkpoint this process resumed from.
-    """
-    if version == run.state.global_update:
-        yield
-        return
-    step_dir = run.checkpoint_root / step_dir_name(version)
-    if run.resumed_from is None or not (step_dir.is_dir() or version == 0):
-        raise RunError(
-            f"a rollout store of this run was generated by the policy of update {version}, and completing it needs "
-            f"that policy, but {step_dir} does not exist (checkpoint.keep_last pruned it?). Delete the stage's "
-            "directory under rollouts/ to generate the stage afresh with the current policy"
-        )
-    log.warning("loading the policy of update %d (%s) to complete its rollout store", version, step_dir)
-    if step_dir.is_dir():
-        load_checkpoint(step_dir, run.policy.model_chunks, groups=run.policy.groups, load_rng=False)
-    else:
-        from conversion import load_hf_into_model
-
-        load_hf_into_model(run.policy.unwrapped(), run.hf_dir, run.policy.groups)
-    try:
-        yield
-    finally:
-        load_checkpoint(
-            run.resumed_from,
-            run.policy.model_chunks,
-            run.policy.optimizer,
-            run.policy.scheduler,
-            groups=run.policy.groups,
-        )

@@ -18,12 +18,15 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
-from megatron_mugrpo import replay
 from megatron_mugrpo.algorithms.losses import available_losses
 from megatron_mugrpo.algorithms.replay import candidate_entries, token_headroom
 from megatron_mugrpo.config import load_config
+from megatron_mugrpo.loop import hdr as replay
+from megatron_mugrpo.loop.data import StageData
+from megatron_mugrpo.loop.setup import score_settings
 from megatron_mugrpo.metrics import MetricsLogger, read_metrics
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
+from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.store import RolloutStore, write_store
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training.checkpoint import CheckpointError
@@ -59,18 +62,25 @@ def _cfg(*extra: str):
 
 
 def _run(tmp: Path, cfg, tp: int = 1) -> SimpleNamespace:
-    """The parts of a runtime.Run that replay touches, with a real policy and metrics logger."""
+    """The parts of a loop.setup.Run that replay touches, with a real policy, host group and metrics logger."""
     groups = initialize_parallel(tp, 1, seed=0)
     policy = build_policy(hf_config(), groups=groups, dtype=torch.float32, optim=cfg.optim)
     return SimpleNamespace(
         cfg=cfg,
         policy=policy,
-        tokenizer=SimpleNamespace(pad_token_id=0),
+        scoring=score_settings(cfg, SimpleNamespace(pad_token_id=0)),
+        hosts=HostGroup.create(EnginePlacement.from_env(tensor_parallel=1, world_size=groups.world_size)),
         state=TrainerState(stage=1, global_update=4),
         logger=MetricsLogger(tmp, tensorboard=False, console=False, rank=groups.rank),
         rollout_dir=lambda stage: tmp / "rollouts" / f"stage_{stage:03d}",
-        replay=replay.open_replay(cfg, None),
+        replay=replay.open_replay(cfg.replay, cfg.stages.train_groups, None),
     )
+
+
+def _stage_data(run: SimpleNamespace, stage: int, store: RolloutStore) -> StageData:
+    """What ``loop.staged.stage_data`` builds, without a rollout correction: D_k plus HDR's accepted groups."""
+    replayed = replay.replayed_groups(run, stage)
+    return StageData(store=store, replayed=replayed, updates=run.cfg.stages.updates_per_stage)
 
 
 def _groups(seed: int, stage: int, count: int, version: int = 0) -> list[RolloutGroup]:
@@ -147,7 +157,7 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
     _set_behaviour(run, fresh, [0.0] * len(fresh))
     store = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
 
-    data = replay.stage_data(run, 1, store)
+    data = _stage_data(run, 1, store)
     # All four are unscored: newest first (index 3, 2, 1, 0); 3 is too far, 2 and 1 pass, K_rep = 2 reached.
     assert run.replay.plan.accepted == [(0, 2), (0, 1)]
     scores = {key: run.replay.buffer.score(key) for key in run.replay.buffer}
@@ -238,19 +248,19 @@ def _persistence(rank: int, world_size: int, tmp: str) -> None:
         stage1 = _groups(3, stage=1, count=4, version=4)
         _set_behaviour(run, stage1, [0.0] * 4)
         store1 = _write_store(run.rollout_dir(1), stage1, stage=1, version=4)
-        data = replay.stage_data(run, 1, store1)
+        data = _stage_data(run, 1, store1)
         assert run.replay.plan.accepted == [(0, 3), (0, 2)]
         assert [g.prompt_id for g in data.replayed] == ["0-3", "0-2"]  # read back from D_0 when by reference
 
         step_dir = tmp_path / f"step_{cross_stage}"
-        replay.checkpoint_writer(run)(step_dir)
-        restored = replay.open_replay(cfg, step_dir)
+        replay.checkpoint_writer(run.replay)(step_dir)
+        restored = replay.open_replay(cfg.replay, cfg.stages.train_groups, step_dir)
         assert restored.buffer.state_dict() == run.replay.buffer.state_dict()
         assert restored.buffer.entries() == run.replay.buffer.entries()
         assert restored.plan == run.replay.plan
         # A resumed run does not re-score: the restored decision is used as it is.
         run.replay = restored
-        again = replay.stage_data(run, 1, store1)
+        again = _stage_data(run, 1, store1)
         assert again.replayed == data.replayed
 
         replay.end_stage(run, 1, store1)  # 4 more mixed groups: capacity 6 evicts the oldest
@@ -260,13 +270,13 @@ def _persistence(rank: int, world_size: int, tmp: str) -> None:
             groups_file = step_dir / replay.REPLAY_DIR / replay.GROUPS_FILE
             groups_file.write_bytes(groups_file.read_bytes()[:-10] + b"0123456789")
             with pytest.raises(CheckpointError, match="does not match its checksum"):
-                replay.open_replay(cfg, step_dir)
+                replay.open_replay(cfg.replay, cfg.stages.train_groups, step_dir)
         state_file = step_dir / replay.REPLAY_DIR / replay.STATE_FILE
         state_file.write_text(json.dumps({"format": "other"}))
         with pytest.raises(CheckpointError, match="format"):
-            replay.open_replay(cfg, step_dir)
+            replay.open_replay(cfg.replay, cfg.stages.train_groups, step_dir)
         run.logger.close()
-    assert replay.open_replay(load_config(None, []), tmp_path) is None  # replay off: no state at all
+    assert replay.open_replay(load_config(None, []).replay, 4, tmp_path) is None  # replay off: no state at all
 
 
 def test_buffer_and_decision_survive_a_checkpoint(tmp_path: Path) -> None:
@@ -285,7 +295,7 @@ def _ranks_decide_alike(rank: int, world_size: int, tmp: str) -> None:
     fresh = _groups(5, stage=1, count=TRAIN_GROUPS, version=4)
     _set_behaviour(run, fresh, [0.0] * TRAIN_GROUPS)
     store = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
-    replay.stage_data(run, 1, store)
+    _stage_data(run, 1, store)
     decisions = [None] * world_size
     dist.all_gather_object(decisions, (run.replay.plan.accepted, run.replay.buffer.state_dict()))
     assert decisions[0] == decisions[1]
@@ -300,9 +310,9 @@ def test_every_rank_takes_the_same_decisions_with_tensor_parallelism(tmp_path: P
 
 def test_replay_off_leaves_d_k_alone(tmp_path: Path) -> None:
     cfg = load_config(None, [])
-    run = SimpleNamespace(cfg=cfg, replay=replay.open_replay(cfg, None))
+    run = SimpleNamespace(cfg=cfg, replay=replay.open_replay(cfg.replay, cfg.stages.train_groups, None))
     store = object()
-    data = replay.stage_data(run, 0, store)
+    data = _stage_data(run, 0, store)
     assert data.store is store and data.replayed == []  # D_k alone
     replay.end_stage(run, 0, store)
-    assert replay.checkpoint_writer(run) is None
+    assert replay.checkpoint_writer(run.replay) is None
