@@ -12,9 +12,6 @@ from typing import Any
 
 from megatron_mugrpo.rollout.queue import QueueCursor
 
-_V1_EXTRA_KEYS = {"acc_before", "acc_last", "train_tokens", "timers", "first_update_gap"}
-"""Fields that megatron_mugrpo 0.1.0 kept in an untyped ``extra`` dict (read from old checkpoints)."""
-
 
 @dataclass(kw_only=True)
 class BestEval:
@@ -52,7 +49,7 @@ class TrainerState:
     """Stage (as a string) → max |trainer − rollout log-prob| at the stage's first update."""
     metrics_records: int | None = None
     """Records in metrics.jsonl when the checkpoint was taken: a run resumed from it drops exactly the
-    ones logged after (the work it redoes). None in checkpoints written before it was recorded."""
+    ones logged after (the work it redoes). None until the first checkpoint."""
     queue: QueueCursor | None = None
     """Async mode: how far the trainer has consumed the rollout queue (None in staged mode)."""
 
@@ -65,13 +62,8 @@ class TrainerState:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainerState:
-        """Inverse of ``to_dict``; also reads a 0.1.0 checkpoint's ``extra`` dict."""
+        """Inverse of ``to_dict``."""
         values = dict(values)
-        extra = values.pop("extra", None) or {}
-        values.update({k: v for k, v in extra.items() if k in _V1_EXTRA_KEYS})
-        if "best_eval" in extra:
-            old = extra["best_eval"]
-            values["best"] = {"avg_pass_at_1": old["avg_pass@1"], "global_update": old["global_update"]}
         best = values.get("best")
         if isinstance(best, dict):
             values["best"] = BestEval(**best)

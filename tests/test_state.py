@@ -1,4 +1,4 @@
-"""TrainerState: typed fields survive a JSON round trip, and 0.1.0 checkpoints (untyped ``extra``) still load."""
+"""TrainerState: typed fields survive a JSON round trip; a new stage resets only the cursor."""
 
 from __future__ import annotations
 
@@ -21,27 +21,6 @@ def test_round_trip_through_json() -> None:
         first_update_gap={"0": 1e-6, "1": 2e-6},
     )
     assert TrainerState.from_dict(json.loads(json.dumps(state.to_dict()))) == state
-
-
-def test_reads_the_untyped_extra_of_a_0_1_0_checkpoint() -> None:
-    old = {
-        "stage": 1,
-        "update_in_stage": 0,
-        "global_update": 64,
-        "data_cursor": 0,
-        "extra": {
-            "acc_before": 0.16,
-            "acc_last": 0.25,
-            "best_eval": {"avg_pass@1": 0.25, "global_update": 64},
-            "train_tokens": 99.0,
-            "timers": {"perf/t_total_s": 12.0},
-            "first_update_gap": {"0": 1e-5},
-        },
-    }
-    state = TrainerState.from_dict(old)
-    assert (state.global_update, state.acc_before, state.acc_last, state.train_tokens) == (64, 0.16, 0.25, 99.0)
-    assert state.best == BestEval(avg_pass_at_1=0.25, global_update=64)
-    assert state.timers == {"perf/t_total_s": 12.0} and state.first_update_gap == {"0": 1e-5}
 
 
 def test_at_stage_resets_the_cursor_and_keeps_the_run_figures() -> None:
