@@ -18,14 +18,16 @@ complete checkpoints are kept, plus any step passed in ``keep``.
 
 Integrity: the writer threads hash every file as they write it; ``load_checkpoint`` checks every file
 against the manifest before it touches the model (each rank hashes a share of the files), and names
-the damaged file (bit flip, truncation, missing). ``load_latest_intact`` is what resuming uses: it
+the damaged file (bit flip, truncation, missing). A directory without a manifest fails verification
+unless the caller passes ``trust_unverified=True``. ``load_latest_intact`` is what resuming uses: it
 falls back, with a warning, to the newest checkpoint that passes, and raises ``CheckpointError``
 when none does.
 
-Speed: the bytes move through ``training.checkpoint_io`` (writer threads with checksums and one fsync
-per file; reads straight into the parameters). ``CheckpointSaver(async_save=True)`` copies the state
-to host buffers and returns; threads write while training continues, and the directory is published
-(renamed, ``latest`` updated) at the first ``poll()`` / ``wait()`` after every rank has finished.
+Speed: the bytes move through ``training.checkpoint_writer`` and ``checkpoint_reader`` (writer
+threads with checksums and one fsync per file; reads straight into the parameters).
+``CheckpointSaver(async_save=True)`` copies the state to host buffers and returns; threads write
+while training continues, and the directory is published (renamed, ``latest`` updated) at the first
+``poll()`` / ``wait()`` after every rank has finished.
 
 Resharding on load: dist_checkpointing reassembles tensors for any TP / PP layout. One case needs
 help: Megatron pads the vocabulary to a multiple of 128 × TP, so the embedding / output weights (and
@@ -63,8 +65,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_mugrpo import durable
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.state import TrainerState
-from megatron_mugrpo.training import checkpoint_io
-from megatron_mugrpo.training.checkpoint_io import FileDigest
+from megatron_mugrpo.training.checkpoint_async import ThreadAsyncCallsQueue
+from megatron_mugrpo.training.checkpoint_digests import CHECKSUM, DEFAULT_THREADS, FileDigest, bytes_digest, hash_files
+from megatron_mugrpo.training.checkpoint_reader import DirectLoadStrategy
+from megatron_mugrpo.training.checkpoint_writer import ThreadedSaveStrategy
 from megatron_mugrpo.training.model import unwrap_model
 from megatron_mugrpo.training.parallel import ParallelGroups
 
@@ -323,7 +327,7 @@ class CheckpointSaver:
         groups: ParallelGroups,
         async_save: bool = False,
         fsync: bool = True,
-        thread_count: int = checkpoint_io.DEFAULT_THREADS,
+        thread_count: int = DEFAULT_THREADS,
         keep_last: int = MIN_KEEP_LAST,
     ) -> None:
         if keep_last < MIN_KEEP_LAST:
@@ -337,12 +341,12 @@ class CheckpointSaver:
         self.async_save = async_save
         self.fsync = fsync
         self.keep_last = keep_last
-        strategy = lambda: checkpoint_io.ThreadedSaveStrategy(  # noqa: E731 - two identical strategies
+        strategy = lambda: ThreadedSaveStrategy(  # noqa: E731 - two identical strategies
             thread_count=thread_count, fsync=fsync, snapshot=async_save
         )
         # One strategy per state dict: each keeps its own host buffers (async) between saves.
         self._model_strategy, self._optimizer_strategy = strategy(), strategy()
-        self._queue = checkpoint_io.ThreadAsyncCallsQueue()
+        self._queue = ThreadAsyncCallsQueue()
         self._pending: dict[int, Path] = {}
 
     @property
@@ -408,7 +412,7 @@ class CheckpointSaver:
         torch.save(_rng_state(), buffer)
         relative = f"rng/rank_{self.groups.rank:05d}.pt"
         durable.atomic_write_bytes(tmp / relative, buffer.getvalue(), fsync=self.fsync)
-        return checkpoint_io.bytes_digest(relative, buffer.getvalue())
+        return bytes_digest(relative, buffer.getvalue())
 
     def poll(self) -> list[Path]:
         """Publish the saves every rank has finished writing; returns their step directories."""
@@ -427,11 +431,10 @@ def _combined(requests: list[AsyncRequest], publish: _Publication) -> AsyncReque
     """One request writing every state dict of a step; snapshots (async) are taken here, in the caller."""
     calls = []
     for request in requests:
-        args = list(request.async_fn_args)
-        if request.preload_fn:
-            args[1] = request.preload_fn()
+        if request.preload_fn is not None:
+            request.preload_fn()  # the snapshot (async saves): the strategy's writer keeps it
         if request.async_fn is not None:
-            calls.append((request.async_fn, args, request.async_fn_kwargs))
+            calls.append((request.async_fn, request.async_fn_args, request.async_fn_kwargs))
 
     def write_all() -> None:
         try:
@@ -452,7 +455,7 @@ class _Publication:
     tmp: Path
     final: Path
     metadata: dict[str, Any]
-    parts: list[tuple[checkpoint_io.ThreadedSaveStrategy, str, Any]]
+    parts: list[tuple[ThreadedSaveStrategy, str, Any]]
     own: list[FileDigest]
     """Files this rank wrote outside the strategies (its RNG file)."""
     keep: tuple[int, ...]
@@ -477,20 +480,20 @@ class _Publication:
 
 
 def write_manifest(step_dir: Path, known: list[FileDigest], *, fsync: bool) -> None:
-    """Write ``step_dir/manifest.json``: checksum (``checkpoint_io.CHECKSUM``) and size of every file in it.
+    """Write ``step_dir/manifest.json``: checksum (``CHECKSUM``) and size of every file in it.
 
     ``known`` digests (computed by the writer threads) are trusted; the remaining files — small
     metadata files that megatron-core writes itself — are hashed here (and fsynced when asked).
     """
     files = {d.path: {"checksum": d.checksum, "bytes": d.nbytes} for d in known}
     others = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.relative_to(step_dir).as_posix() not in files)
-    for path, result in checkpoint_io.hash_files(others).items():
+    for path, result in hash_files(others).items():
         if isinstance(result, OSError):
             raise CheckpointError(f"cannot read {path} to checksum it: {result}")
         files[path.relative_to(step_dir).as_posix()] = {"checksum": result[0], "bytes": result[1]}
         if fsync:
             durable.fsync_file(path)
-    manifest = {"format": MANIFEST_FORMAT, "algorithm": checkpoint_io.CHECKSUM, "files": dict(sorted(files.items()))}
+    manifest = {"format": MANIFEST_FORMAT, "algorithm": CHECKSUM, "files": dict(sorted(files.items()))}
     durable.atomic_write_json(step_dir / MANIFEST, manifest, fsync=fsync)
 
 
@@ -575,6 +578,15 @@ def _read_manifest(step_dir: Path) -> tuple[str, dict[str, dict[str, Any]]]:
     return algorithm, files
 
 
+def _unverifiable(step_dir: Path) -> str:
+    return (
+        f"{step_dir} has no checksum manifest ({step_dir / 'metadata.json'} names none: it was written before "
+        "manifests existed, or by another tool), so its files cannot be verified. Pass trust_unverified=True "
+        "to verify_checkpoint / load_checkpoint / load_latest_intact to load it as it is, then save it again "
+        f"to give it a {MANIFEST}"
+    )
+
+
 def _file_problems(step_dir: Path, algorithm: str, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """What is wrong with each listed file (missing, wrong size, wrong checksum); empty when all are intact."""
     problems, to_hash = [], []
@@ -590,7 +602,7 @@ def _file_problems(step_dir: Path, algorithm: str, entries: list[tuple[str, dict
             problems.append(f"{relative} is {kind} ({size} of {expected['bytes']} bytes)")
         else:
             to_hash.append((relative, path, expected["checksum"]))
-    results = checkpoint_io.hash_files([path for _, path, _ in to_hash], algorithm=algorithm)
+    results = hash_files([path for _, path, _ in to_hash], algorithm=algorithm)
     for relative, path, digest in to_hash:
         result = results[path]
         if isinstance(result, OSError):
@@ -600,16 +612,24 @@ def _file_problems(step_dir: Path, algorithm: str, entries: list[tuple[str, dict
     return problems
 
 
-def verify_checkpoint(step_dir: str | Path, *, groups: ParallelGroups | None = None) -> None:
+def verify_checkpoint(
+    step_dir: str | Path, *, groups: ParallelGroups | None = None, trust_unverified: bool = False
+) -> None:
     """Check every file of ``step_dir`` against its manifest; CheckpointError naming the bad files.
 
     Collective when ``groups`` is given: rank r hashes files r, r + world, ... and the ranks share
-    their findings, so all raise (or pass) together. A directory written before checksums existed
-    (no manifest in metadata.json) passes with a warning.
+    their findings, so all raise (or pass) together.
+
+    A directory without a manifest (metadata.json names none: written before checksums existed, or
+    by another tool) cannot be verified and raises CheckpointError naming it and the fix, unless
+    ``trust_unverified=True``: then it passes with a logged warning, and damage surfaces (still as a
+    CheckpointError) only while loading.
     """
     step_dir = Path(step_dir)
     meta = read_metadata(step_dir)
     if not meta.get("manifest"):
+        if not trust_unverified:
+            raise CheckpointError(_unverifiable(step_dir))
         logger.warning("%s was written without a checksum manifest; its files are not verified", step_dir)
         return
     algorithm, files = _read_manifest(step_dir)
@@ -690,7 +710,7 @@ def _cut_vocab_rows(loaded: dict[str, Any], replaced: dict[tuple, ShardedTensor]
 def _load_tree(sharded_sd: dict[str, Any], ckpt_dir: Path, rank: int) -> dict[str, Any]:
     replaced = _reshape_vocab_tensors(sharded_sd, ckpt_dir, rank)
     try:
-        loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), sharded_strategy=checkpoint_io.DirectLoadStrategy())
+        loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), sharded_strategy=DirectLoadStrategy())
     except CheckpointError:
         raise
     # dist_checkpointing raises many types, and torch's CheckpointException derives from BaseException
@@ -713,11 +733,13 @@ def load_checkpoint(
     groups: ParallelGroups,
     load_rng: bool = True,
     verify: bool = True,
+    trust_unverified: bool = False,
 ) -> LoadedCheckpoint:
     """Load a step directory into the (DDP-wrapped or bare) model chunks, resharding as needed.
 
     With ``verify`` (default) every file is checked against the manifest first, so a damaged
-    checkpoint raises CheckpointError naming the file before anything is overwritten. With
+    checkpoint raises CheckpointError naming the file before anything is overwritten; a directory
+    without a manifest raises too unless ``trust_unverified`` (see ``verify_checkpoint``). With
     ``optimizer``: its state is loaded when the checkpoint has one; for a model-only checkpoint (e.g.
     a converted Hugging Face model) the optimizer keeps fresh moments and re-reads its main
     parameters from the loaded weights. Collective: every rank calls it.
@@ -725,7 +747,7 @@ def load_checkpoint(
     step_dir = Path(step_dir)
     meta = read_metadata(step_dir)
     if verify:
-        verify_checkpoint(step_dir, groups=groups)
+        verify_checkpoint(step_dir, groups=groups, trust_unverified=trust_unverified)
     model = unwrap_model(model_chunks[0])
     loaded = _load_tree(_model_sharded_state_dict(model_chunks), step_dir / "model", groups.rank)
     model.load_state_dict(loaded, strict=True)
@@ -779,12 +801,14 @@ def load_latest_intact(
     groups: ParallelGroups,
     load_rng: bool = True,
     warn: Callable[[str], None] | None = None,
+    trust_unverified: bool = False,
 ) -> LoadedCheckpoint | None:
     """Load the newest checkpoint under ``root`` that passes verification (None when there is none).
 
     Starts from the ``latest`` pointer and walks back through older complete step directories; each
     damaged one is reported through ``warn`` (default: a logged warning) with the bad file named.
-    Raises CheckpointError listing every problem when checkpoints exist but none is intact.
+    Raises CheckpointError listing every problem when checkpoints exist but none is intact. A
+    directory without a checksum manifest counts as damaged unless ``trust_unverified``.
     """
     warn = warn or logger.warning
     root = Path(root)
@@ -795,7 +819,15 @@ def load_latest_intact(
     failures = []
     for step_dir in candidates:
         try:
-            loaded = load_checkpoint(step_dir, model_chunks, optimizer, scheduler, groups=groups, load_rng=load_rng)
+            loaded = load_checkpoint(
+                step_dir,
+                model_chunks,
+                optimizer,
+                scheduler,
+                groups=groups,
+                load_rng=load_rng,
+                trust_unverified=trust_unverified,
+            )
         except CheckpointError as err:
             failures.append(str(err))
             if groups.rank == 0:

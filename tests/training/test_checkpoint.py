@@ -14,6 +14,7 @@ import io
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import subprocess
 import zipfile
@@ -30,9 +31,9 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from megatron_mugrpo.commands import mugrpo_argv
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.state import TrainerState
-from megatron_mugrpo.training import checkpoint, checkpoint_io
+from megatron_mugrpo.training import checkpoint, checkpoint_reader, checkpoint_writer, mcore_compat
 from megatron_mugrpo.training.checkpoint import CheckpointError, CheckpointSaver
-from megatron_mugrpo.training.checkpoint_io import FileDigest
+from megatron_mugrpo.training.checkpoint_digests import FileDigest
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import train_step
@@ -283,18 +284,29 @@ def _without_manifest(step_dir: Path) -> None:
 
 
 def _unverified_damage_is_a_checkpoint_error(rank: int, world_size: int, root: str) -> None:
-    """Without a manifest, damage surfaces while loading: still a CheckpointError, never a raw traceback."""
+    """Without a manifest, verification fails naming the directory and the fix; trusted, damage surfaces
+    while loading: still a CheckpointError, never a raw traceback."""
     policy = _policy(seed=0)
     step_dir = checkpoint.save_checkpoint(root, 1, policy.model_chunks, **_info(policy))
     _without_manifest(step_dir)
-    checkpoint.load_checkpoint(step_dir, policy.model_chunks, groups=policy.groups)  # loads, with a warning
+    unverifiable = rf"{re.escape(str(step_dir))} has no checksum manifest .*trust_unverified=True"
+    with pytest.raises(CheckpointError, match=unverifiable):
+        checkpoint.verify_checkpoint(step_dir)
+    with pytest.raises(CheckpointError, match=unverifiable):
+        checkpoint.load_checkpoint(step_dir, policy.model_chunks, groups=policy.groups)
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint under .*has no checksum manifest"):
+        checkpoint.load_latest_intact(root, policy.model_chunks, groups=policy.groups, warn=lambda _: None)
+    checkpoint.verify_checkpoint(step_dir, trust_unverified=True)  # passes, with a warning
+    trusted = {"groups": policy.groups, "trust_unverified": True}
+    loaded = checkpoint.load_latest_intact(root, policy.model_chunks, **trusted)
+    assert loaded is not None and loaded.step_dir == step_dir
     _truncate(step_dir / "rng" / "rank_00000.pt")
     with pytest.raises(CheckpointError, match=r"rng/rank_00000.pt is unreadable"):
-        checkpoint.load_checkpoint(step_dir, policy.model_chunks, groups=policy.groups)
+        checkpoint.load_checkpoint(step_dir, policy.model_chunks, **trusted)
     _truncate(step_dir / "model" / "__0_0.distcp")
     # torch's CheckpointException derives from BaseException, not Exception: it must still be caught.
     with pytest.raises(CheckpointError, match=r"failed to load .*model \(CheckpointException"):
-        checkpoint.load_checkpoint(step_dir, policy.model_chunks, groups=policy.groups, load_rng=False)
+        checkpoint.load_checkpoint(step_dir, policy.model_chunks, load_rng=False, **trusted)
 
 
 def test_unverified_damage_is_a_checkpoint_error(tmp_path):
@@ -356,17 +368,17 @@ def test_async_save_snapshots_and_publishes_only_when_complete(tmp_path):
 def _failed_write_is_reported(rank: int, world_size: int, root: str) -> None:
     policy = _policy(seed=0)
     checkpoint.save_checkpoint(root, 1, policy.model_chunks, **_info(policy))
-    original = checkpoint_io._write_bucket
+    original = checkpoint_writer._write_bucket
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    checkpoint_io._write_bucket = disk_full
+    checkpoint_writer._write_bucket = disk_full
     try:
         with pytest.raises(CheckpointError, match=r"writing checkpoint .*step_00000002.tmp failed .*No space left"):
             checkpoint.save_checkpoint(root, 2, policy.model_chunks, **_info(policy))
     finally:
-        checkpoint_io._write_bucket = original
+        checkpoint_writer._write_bucket = original
     assert checkpoint.latest_checkpoint(root) == Path(root) / "step_00000001"
 
 
@@ -432,20 +444,20 @@ def test_writer_threads_skip_the_zip_crc_and_leave_the_callers_setting_alone(tmp
     path = tmp_path / "bucket.distcp"
     with ThreadPoolExecutor(1) as pool:
         results, digest = pool.submit(
-            checkpoint_io._write_bucket, (str(path), path.name, ([], list(zip(items, tensors)))), fsync=True
+            checkpoint_writer._write_bucket, (str(path), path.name, ([], list(zip(items, tensors)))), fsync=True
         ).result()
     data = path.read_bytes()
     assert digest == FileDigest(path.name, xxhash.xxh3_128(data).hexdigest(), len(data))
     for result, tensor in zip(results, tensors):
         record = data[result.storage_data.offset : result.storage_data.offset + result.storage_data.length]
         assert torch.equal(torch.load(io.BytesIO(record), weights_only=True), tensor)
-        if checkpoint_io._CONFIG_PER_THREAD:
+        if not mcore_compat.ZIP_CRC_PROCESS_WIDE:
             with zipfile.ZipFile(io.BytesIO(record)) as archive:
                 assert all(info.CRC == 0 for info in archive.infolist())
         # The loader's fast path finds the raw bytes of such a record (and reads them into place).
         with open(path, "rb", buffering=0) as stream:
             start = result.storage_data.offset
-            position = checkpoint_io._record_data_span(stream, start, result.storage_data.length, tensor)
+            position = checkpoint_reader._record_data_span(stream, start, result.storage_data.length, tensor)
             assert position is not None
             stream.seek(position)
             assert stream.read(tensor.numel() * 4) == tensor.numpy().tobytes()
