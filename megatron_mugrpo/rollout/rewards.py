@@ -41,10 +41,23 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.rewards.answers import extractor
 
 log = logging.getLogger(__name__)
 
-REASONS = ("correct", "no_box", "unparsable", "wrong", "timeout", "crash", "error")
+REASONS = (
+    "correct",
+    "no_box",
+    "no_number",
+    "no_answer_marker",
+    "no_answer_tag",
+    "unparsable",
+    "wrong",
+    "timeout",
+    "crash",
+    "error",
+)
+"""Every reason a math score can carry; the no_* ones name what the answer format did not find."""
 CORRECT_REWARD = 1.0
 INCORRECT_REWARD = 0.0
 WORKER_START_TIMEOUT_S = 120.0
@@ -116,40 +129,8 @@ def reward_metrics(results: Sequence[tuple[float, str]], prefix: str = "rollout/
 # Answer extraction and the cheap fast path (pure string functions)
 # ---------------------------------------------------------------------------------------------------
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
 _INTEGER = re.compile(r"[+-]?\d+")
 _STRIP_TOKENS = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$")
-
-
-@dataclass(frozen=True)
-class BoxedAnswer:
-    """Result of looking for the last box: ``content`` is None when there is no usable box."""
-
-    content: str | None
-    reason: str = ""
-    """'no_box' or 'unparsable' when content is None."""
-
-
-def last_boxed(text: str) -> BoxedAnswer:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced.
-
-    A last box whose braces never close (a truncated response) is 'unparsable', even when an earlier
-    box is complete: the model's final answer is the last one it started.
-    """
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
-    if start < 0:
-        return BoxedAnswer(None, "no_box")
-    brace = text.find("{", start)
-    between = text[start:brace] if brace >= 0 else ""
-    if brace < 0 or not re.fullmatch(r"\\(boxed|fbox)\s*", between):
-        return BoxedAnswer(None, "unparsable")
-    depth = 0
-    for pos in range(brace, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[pos], 0)
-        if depth == 0:
-            content = text[brace + 1 : pos].strip()
-            return BoxedAnswer(content, "") if content else BoxedAnswer(None, "unparsable")
-    return BoxedAnswer(None, "unparsable")
 
 
 def normalise_answer(answer: str) -> str:
@@ -393,7 +374,8 @@ class VerifierPool:
 class MathReward:
     """1.0 when the last boxed answer equals the reference (math-verify equivalence), else 0.0."""
 
-    def __init__(self, *, workers: int, timeout_s: float):
+    def __init__(self, *, workers: int, timeout_s: float, answer_format: str = "boxed"):
+        self.extract = extractor(answer_format)
         self.pool = VerifierPool(verify_with_math_verify, workers=workers, timeout_s=timeout_s, warmup=("1", "1"))
 
     def score(self, responses: list[str], answers: list[str]) -> list[tuple[float, str]]:
@@ -404,7 +386,7 @@ class MathReward:
         errors: list[str] = []
         for response, answer in zip(responses, answers):
             try:
-                boxed = last_boxed(response)
+                boxed = self.extract(response)
                 verdict = boxed.reason if boxed.content is None else fast_verdict(boxed.content, answer)
             except Exception as exc:  # one answer the checker cannot handle must not stop the stage
                 errors.append(repr(exc))

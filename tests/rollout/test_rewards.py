@@ -4,13 +4,14 @@ import time
 
 import pytest
 
+from megatron_mugrpo.rewards.answers import last_boxed
 from megatron_mugrpo.rollout.rewards import (
     REASONS,
+    MathReward,
     RewardError,
     VerifierPool,
     build_reward,
     fast_verdict,
-    last_boxed,
     reason_counts,
     register_reward,
     reward_metrics,
@@ -267,3 +268,15 @@ def test_fuzz_thousand_strings_never_raise():
     for (text, _), (reward, reason) in zip(cases, results):
         assert reason in REASONS, (text[:80], reason)
         assert reward in (0.0, 1.0)
+
+
+def test_math_reward_reads_the_configured_answer_format():
+    reward = MathReward(workers=1, timeout_s=5.0, answer_format="gsm8k")
+    try:
+        assert reward.score(["so 3 + 4 = 7\n#### 7", "it is 7", "#### 8"], ["7", "7", "7"]) == [
+            (1.0, "correct"),
+            (0.0, "no_answer_marker"),
+            (0.0, "wrong"),
+        ]
+    finally:
+        reward.close()
