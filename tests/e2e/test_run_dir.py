@@ -15,10 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from e2e_runs import DEMO, ROOT, SMALL, mugrpo, records, train
+
+from megatron_mugrpo.rundir import LOCK_FILE
 
 Finished = tuple[Path, subprocess.CompletedProcess]
 
@@ -37,8 +40,15 @@ def _error_line(proc: subprocess.CompletedProcess) -> str:
 
 
 def _snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
-    """Every file under run_dir with its size and modification time (to prove nothing was touched)."""
-    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*")}
+    """Every file under run_dir with its size and modification time (to prove nothing was touched).
+
+    Except the lock file: every verb takes the lock (writing its pid there) before it judges the directory.
+    """
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in run_dir.rglob("*")
+        if p.name != LOCK_FILE
+    }
 
 
 @pytest.mark.slow
@@ -130,6 +140,38 @@ def test_a_second_writer_is_refused_with_the_holders_pid_and_host(tmp_path: Path
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
+
+
+def test_every_verb_takes_the_lock_before_it_judges_the_directory(tmp_path: Path):
+    """A first start still setting up holds the lock and has no config.yaml yet: `train --resume` said
+    "not a run (no config.yaml)" instead of naming the process that holds the directory."""
+    run_dir = tmp_path / "run"
+    holder = _hold_lock(run_dir)
+    try:
+        for verb in (
+            ["train", "--resume", str(run_dir)],
+            ["optimize", "--run-dir", str(run_dir), "--stage", "0"],
+            ["eval", "--run-dir", str(run_dir)],
+        ):
+            line = _error_line(mugrpo(*verb, check=False))
+            assert f"pid {holder.pid} on host {socket.gethostname()}" in line, (verb, line)
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE], "the refused processes wrote nothing"
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+
+
+def test_bad_data_fails_before_any_model_is_built(tmp_path: Path):
+    """The demo builds its base model (a 1,500-step warm start, minutes) and the policy; a data file
+    without one usable row must fail before that, with one error line and nothing left behind."""
+    run_dir, data = tmp_path / "run", tmp_path / "bad.jsonl"
+    data.write_text('{"question": "1+1", "solution": "2"}\n{"question": "2+3", "solution": "5"}\n')
+    started = time.monotonic()
+    args = ["train", "--config", str(DEMO), "--run-dir", str(run_dir), f"data.train_path={data}"]
+    line = _error_line(mugrpo(*args, check=False))
+    assert "bad.jsonl" in line and "usable" in line, line
+    assert time.monotonic() - started < 120, "set-up built models before it read the data"
+    assert not run_dir.exists(), "a failed first start leaves no directory"
 
 
 @pytest.mark.slow
