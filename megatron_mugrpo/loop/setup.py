@@ -3,13 +3,13 @@
 ``open_run`` builds, in order (the verb has locked the run directory before judging it, see
 ``cli.locked_run_dir``): the cheap inputs that a typo breaks (the tokenizer, the prompts, the
 benchmarks, the reward), so that bad data fails in seconds; the process groups; only then the base
-Hugging Face model (the user's, or the demo's locally built and warm-started one), the Megatron policy with
-its optimizer and the weights (from the latest checkpoint when resuming, else from the Hugging Face
-directory), the metrics logger, the scoring settings every trainer pass shares, and the rollout
-engines' placement: every rank belongs to an engine group of ``rollout.tensor_parallel`` ranks whose
-first rank hosts one engine (see ``rollout/placement.py``). Each host's engine is created at the
-first weight sync and lives for the whole run, released between phases; every host generates,
-evaluates and scores rewards with its own verifier pool.
+Hugging Face model (the user's, or the demo's locally built and warm-started one), the Megatron
+policy with its optimizer and the weights (from the latest checkpoint when resuming, else from the
+Hugging Face directory), the metrics logger, the scoring settings every trainer pass shares, and
+the rollout engines' placement: every rank belongs to an engine group of
+``rollout.tensor_parallel`` ranks whose first rank hosts one engine (see ``rollout/placement.py``).
+Each host's engine is created at the first weight sync and lives for the whole run, released
+between phases; every host generates, evaluates and scores rewards with its own verifier pool.
 
 Run directory layout (its guarantees, lock and config written last, are in ``rundir.py``)::
 
