@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,7 +80,12 @@ def check_hf_model_parallelism(hf_dir: str | Path, parallel: ParallelConfig) -> 
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's place in the TP × PP × DP grid and the process groups it communicates on."""
+    """This rank's place in the TP × PP × DP grid and the process groups it communicates on.
+
+    Object collectives (``barrier``, ``broadcast_object``, ``all_gather_object``, ``any_rank``) run
+    on ``world_group``, every trainer rank; in one process they are no-ops, like ``HostGroup``'s.
+    ``ParallelGroups.local()`` is that one process without torch.distributed.
+    """
 
     world_size: int
     rank: int
@@ -96,6 +102,51 @@ class ParallelGroups:
     """TP × PP ranks holding one model replica (the grad-norm reduction group)."""
     device: torch.device
     """Where this rank's model lives: cuda:<local rank> or cpu."""
+    world_group: Any = field(default=None, compare=False)
+    """Every trainer rank (torch.distributed's default group: async mode's rollout workers are not in
+    it); None only in one process, where the object collectives are no-ops."""
+
+    @classmethod
+    def local(cls, device: torch.device | None = None) -> ParallelGroups:
+        """One process, TP = PP = DP = 1, no process groups: every collective is a no-op."""
+        return cls(
+            world_size=1, rank=0, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0,
+            tp_group=None, pp_group=None, dp_group=None, model_parallel_group=None,
+            device=device or torch.device("cpu"),
+        )  # fmt: skip
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        """Wait for every trainer rank."""
+        if self.distributed:
+            dist.barrier(group=self.world_group)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (picklable) on every trainer rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.world_group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every trainer rank's ``obj``, in rank order, on every rank (``[obj]`` in one process)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.world_group)
+        return out
+
+    def any_rank(self, flag: bool) -> bool:
+        """True when ``flag`` is true on any trainer rank (one small all-reduce on this rank's device)."""
+        if not self.distributed:
+            return flag
+        tensor = torch.tensor([int(flag)], dtype=torch.int, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.world_group)
+        return bool(tensor[0])
 
     @property
     def is_first_stage(self) -> bool:
@@ -203,6 +254,8 @@ def current_groups() -> ParallelGroups:
         dp_group=parallel_state.get_data_parallel_group(),
         model_parallel_group=parallel_state.get_model_parallel_group(),
         device=device,
+        # The default group is the trainers only (see _init_process_group's world_size).
+        world_group=dist.group.WORLD,
     )
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
-from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
+from megatron_mugrpo.training.parallel import ParallelGroups, destroy_parallel, initialize_parallel
 
 
 def _check_grid(rank: int, world_size: int, tp: int, pp: int) -> None:
@@ -32,9 +32,23 @@ def _check_grid(rank: int, world_size: int, tp: int, pp: int) -> None:
     assert again.dp == world_size
 
 
+def _check_object_collectives(groups: ParallelGroups) -> None:
+    """The trainer world group's object collectives: every rank sees the same values, in rank order."""
+    groups.barrier()
+    assert groups.broadcast_object({"from": groups.rank}) == {"from": 0}
+    assert groups.broadcast_object(f"rank {groups.rank}", src=groups.world_size - 1) == f"rank {groups.world_size - 1}"
+    assert groups.all_gather_object((groups.rank, "x")) == [(r, "x") for r in range(groups.world_size)]
+    assert groups.any_rank(groups.rank == groups.world_size - 1)
+    assert not groups.any_rank(False)
+
+
 def _check_both_two_rank_grids(rank: int, world_size: int) -> None:
     """TP=2 then, after destroy_parallel(), PP=2 on the same ranks (one spawn for both)."""
     _check_grid(rank, world_size, 2, 1)
+    groups = initialize_parallel(1, 1, seed=3)
+    assert dist.get_world_size(groups.world_group) == world_size
+    _check_object_collectives(groups)
+    destroy_parallel()
     destroy_parallel()
     _check_grid(rank, world_size, 1, 2)
 
@@ -54,6 +68,17 @@ def test_single_process_grid_without_spawning():
     run_distributed(_check_grid, 1, 1, 1)
     run_distributed(_check_bad_sizes, 1)
     assert not dist.is_initialized(), "run_distributed(world_size=1) must tear down the process group"
+
+
+def test_object_collectives_are_no_ops_in_one_process():
+    local = ParallelGroups.local()
+    assert not local.distributed and not dist.is_initialized()
+    payload = {"a": [1, 2]}
+    local.barrier()
+    assert local.broadcast_object(payload) is payload
+    assert local.all_gather_object(payload) == [payload]
+    assert local.any_rank(True) and not local.any_rank(False)
+    run_distributed(lambda rank, world_size: _check_object_collectives(initialize_parallel(1, 1, seed=0)), 1)
 
 
 @pytest.mark.multiprocess
