@@ -109,7 +109,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from megatron_mugrpo.sweep import load_sweep, run_sweep
 
     spec = load_sweep(args.file, args.overrides)
-    return run_sweep(spec, args.out, parallel=args.parallel, report_dir=args.report_dir, dry_run=args.dry_run)
+    from megatron_mugrpo.config import load_config
+
+    return run_sweep(
+        spec, args.out, parallel=args.parallel, report_dir=args.report_dir, dry_run=args.dry_run, load=load_config
+    )
 
 
 class _UsageError(InputError, ValueError):
@@ -140,7 +144,7 @@ def resolve_config(args: argparse.Namespace, run_dir: Path, verb: str, *, persis
             f"{run_dir} already holds a run, whose config.yaml is used: drop --config (overrides may follow) "
             "or choose another --run-dir"
         )
-    cfg, changes = continue_config(run_dir, args.overrides)
+    cfg, changes = continue_config(run_dir, args.overrides, load=load_config)
     return Resolved(cfg, f"{verb}: {' '.join(changes)}" if changes and persist else None)
 
 

@@ -52,7 +52,7 @@ from megatron_mugrpo.training.parallel import ParallelConfig, check_hf_model_par
 from megatron_mugrpo.warmstart import DTYPES, ModelConfig, TinyModelConfig, WarmStartConfig
 
 MODES = ("staged", "async")
-"""mode choices: the staged loop (stages.py) or asynchronous rollout workers (asynchronous/)."""
+"""mode choices: the staged loop (loop/staged.py) or asynchronous rollout workers (loop/asynchronous.py)."""
 
 __all__ = [
     "DTYPES",

@@ -3,9 +3,9 @@
 A test sets ``$MUGRPO_CRASH_AT`` to one point name, or several separated by commas, and the process
 that reaches the point dies at once:
 
-- ``shard:K:I``: on the host that just wrote shard I of stage K's dataset (``stages``);
-- ``rollout:K``: after stage K's dataset is complete (``stages``);
-- ``update:N``: after global update N is applied and logged (``stages``, ``asynchronous.loop``);
+- ``shard:K:I``: on the host that just wrote shard I of stage K's dataset (``loop.staged``);
+- ``rollout:K``: after stage K's dataset is complete (``loop.staged``);
+- ``update:N``: after global update N is applied and logged (``loop.staged``, ``loop.asynchronous``);
 - ``worker:W:shard:N``: rollout worker W, after the N-th shard this process wrote is in place but
   before its record is: a half-written batch (``rollout.queue``).
 

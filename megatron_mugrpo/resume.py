@@ -15,16 +15,15 @@ under the old value, and mixing them silently gives a run that matches neither c
 check catches hand edits of ``config.yaml``: it is compared with the config the run last ran with
 (``config_history.json``, else the latest checkpoint's ``run_config``).
 
-    cfg, changed = continue_config(run_dir, ["stages.num_stages=3"])   # ResumeError if unsafe
+    cfg, changed = continue_config(run_dir, ["stages.num_stages=3"], load=load_config)   # ResumeError if unsafe
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_mugrpo.config import RunConfig, load_config
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rundir import CONFIG_FILE, read_history
 
@@ -133,11 +132,16 @@ def reference_config(run_dir: Path) -> dict[str, Any] | None:
     return read_metadata(step_dir).get("run_config") if step_dir is not None else None
 
 
+ConfigLoader = Callable[..., Any]
+"""``config.load_config(path, overrides=())``: handed in by the entry point (components do not import the
+config root); what it returns has ``to_dict()`` and ``stages.num_stages``."""
+
+
 def override_keys(overrides: Sequence[str]) -> list[str]:
     return [item.split("=", 1)[0].strip() for item in overrides]
 
 
-def continue_config(run_dir: Path, overrides: Sequence[str]) -> tuple[RunConfig, list[str]]:
+def continue_config(run_dir: Path, overrides: Sequence[str], *, load: ConfigLoader) -> tuple[Any, list[str]]:
     """The config an existing run continues with, and what changed: the overrides, then hand edits.
 
     Refuses (ResumeError) unsafe overrides, unsafe hand edits of config.yaml and a stage count below
@@ -145,16 +149,16 @@ def continue_config(run_dir: Path, overrides: Sequence[str]) -> tuple[RunConfig,
     """
     path = run_dir / CONFIG_FILE
     refuse(override_keys(overrides), "cannot be overridden on resume")
-    stored = load_config(path)
+    stored = load(path)
     reference = reference_config(run_dir)
     edited = changed_keys(reference, stored.to_dict()) if reference is not None else []
     refuse(edited, f"differ in {path} from the config the run has been running with (edited by hand?)")
-    cfg = load_config(path, list(overrides)) if overrides else stored
-    check_stage_count(cfg, run_dir)
+    cfg = load(path, list(overrides)) if overrides else stored
+    check_stage_count(cfg.stages.num_stages, run_dir)
     return cfg, [*overrides, *(f"{key} edited in {CONFIG_FILE}" for key in edited)]
 
 
-def check_stage_count(cfg: RunConfig, run_dir: Path) -> None:
+def check_stage_count(num_stages: int, run_dir: Path) -> None:
     """``stages.num_stages`` may not drop below the stages the latest checkpoint has finished."""
     from megatron_mugrpo.training.checkpoint import latest_checkpoint, read_metadata
 
@@ -162,9 +166,9 @@ def check_stage_count(cfg: RunConfig, run_dir: Path) -> None:
     if step_dir is None:
         return
     done = int(read_metadata(step_dir)["trainer_state"].get("stage", 0))
-    if cfg.stages.num_stages < done:
+    if num_stages < done:
         raise ResumeError(
-            f"stages.num_stages={cfg.stages.num_stages}: the run has already finished {done} stages "
+            f"stages.num_stages={num_stages}: the run has already finished {done} stages "
             f"({step_dir.name}); give at least {done}"
         )
 

@@ -65,8 +65,7 @@ from typing import Any
 import yaml
 
 from megatron_mugrpo.commands import mugrpo_argv, train_argv
-from megatron_mugrpo.config import ConfigError, RunConfig, load_config
-from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.errors import ConfigError, InputError
 from megatron_mugrpo.rundir import CONFIG_FILE
 
 SWEEP_KEYS = ("description", "base", "overrides", "seeds", "seed_keys", "variants")
@@ -90,6 +89,10 @@ FAILURE_TAIL_LINES = 3
 SPEC_HASH_CHARS = 12
 EXIT_RUNS_FAILED = 1
 EXIT_INTERRUPTED = 130
+
+
+ConfigLoader = Callable[[Path, list[str]], Any]
+"""``config.load_config``: the entry point hands it in (components do not import the config root)."""
 
 
 class SweepError(InputError, ValueError):
@@ -255,7 +258,8 @@ class PlannedRun:
     config: Path
     overrides: list[str]
     """Every override of the run (sweep, variant, command line, seed), without the shared base model."""
-    cfg: RunConfig
+    cfg: Any
+    """The run's resolved config (``config.RunConfig``, loaded by the caller's ``load``)."""
     run_dir: Path
     base_dir: Path | None
     """Shared warm-started base model (None when the config names its own ``model.hf_dir``)."""
@@ -282,7 +286,7 @@ class PlannedRun:
         return resolved
 
 
-def plan_sweep(spec: SweepSpec, out: Path) -> list[PlannedRun]:
+def plan_sweep(spec: SweepSpec, out: Path, *, load: ConfigLoader) -> list[PlannedRun]:
     """Resolve every run's config (all errors surface here, before anything runs); ``out`` should be absolute."""
     runs = []
     for variant in spec.variants:
@@ -290,7 +294,7 @@ def plan_sweep(spec: SweepSpec, out: Path) -> list[PlannedRun]:
             seeded = [f"{key}={seed}" for key in spec.seed_keys]
             overrides = [*spec.overrides, *variant.overrides, *spec.extra_overrides, *seeded]
             try:
-                cfg = load_config(variant.config, overrides)
+                cfg = load(variant.config, overrides)
             except ConfigError as exc:
                 raise SweepError(f"sweep file {spec.path}: variant {variant.name!r}, seed {seed}: {exc}") from exc
             runs.append(
@@ -307,7 +311,7 @@ def plan_sweep(spec: SweepSpec, out: Path) -> list[PlannedRun]:
     return runs
 
 
-def base_model_key(cfg: RunConfig) -> str:
+def base_model_key(cfg: Any) -> str:
     """A short hash of everything the demo's warm-started base model depends on."""
     from megatron_mugrpo.warmstart import warmstart_spec
 
@@ -558,6 +562,7 @@ def run_sweep(
     report_dir: Path | None = None,
     dry_run: bool = False,
     echo: Callable[[str], None] | None = None,
+    load: ConfigLoader,
 ) -> int:
     """Run (or continue) every run of ``spec`` under ``out`` and write the summary; returns the exit status.
 
@@ -568,7 +573,7 @@ def run_sweep(
         raise SweepError(f"--parallel {parallel}: run at least one at a time")
     echo = echo or _print
     out = out.resolve()
-    plan = plan_sweep(spec, out)
+    plan = plan_sweep(spec, out, load=load)
     for run in plan:
         check_run_config(run)
     states = {run.name: run_state(run) for run in plan}

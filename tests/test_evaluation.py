@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_mugrpo.evaluation import pass_at_1
-from megatron_mugrpo.rollout.prompts import PromptRecord
-from megatron_mugrpo.runtime import stage_prompts
+from megatron_mugrpo.rollout.prompts import PromptRecord, stage_prompts
 
 
 def test_pass_at_1_averages_per_problem_then_over_problems():

@@ -85,14 +85,16 @@ def _make_run(run_dir: Path, *overrides: str) -> None:
 def test_continue_config_applies_safe_overrides_and_refuses_the_rest(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _make_run(run_dir, "stages.num_stages=2")
-    cfg, changes = continue_config(run_dir, ["stages.num_stages=3", "eval.benchmarks.0.k=8"])
+    cfg, changes = continue_config(run_dir, ["stages.num_stages=3", "eval.benchmarks.0.k=8"], load=load_config)
     assert cfg.stages.num_stages == 3 and cfg.eval.benchmarks[0].k == 8
     assert changes == ["stages.num_stages=3", "eval.benchmarks.0.k=8"]
     with pytest.raises(
         ResumeError, match=r"algo\.mu_grpo\.clip_high, rollout\.group_size cannot be overridden on resume"
     ):
-        continue_config(run_dir, ["algo.mu_grpo.clip_high=3", "rollout.group_size=4", "stages.num_stages=3"])
-    assert continue_config(run_dir, [])[1] == [], "nothing changed, nothing to record"
+        continue_config(
+            run_dir, ["algo.mu_grpo.clip_high=3", "rollout.group_size=4", "stages.num_stages=3"], load=load_config
+        )
+    assert continue_config(run_dir, [], load=load_config)[1] == [], "nothing changed, nothing to record"
 
 
 def test_hand_edits_are_checked_against_the_recorded_config(tmp_path: Path) -> None:
@@ -101,11 +103,11 @@ def test_hand_edits_are_checked_against_the_recorded_config(tmp_path: Path) -> N
     config = run_dir / CONFIG_FILE
     original = config.read_text()
     config.write_text(original.replace("every_updates: 0", "every_updates: 5", 1))  # eval.every_updates: safe
-    cfg, changes = continue_config(run_dir, [])
+    cfg, changes = continue_config(run_dir, [], load=load_config)
     assert cfg.eval.every_updates == 5 and changes == ["eval.every_updates edited in config.yaml"]
     config.write_text(original.replace("group_size: 8", "group_size: 16"))
     with pytest.raises(ResumeError, match=r"rollout\.group_size differ in .*config\.yaml.*edited by hand"):
-        continue_config(run_dir, [])
+        continue_config(run_dir, [], load=load_config)
 
 
 def test_without_history_the_latest_checkpoint_is_the_reference(tmp_path: Path, monkeypatch) -> None:
@@ -125,11 +127,11 @@ def test_without_history_the_latest_checkpoint_is_the_reference(tmp_path: Path, 
     original = config.read_text()
     config.write_text(original.replace("clip_high: 5.0", "clip_high: 3.0"))
     with pytest.raises(ResumeError, match=r"algo\.mu_grpo\.clip_high differ"):
-        continue_config(run_dir, [])
+        continue_config(run_dir, [], load=load_config)
     config.write_text(original)
     with pytest.raises(ResumeError, match=r"stages\.num_stages=1: the run has already finished 2 stages"):
-        continue_config(run_dir, ["stages.num_stages=1"])
-    assert continue_config(run_dir, ["stages.num_stages=2"])[0].stages.num_stages == 2
+        continue_config(run_dir, ["stages.num_stages=1"], load=load_config)
+    assert continue_config(run_dir, ["stages.num_stages=2"], load=load_config)[0].stages.num_stages == 2
 
 
 def test_model_shape_change_is_named() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_mugrpo.config import load_config
 from megatron_mugrpo.sweep import (
     BASE_DIR,
     FAILED,
@@ -115,10 +116,10 @@ def test_bad_sweep_files_are_one_clear_error(tmp_path: Path, body: str, message:
 def test_bad_override_values_name_the_variant_and_seed(tmp_path: Path) -> None:
     spec = load_sweep(demo_sweep(tmp_path, "ok: []\nbad: [algo.clip_hgh=5]\n"))
     with pytest.raises(SweepError, match=r"variant 'bad', seed 0: .*algo\.clip_hgh"):
-        plan_sweep(spec, tmp_path / "out")
+        plan_sweep(spec, tmp_path / "out", load=load_config)
     spec = load_sweep(demo_sweep(tmp_path, "bad: [algo.mu_grpo.clip_low=7]\n"))
     with pytest.raises(SweepError, match=r"variant 'bad', seed 0: .*algo\.mu_grpo\.clip_low"):
-        plan_sweep(spec, tmp_path / "out")
+        plan_sweep(spec, tmp_path / "out", load=load_config)
 
 
 def test_missing_sweep_file(tmp_path: Path) -> None:
@@ -131,7 +132,7 @@ def test_plan_sets_every_seed_key_and_orders_overrides(tmp_path: Path) -> None:
         demo_sweep(tmp_path, "a: [optim.lr=3e-4]\nb: [inherit " + str(DEMO_GRPO) + "]\n", seeds="[3, 7]"),
         ["optim.lr=2e-4"],
     )
-    plan = plan_sweep(spec, tmp_path / "out")
+    plan = plan_sweep(spec, tmp_path / "out", load=load_config)
     assert [run.name for run in plan] == ["a/seed_3", "a/seed_7", "b/seed_3", "b/seed_7"]
     for run in plan:
         assert run.run_dir == tmp_path / "out" / run.variant / f"seed_{run.seed}"
@@ -146,14 +147,14 @@ def test_plan_sets_every_seed_key_and_orders_overrides(tmp_path: Path) -> None:
 
 def test_seed_keys_can_keep_the_data_fixed(tmp_path: Path) -> None:
     spec = load_sweep(demo_sweep(tmp_path, "a: []\n", extra="seed_keys: [seed, stages.seed]\n"))
-    plan = plan_sweep(spec, tmp_path / "out")
+    plan = plan_sweep(spec, tmp_path / "out", load=load_config)
     assert [(r.cfg.seed, r.cfg.data.seed) for r in plan] == [(0, 0), (1, 0)]
 
 
 def test_runs_of_one_seed_and_warm_start_share_a_base_model(tmp_path: Path) -> None:
     variants = "a: []\nb: [algo.mu_grpo.veto_scope=none]\nc: [warmstart.steps=3]\n"
     spec = load_sweep(demo_sweep(tmp_path, variants, extra="overrides: [warmstart.steps=2]\n"))
-    plan = {run.name: run for run in plan_sweep(spec, tmp_path / "out")}
+    plan = {run.name: run for run in plan_sweep(spec, tmp_path / "out", load=load_config)}
     assert plan["a/seed_0"].base_dir == plan["b/seed_0"].base_dir  # the loss does not touch the base model
     assert plan["a/seed_0"].base_dir != plan["a/seed_1"].base_dir  # the seed initialises it
     assert plan["a/seed_0"].base_dir != plan["c/seed_0"].base_dir  # other warm-start settings
@@ -173,7 +174,7 @@ def test_a_config_with_its_own_model_has_no_shared_base(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
     spec = load_sweep(demo_sweep(tmp_path, "a: []\n", extra=f"overrides: [model.hf_dir={model}]\n"))
-    run = plan_sweep(spec, tmp_path / "out")[0]
+    run = plan_sweep(spec, tmp_path / "out", load=load_config)[0]
     assert run.base_dir is None and run.expected_config()["model"]["hf_dir"] == str(model)
 
 
@@ -183,7 +184,7 @@ def test_existing_run_with_other_settings_is_an_error(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
     spec = load_sweep(demo_sweep(tmp_path, "a: []\n", extra=f"overrides: [model.hf_dir={model}]\n"))
-    run = plan_sweep(spec, tmp_path / "out")[0]
+    run = plan_sweep(spec, tmp_path / "out", load=load_config)[0]
     assert run_state(run) == "new"
     check_run_config(run)  # nothing there yet
     run.run_dir.mkdir(parents=True)
@@ -193,6 +194,7 @@ def test_existing_run_with_other_settings_is_an_error(tmp_path: Path) -> None:
     other = plan_sweep(
         load_sweep(demo_sweep(tmp_path, "a: [optim.lr=0.5]\n", extra=f"overrides: [model.hf_dir={model}]\n")),
         tmp_path / "out",
+        load=load_config,
     )[0]
     with pytest.raises(
         SweepError, match=r"seed_0 was started with other settings than the sweep now asks for \(optim\.lr\)"
@@ -270,7 +272,7 @@ def test_one_sweep_per_directory(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", sorted((ROOT / "experiments").glob("*.yaml")), ids=lambda p: p.name)
 def test_experiment_files_plan(path: Path, tmp_path: Path) -> None:
     spec = load_sweep(path)
-    plan = plan_sweep(spec, tmp_path / "out")
+    plan = plan_sweep(spec, tmp_path / "out", load=load_config)
     assert len(plan) == len(spec.variants) * len(spec.seeds) and len(spec.seeds) >= 3
     totals = {run.cfg.stages.total_updates for run in plan}
     assert len(totals) == 1, f"{path.name}: variants differ in their number of updates: {totals}"

@@ -17,7 +17,7 @@ candidates are pushed after its update, so a group is never replayed in the step
 
 Everything here is plain Python and torch on CPU tensors: no I/O, no process groups. The
 orchestration (re-scoring through the trainer, mini-batch assembly, checkpointing the buffer,
-metrics) is ``megatron_mugrpo.replay``.
+metrics) is ``megatron_mugrpo.loop.hdr``.
 
     buffer = ReplayBuffer(capacity=cfg.capacity_groups(train_groups))
     selection = select_groups(replay_policy("hdr").order(buffer), k=8, max_scored=32, tau=1e-3, score=score_fn)

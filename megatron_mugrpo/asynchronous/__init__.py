@@ -13,5 +13,5 @@ sides share nothing but the run directory: trainer and workers watch each other'
 
 Modules: ``config`` (the ``async`` section), ``roles`` (which rank does what), ``liveness``
 (heartbeats), ``publish`` (weight publication and pick-up), ``worker`` (the rollout worker's loop),
-``loop`` (the trainer's loop, as short as the staged one).
+``batches`` (which prompts each batch takes). The trainer's loop is ``megatron_mugrpo.loop.asynchronous``.
 """

@@ -24,21 +24,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from megatron_mugrpo.algorithms.advantages import assign_advantages
 from megatron_mugrpo.asynchronous.batches import prompt_range
+from megatron_mugrpo.asynchronous.config import AsyncConfig
 from megatron_mugrpo.asynchronous.files import AsyncPaths
 from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer
 from megatron_mugrpo.asynchronous.publish import Subscription, engine_digest
 from megatron_mugrpo.asynchronous.roles import ProcessRole
-from megatron_mugrpo.config import RunConfig
 from megatron_mugrpo.records import RolloutGroup
+from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config, shutdown_engine
 from megatron_mugrpo.rollout.generate import generate_groups
-from megatron_mugrpo.rollout.prompts import PromptRecord, load_prompts, prompt_slice
+from megatron_mugrpo.rollout.prompts import DataConfig, PromptRecord, load_prompts, prompt_slice
 from megatron_mugrpo.rollout.queue import QueueWriter
 from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 
@@ -55,11 +56,24 @@ _GPU_PLACEMENT: dict[str, Callable[[int], dict[str, Any]]] = {
 T = TypeVar("T")
 
 
+class WorkerConfig(Protocol):
+    """The sections of a run's config a rollout worker reads (``config.RunConfig`` has them; the entry
+    point hands it in, so this role never imports the config root)."""
+
+    rollout: RolloutConfig
+    async_: AsyncConfig
+    data: DataConfig
+    model: Any
+    algo: Any
+    stages: Any
+    seed: int
+
+
 @dataclass
 class Worker:
     """What one rollout worker holds."""
 
-    cfg: RunConfig
+    cfg: WorkerConfig
     role: ProcessRole
     paths: AsyncPaths
     trainer: Peer
@@ -127,7 +141,7 @@ class Worker:
         return True if self.subscription.current is not None else None
 
 
-def run_worker(cfg: RunConfig, run_dir: Path, role: ProcessRole) -> None:
+def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
     """Generate into the run's queue until the trainer is done (see the module docstring)."""
     paths, timeouts = AsyncPaths(run_dir), cfg.async_
     with Heartbeat(paths.worker_heartbeat(role.worker_index)):  # a failure reaches the trainer with its message

@@ -100,7 +100,7 @@ def generate_stage(
 
     Collective over ``hosts`` (default: this process alone): every rank calls it, hosts with their
     engine, other ranks with ``engine=None``. The caller has loaded the stage's policy into every
-    engine (``rollout_phase`` in stages.py also repairs older stores with their own policy).
+    engine (``rollout_phase`` in loop/staged.py also repairs older stores with their own policy).
 
     Args:
         prompts: the stage's B_train prompts; shard i holds ``prompts[i·S:(i+1)·S]``, S = cfg.shard_groups.
