@@ -54,7 +54,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -179,31 +178,13 @@ def read_metadata(step_dir: str | Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- collectives
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _all_gather(value: Any) -> list[Any]:
-    """``value`` from every rank (in rank order); just ``[value]`` without torch.distributed."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _agreed(problem: str | None) -> str | None:
+def _agreed(problem: str | None, groups: ParallelGroups) -> str | None:
     """Every rank's view of a per-rank failure: the first rank's message, or None when all succeeded.
 
     Per-rank steps (reading an RNG file, a writer thread) fail on one rank only; ranks must still
     take the same branch afterwards, or the next collective would hang.
     """
-    return next((p for p in _all_gather(problem) if p), None)
+    return next((p for p in groups.all_gather_object(problem) if p), None)
 
 
 # -------------------------------------------------------------------------------------- save
@@ -342,11 +323,11 @@ class CheckpointSaver:
         self.fsync = fsync
         self.keep_last = keep_last
         strategy = lambda: ThreadedSaveStrategy(  # noqa: E731 - two identical strategies
-            thread_count=thread_count, fsync=fsync, snapshot=async_save
+            groups=groups, thread_count=thread_count, fsync=fsync, snapshot=async_save
         )
         # One strategy per state dict: each keeps its own host buffers (async) between saves.
         self._model_strategy, self._optimizer_strategy = strategy(), strategy()
-        self._queue = ThreadAsyncCallsQueue()
+        self._queue = ThreadAsyncCallsQueue(groups)
         self._pending: dict[int, Path] = {}
 
     @property
@@ -385,7 +366,7 @@ class CheckpointSaver:
                     (tmp / sub).mkdir(parents=True)
             if write_extra is not None:
                 write_extra(tmp)
-        _barrier()
+        self.groups.barrier()
         metadata = _metadata(model_chunks, self.groups, hf_config, optimizer, scheduler, trainer_state, run_config)
         parts = [(self._model_strategy, "model", _model_sharded_state_dict(model_chunks))]
         if optimizer is not None:
@@ -462,7 +443,8 @@ class _Publication:
     write_error: str | None = None
 
     def check_writes(self) -> None:
-        problem = _agreed(self.write_error and f"rank {_rank()}: {self.write_error}")
+        groups = self.saver.groups
+        problem = _agreed(self.write_error and f"rank {groups.rank}: {self.write_error}", groups)
         if problem:
             raise CheckpointError(f"writing checkpoint {self.tmp} failed ({problem}); {self.final} was not published")
 
@@ -470,13 +452,13 @@ class _Publication:
         digests = list(self.own)
         for strategy, sub, _ in self.parts:
             digests += [FileDigest(f"{sub}/{d.path}", d.checksum, d.nbytes) for d in strategy.digests()]
-        gathered = [d for rank_digests in _all_gather(digests) for d in rank_digests]
+        gathered = [d for rank_digests in self.saver.groups.all_gather_object(digests) for d in rank_digests]
         if self.saver.groups.rank == 0:
             fsync = self.saver.fsync
             durable.atomic_write_json(self.tmp / "metadata.json", self.metadata, indent=2, default=str, fsync=fsync)
             write_manifest(self.tmp, gathered, fsync=fsync)
             _publish(self.saver.root, self.tmp, self.final, self.saver.keep_last, self.keep, fsync=fsync)
-        _barrier()
+        self.saver.groups.barrier()
 
 
 def write_manifest(step_dir: Path, known: list[FileDigest], *, fsync: bool) -> None:
@@ -634,9 +616,9 @@ def verify_checkpoint(
         return
     algorithm, files = _read_manifest(step_dir)
     entries = sorted(files.items())
-    rank, world = (groups.rank, groups.world_size) if groups is not None else (0, 1)
-    mine = _file_problems(step_dir, algorithm, entries[rank::world])
-    problems = [p for rank_problems in (_all_gather(mine) if groups is not None else [mine]) for p in rank_problems]
+    groups = groups or ParallelGroups.local()
+    mine = _file_problems(step_dir, algorithm, entries[groups.rank :: groups.world_size])
+    problems = [p for rank_problems in groups.all_gather_object(mine) for p in rank_problems]
     if problems:
         raise CheckpointError(f"checkpoint {step_dir} is damaged: {'; '.join(problems)}")
 
@@ -707,10 +689,11 @@ def _cut_vocab_rows(loaded: dict[str, Any], replaced: dict[tuple, ShardedTensor]
         _set_path(loaded, path, local)
 
 
-def _load_tree(sharded_sd: dict[str, Any], ckpt_dir: Path, rank: int) -> dict[str, Any]:
-    replaced = _reshape_vocab_tensors(sharded_sd, ckpt_dir, rank)
+def _load_tree(sharded_sd: dict[str, Any], ckpt_dir: Path, groups: ParallelGroups) -> dict[str, Any]:
+    replaced = _reshape_vocab_tensors(sharded_sd, ckpt_dir, groups.rank)
     try:
-        loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), sharded_strategy=DirectLoadStrategy())
+        strategy = DirectLoadStrategy(groups=groups)
+        loaded = dist_checkpointing.load(sharded_sd, str(ckpt_dir), sharded_strategy=strategy)
     except CheckpointError:
         raise
     # dist_checkpointing raises many types, and torch's CheckpointException derives from BaseException
@@ -749,7 +732,7 @@ def load_checkpoint(
     if verify:
         verify_checkpoint(step_dir, groups=groups, trust_unverified=trust_unverified)
     model = unwrap_model(model_chunks[0])
-    loaded = _load_tree(_model_sharded_state_dict(model_chunks), step_dir / "model", groups.rank)
+    loaded = _load_tree(_model_sharded_state_dict(model_chunks), step_dir / "model", groups)
     model.load_state_dict(loaded, strict=True)
     loaded_optimizer = False
     if optimizer is not None:
@@ -757,14 +740,14 @@ def load_checkpoint(
             opt_sd = optimizer.sharded_state_dict(
                 _model_sharded_state_dict(model_chunks), is_loading=True, metadata=meta["optimizer_metadata"]
             )
-            optimizer.load_state_dict(_load_tree(opt_sd, step_dir / "optimizer", groups.rank))
+            optimizer.load_state_dict(_load_tree(opt_sd, step_dir / "optimizer", groups))
             loaded_optimizer = True
         else:
             optimizer.reload_model_params()
     if scheduler is not None and meta.get("scheduler"):
         scheduler.load_state_dict(meta["scheduler"])
     restored_rng = load_rng and _maybe_restore_rng(step_dir, meta, groups)
-    _barrier()
+    groups.barrier()
     return LoadedCheckpoint(
         step_dir=step_dir,
         metadata=meta,
@@ -785,7 +768,7 @@ def _maybe_restore_rng(step_dir: Path, meta: dict[str, Any], groups: ParallelGro
         state = torch.load(path, weights_only=False)
     except Exception as exc:  # a damaged pickle raises almost anything
         problem = f"{path} is unreadable ({type(exc).__name__}: {exc})"
-    problem = _agreed(problem)
+    problem = _agreed(problem, groups)
     if problem:
         raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}")
     _restore_rng(state)

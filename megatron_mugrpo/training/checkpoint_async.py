@@ -4,14 +4,15 @@ megatron-core's ``AsyncCallsQueue`` forks a process per save (or keeps a persist
 writers here are threads (``checkpoint_writer``), so the queue runs each request's function in a
 thread of this process instead. The protocol is megatron's: every rank schedules the same requests
 in the same order; ``maybe_finalize_async_calls`` asks all ranks (one small all-reduce) whether the
-oldest request is done everywhere, and only then runs its finalize functions, on every rank.
+oldest request is done everywhere, and only then runs its finalize functions, on every rank. The
+ranks are ``groups``' trainer world (``ParallelGroups``); in one process nothing is communicated.
 
 A request's ``preload_fn`` runs in the caller before the thread starts (the snapshot of an async
 save); its result is not used. ``async_fn`` should not raise: ranks finalize collectively, so a
 failure must travel with the request to its finalize functions and be raised there on every rank
 (``training.checkpoint`` does this).
 
-    queue = ThreadAsyncCallsQueue()
+    queue = ThreadAsyncCallsQueue(groups)
     call = queue.schedule_async_request(request)
     queue.maybe_finalize_async_calls(blocking=False)   # [] while any rank still writes, then [call]
 """
@@ -22,19 +23,18 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
+from megatron_mugrpo.training.parallel import ParallelGroups
 
-def run_request(request: AsyncRequest) -> None:
-    """Run ``request`` now, in the caller: preload, write, barrier, finalize (what a sync save does)."""
+
+def run_request(request: AsyncRequest, groups: ParallelGroups) -> None:
+    """Run ``request`` now, in the caller: preload, write, barrier on ``groups``, finalize (a sync save)."""
     if request.preload_fn is not None:
         request.preload_fn()
     if request.async_fn is not None:
         request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
-    if dist.is_initialized():
-        dist.barrier()
+    groups.barrier()
     for finalize in request.finalize_fns:
         finalize()
 
@@ -49,7 +49,8 @@ class _Running:
 class ThreadAsyncCallsQueue:
     """Schedule requests now (each writes from a thread), finalize them in order once every rank is done."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: ParallelGroups) -> None:
+        self.groups = groups
         self._running: deque[_Running] = deque()
         self._last_id = 0
 
@@ -77,7 +78,7 @@ class ThreadAsyncCallsQueue:
         while self._running:
             oldest = self._running[0]
             alive = oldest.thread is not None and oldest.thread.is_alive()
-            if not _none_alive(alive) and not blocking:
+            if self.groups.any_rank(alive) and not blocking:
                 break
             if oldest.thread is not None:
                 oldest.thread.join()
@@ -93,13 +94,3 @@ class ThreadAsyncCallsQueue:
     def close(self) -> None:
         """Wait for and finalize every call."""
         self.maybe_finalize_async_calls(blocking=True)
-
-
-def _none_alive(alive: bool) -> bool:
-    """True when no rank's oldest call is still running (one all-reduce; just ``not alive`` in one process)."""
-    if not dist.is_initialized():
-        return not alive
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    flag = torch.tensor([int(alive)], dtype=torch.int, device=device)
-    dist.all_reduce(flag)
-    return int(flag[0]) == 0

@@ -41,6 +41,7 @@ from torch.futures import Future
 
 from megatron_mugrpo.training import mcore_compat
 from megatron_mugrpo.training.checkpoint_digests import DEFAULT_THREADS
+from megatron_mugrpo.training.parallel import ParallelGroups
 
 
 class _TensorLayout(pickle.Unpickler):
@@ -213,6 +214,11 @@ class DirectLoadStrategy(TorchDistLoadShardedStrategy):
 
     reader_class: type[FileSystemReader] = DirectFileSystemReader
 
+    def __init__(self, *, groups: ParallelGroups) -> None:
+        super().__init__()
+        self.groups = groups
+        """The ranks that load together (torch.distributed.checkpoint plans on ``groups.world_group``)."""
+
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any, *_args: Any, **_kwargs: Any) -> Any:
         """Load ``sharded_state_dict``'s tensors and objects from ``checkpoint_dir`` (collective).
 
@@ -228,7 +234,12 @@ class DirectLoadStrategy(TorchDistLoadShardedStrategy):
             shapes_validation_sharded_tensors=[t for t in sharded if not t.allow_shape_mismatch],
             allow_shape_mismatch_sharded_tensors={t.key: t for t in sharded if t.allow_shape_mismatch},
         )
-        dcp.load(pyt_state_dict, storage_reader=self.reader_class(checkpoint_dir), planner=planner)
+        dcp.load(
+            pyt_state_dict,
+            storage_reader=self.reader_class(checkpoint_dir),
+            planner=planner,
+            process_group=self.groups.world_group,
+        )
         loaded = {key: mcore_compat.unwrap_pyt_sharded_tensor(value) for key, value in pyt_state_dict.items()}
         loaded = mcore_compat.replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
         mcore_compat.restore_dict_types(loaded, sharded_state_dict)

@@ -29,9 +29,9 @@ reads them and resharding on load works unchanged. What changes is how the bytes
 ``save_state_dict_async_plan`` and ``MCoreSavePlanner``: nothing in megatron-core is replaced while
 it runs. The private helpers it still needs come from ``mcore_compat``.
 
-    strategy = ThreadedSaveStrategy(thread_count=2, fsync=True, snapshot=False)
+    strategy = ThreadedSaveStrategy(groups=groups, thread_count=2, fsync=True, snapshot=False)
     request = dist_checkpointing.save(sharded_sd, directory, sharded_strategy=strategy, async_sharded_save=True)
-    run_request(request)              # or hand it to a ThreadAsyncCallsQueue (see training.checkpoint)
+    run_request(request, groups)      # or hand it to a ThreadAsyncCallsQueue (see training.checkpoint)
     strategy.digests()                # [FileDigest(path="__0_0.distcp", checksum=..., nbytes=...), ...]
 """
 
@@ -65,6 +65,7 @@ from megatron_mugrpo import durable
 from megatron_mugrpo.training import mcore_compat
 from megatron_mugrpo.training.checkpoint_async import run_request
 from megatron_mugrpo.training.checkpoint_digests import CHECKSUM, DEFAULT_THREADS, FileDigest
+from megatron_mugrpo.training.parallel import ParallelGroups
 
 WRITEBACK_BYTES = 8 * 1024 * 1024
 """How much a writer produces before it asks the kernel to start writing it to disk (when fsyncing)."""
@@ -344,6 +345,7 @@ class ThreadedSaveStrategy(TorchDistSaveShardedStrategy):
     in a thread.
 
     Args:
+        groups: the ranks that save together (planning and the sync save's barrier use its world group).
         thread_count: files (and writer threads) per rank.
         fsync: fsync each file once when it is complete (durable against power loss).
         snapshot: copy the tensors to host buffers before the request's write runs (async saves).
@@ -351,8 +353,11 @@ class ThreadedSaveStrategy(TorchDistSaveShardedStrategy):
 
     writer_class: type[ThreadedFileWriter] = ThreadedFileWriter
 
-    def __init__(self, *, thread_count: int = DEFAULT_THREADS, fsync: bool = True, snapshot: bool = False) -> None:
+    def __init__(
+        self, *, groups: ParallelGroups, thread_count: int = DEFAULT_THREADS, fsync: bool = True, snapshot: bool = False
+    ) -> None:
         super().__init__(_STORE, _STORE_VERSION, thread_count=thread_count)
+        self.groups = groups
         self.files_per_rank = thread_count
         self.fsync = fsync
         self.snapshot = snapshot
@@ -360,7 +365,7 @@ class ThreadedSaveStrategy(TorchDistSaveShardedStrategy):
         self.writer: ThreadedFileWriter | None = None
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any, *_args: Any, **_kwargs: Any) -> None:
-        run_request(self.async_save(sharded_state_dict, checkpoint_dir))
+        run_request(self.async_save(sharded_state_dict, checkpoint_dir), self.groups)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any, *_args: Any, **_kwargs: Any) -> AsyncRequest:
         """Plan the save (collective) and return the request that writes it.
@@ -376,7 +381,7 @@ class ThreadedSaveStrategy(TorchDistSaveShardedStrategy):
         planned, *_cache = save_state_dict_async_plan(
             mcore_to_pyt_state_dict(flat, False),
             writer,
-            None,  # the default process group
+            self.groups.world_group,
             0,  # coordinator rank: writes .metadata
             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
         )

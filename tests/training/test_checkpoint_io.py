@@ -26,7 +26,7 @@ from megatron_mugrpo.training.checkpoint_async import ThreadAsyncCallsQueue, run
 from megatron_mugrpo.training.checkpoint_reader import DirectFileSystemReader, DirectLoadStrategy
 from megatron_mugrpo.training.checkpoint_writer import ThreadedFileWriter, ThreadedSaveStrategy
 from megatron_mugrpo.training.model import unwrap_model
-from megatron_mugrpo.training.parallel import initialize_parallel
+from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
 from megatron_mugrpo.training.setup import build_policy
 
 from .common import hf_config
@@ -100,14 +100,14 @@ def _save_and_load_touch_nothing(rank: int, world_size: int, root: str) -> None:
     model = unwrap_model(policy.model_chunks[0])
     before = _module_namespaces()
 
-    strategy = ThreadedSaveStrategy(thread_count=2, fsync=False, snapshot=True)
+    strategy = ThreadedSaveStrategy(groups=groups, thread_count=2, fsync=False, snapshot=True)
     strategy.writer_class = _WatchedWriter
     request = dist_checkpointing.save(
         model.sharded_state_dict(prefix=""), root, sharded_strategy=strategy, async_sharded_save=True
     )
     with torch.no_grad():
         saved = {name: p.detach().clone() for name, p in model.named_parameters()}
-    run_request(request)
+    run_request(request, groups)
     written = {p.name for p in Path(root).glob("*.distcp")}
     assert written == {"__0_0.distcp", "__0_1.distcp"}
     assert {d.path for d in strategy.digests()} == written  # written (and hashed) by the writer threads
@@ -115,7 +115,7 @@ def _save_and_load_touch_nothing(rank: int, world_size: int, root: str) -> None:
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
-    reader = DirectLoadStrategy()
+    reader = DirectLoadStrategy(groups=groups)
     reader.reader_class = _WatchedReader
     loaded = dist_checkpointing.load(model.sharded_state_dict(prefix=""), root, sharded_strategy=reader)
     model.load_state_dict(loaded, strict=True)
@@ -137,7 +137,7 @@ def test_the_queue_finalizes_in_order_once_the_write_has_finished():
     events: list[str] = []
     first = AsyncRequest(release.wait, (), [lambda: events.append("first")], preload_fn=lambda: events.append("snap"))
     second = AsyncRequest(None, (), [lambda: events.append("second")])
-    queue = ThreadAsyncCallsQueue()
+    queue = ThreadAsyncCallsQueue(ParallelGroups.local())
     ids = [queue.schedule_async_request(first), queue.schedule_async_request(second)]
     assert events == ["snap"]  # the snapshot is taken in the caller, at scheduling
     assert queue.maybe_finalize_async_calls() == [] and queue.get_num_unfinalized_calls() == 2
