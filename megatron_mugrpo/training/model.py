@@ -6,11 +6,13 @@ All three are pre-norm decoders with RMSNorm, RoPE, grouped-query attention and 
 without biases, which is what the Megatron config below expresses.
 
 The model is built inside an already initialised Megatron parallel state (see
-``training.parallel.initialize_parallel``): TP/PP sizes are read from ``parallel_state`` so the
-model provider, the converter and the trainer cannot disagree about them.
+``training.parallel.initialize_parallel``); its TP/PP sizes come from the caller's
+``ParallelGroups`` (``groups.tp`` / ``groups.pp``), the same groups the trainer and the converter use.
 
     cfg = tiny_hf_config("qwen3", tie_word_embeddings=True)
-    model = build_gpt_model(cfg, dtype=torch.float32, pre_process=True, post_process=True)
+    model = build_gpt_model(
+        cfg, dtype=torch.float32, pre_process=True, post_process=True, tensor_parallel=1, pipeline_parallel=1
+    )
 
 The vocabulary is padded to a multiple of 128 × TP as Megatron does. The padded rows exist only in
 Megatron: every log-prob computation must mask ids >= ``hf_config["vocab_size"]``.
@@ -142,15 +144,22 @@ def check_divisibility(hf_config: dict[str, Any], tp: int, pp: int) -> None:
 
 
 def transformer_config_from_hf(
-    hf_config: dict[str, Any], *, dtype: torch.dtype, fp8: str = "none", **overrides: Any
+    hf_config: dict[str, Any],
+    *,
+    dtype: torch.dtype,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    fp8: str = "none",
+    **overrides: Any,
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` equivalent to a Qwen2 / Llama / Qwen3 ``config.json``.
 
-    TP/PP sizes come from the initialised ``parallel_state`` (1 when it is not initialised).
+    ``tensor_parallel`` / ``pipeline_parallel``: the TP/PP sizes the model is split over (the
+    caller's ``groups.tp`` / ``groups.pp``; 1 for a config outside any parallel state).
     ``overrides`` are extra ``TransformerConfig`` fields (e.g. recompute settings) applied last.
     """
     arch = check_supported(hf_config)
-    tp, pp = _parallel_sizes()
+    tp, pp = tensor_parallel, pipeline_parallel
     check_divisibility(hf_config, tp, pp)
     on_cpu = not torch.cuda.is_available()
     fields: dict[str, Any] = dict(
@@ -190,7 +199,9 @@ def transformer_config_from_hf(
     return TransformerConfig(**fields)
 
 
-def _parallel_sizes() -> tuple[int, int]:
+def _initialised_parallel_sizes() -> tuple[int, int]:
+    """(TP, PP) of Megatron's initialised parallel state: only for build_gpt_model callers that do not
+    pass the sizes yet (training.setup, conversion.megatron_io)."""
     if not parallel_state.model_parallel_is_initialized():
         return 1, 1
     return (
@@ -277,15 +288,28 @@ def build_gpt_model(
     fp8: str = "none",
     vp_stage: int | None = None,
     config_overrides: dict[str, Any] | None = None,
+    tensor_parallel: int | None = None,
+    pipeline_parallel: int | None = None,
 ) -> GPTModel:
     """The local TP/PP shard of the ``GPTModel`` described by ``hf_config``.
 
     Must run after Megatron's parallel state is initialised. ``pre_process`` / ``post_process`` say
-    whether this pipeline stage holds the embedding / the final norm and output layer (use
-    ``parallel_state.is_pipeline_first_stage()`` / ``is_pipeline_last_stage()``). The last stage returns
-    logits [B, S, V_pad / tp] per TP rank (``parallel_output=True``); other stages hidden states [S, B, H].
+    whether this pipeline stage holds the embedding / the final norm and output layer
+    (``groups.is_first_stage`` / ``groups.is_last_stage``). ``tensor_parallel`` / ``pipeline_parallel``:
+    ``groups.tp`` / ``groups.pp`` (None: read from the initialised parallel state). The last stage
+    returns logits [B, S, V_pad / tp] per TP rank (``parallel_output=True``); other stages hidden
+    states [S, B, H].
     """
-    config = transformer_config_from_hf(hf_config, dtype=dtype, fp8=fp8, **(config_overrides or {}))
+    if tensor_parallel is None or pipeline_parallel is None:
+        tensor_parallel, pipeline_parallel = _initialised_parallel_sizes()
+    config = transformer_config_from_hf(
+        hf_config,
+        dtype=dtype,
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        fp8=fp8,
+        **(config_overrides or {}),
+    )
     rope = rope_parameters(hf_config)
     llama3 = rope["rope_type"] == "llama3"
     model = GPTModel(

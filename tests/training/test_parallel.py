@@ -7,7 +7,10 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
+from megatron_mugrpo.training.model import transformer_config_from_hf
 from megatron_mugrpo.training.parallel import ParallelGroups, destroy_parallel, initialize_parallel
+
+from .common import hf_config
 
 
 def _check_grid(rank: int, world_size: int, tp: int, pp: int) -> None:
@@ -90,3 +93,10 @@ def test_two_rank_grids():
 def test_rank_failure_is_reraised_with_its_traceback():
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed.*deliberate failure on rank one"):
         run_distributed(_fail_on_rank_one, 2)
+
+
+def test_transformer_config_takes_its_parallel_sizes_from_the_caller():
+    """No parallel state is initialised here: the sizes can only come from the arguments."""
+    config = transformer_config_from_hf(hf_config(), dtype=torch.float32, tensor_parallel=2, pipeline_parallel=2)
+    assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (2, 2)
+    assert transformer_config_from_hf(hf_config(), dtype=torch.float32).tensor_model_parallel_size == 1
