@@ -3,13 +3,14 @@
 One HDR "step" is one stage k of the loop: its rollout batch D_k and the μ updates on it. With
 ``replay.enabled`` the loop calls, per stage:
 
-* ``replayed_groups(run, k)`` (B, C): order the buffer (``replay.policy``: by headroom, or the
-  naive most-recent order), re-score groups teacher-forced with the current policy through
-  ``forward_logprobs`` (a collective no-grad pass with the run's ``ScoreSettings``; every rank gets
-  the same log-probs, and rank 0's scores are broadcast over ``run.hosts`` so every rank takes the
-  same decisions) and accept those that pass the drift gate. Logs ``replay/*`` (step = the stage's
-  first update). Returns the accepted groups, which ``loop.data.StageData`` spreads over the
-  stage's updates (D); the registry loss (grpo, mu_grpo, m2po, ...) needs no change.
+* ``replayed_groups(run, k)`` (B, C): order the buffer (``replay.policy``: by headroom, or the naive
+  most-recent order), re-score groups teacher-forced with the current policy through
+  ``stage_reference.teacher_forced_logprobs`` (the stage reference's scoring: a collective no-grad
+  pass with the run's ``ScoreSettings``; every rank gets the same log-probs, and rank 0's scores are
+  broadcast over ``run.hosts`` so every rank takes the same decisions) and accept those that pass
+  the drift gate. Logs ``replay/*`` (step = the stage's first update). Returns the accepted groups,
+  which ``loop.data.StageData`` spreads over the stage's updates (D); the registry loss (grpo,
+  mu_grpo, m2po, ...) needs no change.
 * ``end_stage(run, k, store)`` (E): D_k's mixed-outcome groups enter the FIFO.
 
 The buffer and the stage's decision (so a run resumed mid-stage replays the same groups, although
@@ -45,7 +46,7 @@ from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.rollout.shards import SCHEMA, groups_to_table, row_to_group
 from megatron_mugrpo.rollout.store import RolloutStore
 from megatron_mugrpo.training.checkpoint import CheckpointError
-from megatron_mugrpo.training.stage_reference import ScoreSettings
+from megatron_mugrpo.training.stage_reference import ScoreSettings, teacher_forced_logprobs
 
 if TYPE_CHECKING:
     from megatron_mugrpo.algorithms.replay import ReplayConfig
@@ -168,20 +169,10 @@ def resolve_group(run: ReplayRun, state: ReplayState, key: GroupKey) -> RolloutG
     return state.stores[stage].groups([index])[0]
 
 
-def score_groups(run: ReplayRun, groups: list[RolloutGroup]) -> tuple[list[float], list[float]]:
+def score_headroom_drift(run: ReplayRun, groups: list[RolloutGroup]) -> tuple[list[float], list[float]]:
     """Teacher-forced headroom and drift of ``groups`` under the current policy (collective)."""
-    from megatron_mugrpo.training.train_step import forward_logprobs
-
-    scoring = run.scoring
-    batch = collate(groups, pad_id=scoring.pad_id)
-    logprobs = forward_logprobs(
-        run.policy,
-        batch,
-        temperature=scoring.temperature,
-        micro_batch_size=scoring.micro_batch_size,
-        impl=scoring.impl,
-        logits_budget_mib=scoring.logits_budget_mib,
-    )
+    batch = collate(groups, pad_id=run.scoring.pad_id)
+    logprobs = teacher_forced_logprobs(run.policy, batch, run.scoring)
     headroom, drift = group_headroom_drift(
         logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask, batch.group_index, len(groups)
     )
@@ -189,7 +180,7 @@ def score_groups(run: ReplayRun, groups: list[RolloutGroup]) -> tuple[list[float
 
 
 def _score_keys(run: ReplayRun, state: ReplayState, keys: list[GroupKey]) -> list[GroupScore]:
-    headroom, drift = score_groups(run, [resolve_group(run, state, key) for key in keys])
+    headroom, drift = score_headroom_drift(run, [resolve_group(run, state, key) for key in keys])
     version = run.state.global_update
     scores = [GroupScore(headroom=h, drift=d, scored_at=version) for h, d in zip(headroom, drift)]
     # Every rank computed the same log-probs; rank 0's scores make the identical decisions certain.

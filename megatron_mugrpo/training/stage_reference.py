@@ -34,7 +34,7 @@ from megatron_mugrpo import durable
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig, mismatch_metrics
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
-from megatron_mugrpo.records import RolloutGroup, collate
+from megatron_mugrpo.records import RolloutGroup, TrainBatch, collate
 from megatron_mugrpo.rollout.store import RolloutStore
 
 if TYPE_CHECKING:
@@ -92,22 +92,30 @@ def minibatch(
 # ------------------------------------------------------------------------------------- scoring
 
 
-def score_groups(policy: Policy, groups: list[RolloutGroup], settings: ScoreSettings) -> GroupLogprobs:
-    """The trainer's log-probs of every response token of ``groups`` (teacher forced, no grad)."""
+def teacher_forced_logprobs(policy: Policy, batch: TrainBatch, settings: ScoreSettings) -> torch.Tensor:
+    """The trainer's log-probs [B, T] of ``batch``'s targets, teacher forced, no grad (collective).
+
+    The one place stored responses are scored with the training step's settings: the stage's
+    reference (``score_groups``) and HDR's headroom and drift (``loop.hdr``) both go through it.
+    """
     from megatron_mugrpo.training.train_step import forward_logprobs
 
+    return forward_logprobs(
+        policy,
+        batch,
+        temperature=settings.temperature,
+        micro_batch_size=settings.micro_batch_size,
+        impl=settings.impl,
+        logits_budget_mib=settings.logits_budget_mib,
+    )
+
+
+def score_groups(policy: Policy, groups: list[RolloutGroup], settings: ScoreSettings) -> GroupLogprobs:
+    """The trainer's log-probs of every response token of ``groups`` (teacher forced, no grad)."""
     out: GroupLogprobs = []
     for start in range(0, len(groups), settings.chunk_groups):
         chunk = groups[start : start + settings.chunk_groups]
-        batch = collate(chunk, pad_id=settings.pad_id)
-        scores = forward_logprobs(
-            policy,
-            batch,
-            temperature=settings.temperature,
-            micro_batch_size=settings.micro_batch_size,
-            impl=settings.impl,
-            logits_budget_mib=settings.logits_budget_mib,
-        )
+        scores = teacher_forced_logprobs(policy, collate(chunk, pad_id=settings.pad_id), settings)
         row = 0
         for group in chunk:
             per_sample = []
