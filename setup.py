@@ -7,7 +7,10 @@ setup(
     version="0.1.0",
     description="Megatron-core RL training stack for μ-GRPO and its baselines",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_mugrpo", "megatron_mugrpo.*", "conversion", "conversion.*"]),
+    # The converter's code lives in the top-level conversion/ directory and installs inside the project's
+    # namespace (regular and editable installs alike), never as a generic top-level `conversion` module.
+    packages=[*find_packages(include=["megatron_mugrpo", "megatron_mugrpo.*"]), "megatron_mugrpo.conversion"],
+    package_dir={"megatron_mugrpo.conversion": "conversion"},
     include_package_data=True,
     install_requires=[
         # A range, not a pin: GPU users keep their CUDA build. The Makefile installs the CPU build.

@@ -102,9 +102,9 @@ def _raw_write(tensors: dict[str, torch.Tensor], out: Path, *, fsync: bool) -> N
 
 
 def _hf_to_megatron(hf_dir: Path, root: Path, groups) -> None:
-    from conversion.hf_io import HfCheckpoint
-    from conversion.live import load_hf_into_model
-    from conversion.megatron_io import build_model_chunks, save_converted
+    from megatron_mugrpo.conversion.hf_io import HfCheckpoint
+    from megatron_mugrpo.conversion.live import load_hf_into_model
+    from megatron_mugrpo.conversion.megatron_io import build_model_chunks, save_converted
 
     ckpt = HfCheckpoint(hf_dir)
     chunks = build_model_chunks(ckpt.config, torch.float32, groups)
@@ -113,9 +113,9 @@ def _hf_to_megatron(hf_dir: Path, root: Path, groups) -> None:
 
 
 def _megatron_to_hf(root: Path, out: Path, groups) -> None:
-    from conversion.hf_io import save_hf_dir
-    from conversion.live import export_hf
-    from conversion.megatron_io import build_model_chunks, load_model, read_metadata, resolve_step_dir
+    from megatron_mugrpo.conversion.hf_io import save_hf_dir
+    from megatron_mugrpo.conversion.live import export_hf
+    from megatron_mugrpo.conversion.megatron_io import build_model_chunks, load_model, read_metadata, resolve_step_dir
 
     step = resolve_step_dir(root)
     hf_config = read_metadata(step)["hf_config"]
@@ -126,8 +126,9 @@ def _megatron_to_hf(root: Path, out: Path, groups) -> None:
 
 def _policy_with_adam_state(hf_dir: Path, groups):
     """A trainable policy (DDP + Adam) loaded from ``hf_dir`` whose optimizer state exists (one zero-grad step)."""
-    from conversion.hf_io import load_hf_config
-    from conversion.live import load_hf_into_model
+    from megatron_mugrpo.conversion.hf_io import load_hf_config
+    from megatron_mugrpo.conversion.live import load_hf_into_model
+
     from megatron_mugrpo.config import OptimConfig
     from megatron_mugrpo.training.setup import build_policy
 
@@ -181,7 +182,8 @@ def _async_block(policy, root: Path, step: int, groups) -> tuple[float, float]:
 
 
 def _load(step_dir: Path, hf_dir: Path, groups, *, verify: bool) -> None:
-    from conversion.hf_io import load_hf_config
+    from megatron_mugrpo.conversion.hf_io import load_hf_config
+
     from megatron_mugrpo.config import OptimConfig
     from megatron_mugrpo.training.checkpoint import load_checkpoint
     from megatron_mugrpo.training.setup import build_policy

@@ -56,10 +56,10 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     from gpu_rollout_check import build_model_dir, rollout_groups
+    from megatron_mugrpo.conversion import export_hf, load_hf_into_model
+    from megatron_mugrpo.conversion.hf_io import load_hf_config
     from transformers import Qwen2ForCausalLM
 
-    from conversion import export_hf, load_hf_into_model
-    from conversion.hf_io import load_hf_config
     from megatron_mugrpo.config import AlgoConfig, OptimConfig
     from megatron_mugrpo.records import collate
     from megatron_mugrpo.rollout.engine import Generation

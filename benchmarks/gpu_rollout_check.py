@@ -91,7 +91,7 @@ def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
 
 def sync(policy, hf_config, engine) -> tuple[float, int]:
     """export_hf → engine.load_weights; returns (seconds, bytes)."""
-    from conversion import export_hf
+    from megatron_mugrpo.conversion import export_hf
 
     total = 0
 
@@ -138,9 +138,9 @@ def rollout_groups(prompts, generations, stage: int):
 
 def hf_gap(model_dir: Path, policy, hf_config, prompts, generations, temperature: float) -> tuple[float, float]:
     """|engine log-prob − teacher-forced HF forward| (mean, max) with the policy's exported weights."""
+    from megatron_mugrpo.conversion import export_hf
     from transformers import Qwen2ForCausalLM
 
-    from conversion import export_hf
     from megatron_mugrpo.rollout.transformers_engine import teacher_forced_logprobs
 
     model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -169,8 +169,9 @@ def main() -> int:
     if importlib.util.find_spec("megatron") is None:
         print("megatron-core is not installed (pip install 'megatron-core>=0.16.1'): nothing to check")
         return 0
-    from conversion import load_hf_into_model
-    from conversion.hf_io import load_hf_config
+    from megatron_mugrpo.conversion import load_hf_into_model
+    from megatron_mugrpo.conversion.hf_io import load_hf_config
+
     from megatron_mugrpo.config import AlgoConfig, OptimConfig, RolloutConfig
     from megatron_mugrpo.records import collate
     from megatron_mugrpo.rollout.engine import SamplingParams, build_engine_from_config

@@ -112,9 +112,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of one sync")
     args = parser.parse_args()
 
-    from conversion.hf_io import HfCheckpoint
-    from conversion.live import export_hf, load_hf_into_model
-    from conversion.megatron_io import build_model_chunks
+    from megatron_mugrpo.conversion.hf_io import HfCheckpoint
+    from megatron_mugrpo.conversion.live import export_hf, load_hf_into_model
+    from megatron_mugrpo.conversion.megatron_io import build_model_chunks
+
     from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
     from megatron_mugrpo.training import parallel
 

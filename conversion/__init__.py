@@ -5,24 +5,27 @@
 - ``live``: ``load_hf_into_model`` / ``export_hf`` on a live TP/PP-sharded model;
 - ``hf_io`` / ``megatron_io``: HF directories and Megatron step directories on disk;
 - ``convert`` / ``verify`` / ``cli``: whole-checkpoint conversion, the logit check
-  (``conversion.verify.verify``), ``mugrpo convert``.
+  (``megatron_mugrpo.conversion.verify.verify``), ``mugrpo convert``.
 
-Imports are lazy so ``import conversion`` stays cheap (Megatron loads on first use).
+Imports are lazy so ``import megatron_mugrpo.conversion`` stays cheap (Megatron loads on first use).
+The code lives in the repository's top-level ``conversion/`` directory and installs as
+``megatron_mugrpo.conversion`` (setup.py's ``package_dir``), so no generic top-level module named
+``conversion`` enters a user's environment.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from conversion.errors import ConversionError
+from megatron_mugrpo.conversion.errors import ConversionError
 
 _EXPORTS = {
-    "load_hf_into_model": "conversion.live",
-    "export_hf": "conversion.live",
-    "save_hf_dir": "conversion.hf_io",
-    "HfCheckpoint": "conversion.hf_io",
-    "hf_to_megatron": "conversion.convert",
-    "megatron_to_hf": "conversion.convert",
+    "load_hf_into_model": "megatron_mugrpo.conversion.live",
+    "export_hf": "megatron_mugrpo.conversion.live",
+    "save_hf_dir": "megatron_mugrpo.conversion.hf_io",
+    "HfCheckpoint": "megatron_mugrpo.conversion.hf_io",
+    "hf_to_megatron": "megatron_mugrpo.conversion.convert",
+    "megatron_to_hf": "megatron_mugrpo.conversion.convert",
 }
 
 __all__ = ["ConversionError", *_EXPORTS]
@@ -33,4 +36,4 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'conversion' has no attribute {name!r}")
+    raise AttributeError(f"module 'megatron_mugrpo.conversion' has no attribute {name!r}")

@@ -4,7 +4,7 @@
     mugrpo convert megatron-to-hf --ckpt O --out D2
     mugrpo convert verify --hf-dir D --ckpt O --tp 2 --pp 2
 
-Also runnable as ``python -m conversion.cli convert ...``. Bad input prints one ``error:`` line and
+Also runnable as ``python -m megatron_mugrpo.conversion.cli convert ...``. Bad input prints one ``error:`` line and
 exits with status 2; a failed ``verify`` exits with status 1.
 """
 
@@ -85,7 +85,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Numeric arguments in range, before anything is read, spawned or written."""
-    from conversion.errors import ConversionError
+    from megatron_mugrpo.conversion.errors import ConversionError
 
     at_least_one = ("tp", "pp", "batch", "seq_len")
     for name in at_least_one:
@@ -102,9 +102,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    import conversion.convert as convert
-    import conversion.verify as verify
-    from conversion.hf_io import TOKENIZER_FILES
+    import megatron_mugrpo.conversion.convert as convert
+    import megatron_mugrpo.conversion.verify as verify
+    from megatron_mugrpo.conversion.hf_io import TOKENIZER_FILES
 
     if args.convert_verb == "hf-to-megatron":
         step_dir = convert.hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype)
@@ -137,8 +137,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m conversion.cli convert ...``: the same verbs as ``mugrpo convert``."""
-    parser = argparse.ArgumentParser(prog="python -m conversion.cli")
+    """``python -m megatron_mugrpo.conversion.cli convert ...``: the same verbs as ``mugrpo convert``."""
+    parser = argparse.ArgumentParser(prog="python -m megatron_mugrpo.conversion.cli")
     add_convert_parser(parser.add_subparsers(dest="verb", required=True))
     return run_convert(parser.parse_args(argv))
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from conversion.errors import ConversionError
-from conversion.hf_io import TOKENIZER_FILES, HfCheckpoint, atomic_output_dir, save_hf_dir
-from conversion.launch import run_on_ranks
-from conversion.live import export_hf, load_hf_into_model
-from conversion.megatron_io import (
+from megatron_mugrpo.conversion.errors import ConversionError
+from megatron_mugrpo.conversion.hf_io import TOKENIZER_FILES, HfCheckpoint, atomic_output_dir, save_hf_dir
+from megatron_mugrpo.conversion.launch import run_on_ranks
+from megatron_mugrpo.conversion.live import export_hf, load_hf_into_model
+from megatron_mugrpo.conversion.megatron_io import (
     TOKENIZER_SUBDIR,
     build_model_chunks,
     dtype_from_name,
@@ -30,6 +30,7 @@ from conversion.megatron_io import (
     resolve_step_dir,
     save_converted,
 )
+
 from megatron_mugrpo.training.model import ModelConfigError, check_divisibility, check_supported
 from megatron_mugrpo.training.parallel import ParallelGroups
 

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron_mugrpo.conversion.errors import ConversionError
+from megatron_mugrpo.conversion.mappings import IGNORED_HF_SUFFIXES, expected_hf_shapes, expected_hf_tensors
 from safetensors import safe_open
 from torch import Tensor
 
-from conversion.errors import ConversionError
-from conversion.mappings import IGNORED_HF_SUFFIXES, expected_hf_shapes, expected_hf_tensors
 from megatron_mugrpo import durable
 
 SAFE_INDEX = "model.safetensors.index.json"

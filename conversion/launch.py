@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from megatron_mugrpo.conversion.errors import ConversionError
 
-from conversion.errors import ConversionError
 from megatron_mugrpo.training.model import ModelConfigError
 
 

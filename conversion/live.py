@@ -26,11 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
-from conversion.errors import ConversionError
-from conversion.hf_io import HfCheckpoint
-from conversion.mappings import (
+from megatron_mugrpo.conversion.errors import ConversionError
+from megatron_mugrpo.conversion.hf_io import HfCheckpoint
+from megatron_mugrpo.conversion.mappings import (
     TP_AXIS,
     ModelDims,
     TensorMap,
@@ -43,6 +41,8 @@ from conversion.mappings import (
     hf_pieces,
     shard_shape,
 )
+from torch import Tensor
+
 from megatron_mugrpo.training import model as model_provider
 from megatron_mugrpo.training.model import unwrap_model
 from megatron_mugrpo.training.parallel import ParallelGroups

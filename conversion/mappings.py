@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron_mugrpo.conversion import fused
+from megatron_mugrpo.conversion.errors import ConversionError
 from torch import Tensor
 
-from conversion import fused
-from conversion.errors import ConversionError
 from megatron_mugrpo.training import model as model_provider
 
 LAYER = "{layer}"

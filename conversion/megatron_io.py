@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron_mugrpo.conversion.errors import ConversionError
 
-from conversion.errors import ConversionError
 from megatron_mugrpo.training import checkpoint as trainer_checkpoint
 from megatron_mugrpo.training.model import build_gpt_model
 from megatron_mugrpo.training.parallel import ParallelGroups

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron_mugrpo.conversion.convert import check_convertible
+from megatron_mugrpo.conversion.errors import ConversionError
+from megatron_mugrpo.conversion.hf_io import load_hf_config
+from megatron_mugrpo.conversion.launch import run_on_ranks
+from megatron_mugrpo.conversion.live import as_chunks
+from megatron_mugrpo.conversion.megatron_io import build_model_chunks, load_model, read_metadata, resolve_step_dir
 from torch import Tensor
 
-from conversion.convert import check_convertible
-from conversion.errors import ConversionError
-from conversion.hf_io import load_hf_config
-from conversion.launch import run_on_ranks
-from conversion.live import as_chunks
-from conversion.megatron_io import build_model_chunks, load_model, read_metadata, resolve_step_dir
 from megatron_mugrpo.training.parallel import ParallelGroups
 
 DEFAULT_ATOL = 1e-3

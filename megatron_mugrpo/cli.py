@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, help="output directory (default: FIRST_RUN/report)")
 
     _add_sweep_parser(verbs)
-    from conversion.cli import add_convert_parser
+    from megatron_mugrpo.conversion.cli import add_convert_parser
 
     add_convert_parser(verbs)
     return parser
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     args = build_parser().parse_args(argv)
     if args.verb == "convert":
-        from conversion.cli import run_convert
+        from megatron_mugrpo.conversion.cli import run_convert
 
         return run_convert(args)
     handlers = {

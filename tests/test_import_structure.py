@@ -11,7 +11,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "megatron_mugrpo"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megatron_mugrpo"
+SUBPACKAGE_DIRS = {"megatron_mugrpo.conversion": ROOT / "conversion"}
+"""Subpackages whose code lives outside the package directory (setup.py's package_dir)."""
 CONFIG = "megatron_mugrpo.config"
 COMPOSITION_ROOTS = {"megatron_mugrpo.cli", "megatron_mugrpo.loop.setup"}
 """The composition root, the only modules that may import the config module: the program's entry
@@ -22,11 +25,13 @@ the sections). Everything else receives the sections, or a loader, from them."""
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = path
+    roots = {"megatron_mugrpo": PACKAGE, **SUBPACKAGE_DIRS}
+    for name, directory in roots.items():
+        for path in sorted(directory.rglob("*.py")):
+            parts = [*name.split("."), *path.relative_to(directory).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
     return found
 
 
@@ -106,6 +111,12 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_converter_is_part_of_the_graph():
+    graph = import_graph()
+    assert "megatron_mugrpo.conversion.live" in graph
+    assert "megatron_mugrpo.conversion.errors" in graph["megatron_mugrpo.conversion.live"]
 
 
 def test_the_package_has_no_import_cycle():

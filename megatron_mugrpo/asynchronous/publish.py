@@ -81,7 +81,7 @@ def publish_policy(run: Run, root: Path, *, version: int, digest: bool) -> Publi
     the directory, then the pointer, then the log line, and prunes old publications. Returns the
     publication on rank 0, None elsewhere.
     """
-    from conversion import save_hf_dir
+    from megatron_mugrpo.conversion import save_hf_dir
 
     name = f"v{version:08d}-{uuid.uuid4().hex[:8]}"
 

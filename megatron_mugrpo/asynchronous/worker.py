@@ -219,7 +219,7 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
 
 def _setup(worker: Worker) -> None:
     """Tokenizer, prompts and queue, once the first publication (an HF directory) is loaded."""
-    from conversion.hf_io import load_hf_config
+    from megatron_mugrpo.conversion.hf_io import load_hf_config
 
     path = worker.subscription.path(worker.subscription.current)
     if worker.tokenizer is None:  # else warm_up read them from model.hf_dir

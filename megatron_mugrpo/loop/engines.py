@@ -104,7 +104,7 @@ def behaviour_policy(run: Run, version: int) -> Iterator[None]:
     if step_dir.is_dir():
         load_checkpoint(step_dir, run.policy.model_chunks, groups=run.policy.groups, load_rng=False)
     else:
-        from conversion import load_hf_into_model
+        from megatron_mugrpo.conversion import load_hf_into_model
 
         load_hf_into_model(run.policy.unwrapped(), run.hf_dir, run.policy.groups)
     try:

@@ -35,7 +35,7 @@ def export_policy(
     use: Callable[[NamedTensors], T],
 ) -> T | None:
     """Export ``policy`` (collective); ``use(stream)`` where ``consume``, else drain it. Returns what ``use`` did."""
-    from conversion import export_hf
+    from megatron_mugrpo.conversion import export_hf
 
     tensors = export_hf(policy.unwrapped(), hf_config, groups)
     if consume:
@@ -49,7 +49,7 @@ def export_final(run: Run) -> None:
     """Write the trained policy as a Hugging Face directory, ``RUN_DIR/hf_final`` (replacing an older one)."""
     import shutil
 
-    from conversion import save_hf_dir
+    from megatron_mugrpo.conversion import save_hf_dir
 
     target = run.run_dir / FINAL_HF_DIR
 

@@ -262,7 +262,7 @@ def _set_up(
     """Base model, policy, weights and metrics logger of one rank (the inputs are already checked)."""
     hf_dir = _base_model(cfg, run_dir, hosts)
     check_hf_model_parallelism(hf_dir, cfg.parallel)
-    from conversion.hf_io import load_hf_config
+    from megatron_mugrpo.conversion.hf_io import load_hf_config
 
     hf_config = load_hf_config(hf_dir)
     resuming_from = checkpoint or (latest_checkpoint(run_dir / "checkpoints") if resume else None)
@@ -396,7 +396,7 @@ def _initial_weights(
         intact = load_latest_intact(run_dir / "checkpoints", *args, groups=policy.groups)
         if intact is not None:
             return intact.trainer_state, intact.step_dir
-    from conversion import load_hf_into_model
+    from megatron_mugrpo.conversion import load_hf_into_model
 
     load_hf_into_model(policy.unwrapped(), hf_dir, policy.groups)
     policy.weights_loaded()  # optimizers holding fp32 main copies re-read the loaded weights

@@ -299,7 +299,7 @@ def export_checkpoint(model: torch.nn.Module, target: str | Path, *, tokenizer_d
             export_hf_checkpoint(model, export_dir=str(scratch))
         if tokenizer_dir is not None:
             # ModelOpt's export writes no tokenizer: copy what the converter also copies beside weights
-            from conversion.hf_io import TOKENIZER_FILES
+            from megatron_mugrpo.conversion.hf_io import TOKENIZER_FILES
 
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():

@@ -37,7 +37,8 @@ def test_worker_weights_equal_each_publication(tmp_path: Path) -> None:
 
 
 def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
-    from conversion import export_hf
+    from megatron_mugrpo.conversion import export_hf
+
     from megatron_mugrpo.training.model import tiny_hf_config
     from megatron_mugrpo.training.parallel import initialize_parallel
     from megatron_mugrpo.training.setup import build_policy

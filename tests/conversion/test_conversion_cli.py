@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from conversion_helpers import make_hf_dir
+from megatron_mugrpo.conversion.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED, main
 from safetensors.torch import load_file
-
-from conversion.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED, main
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +58,7 @@ def test_missing_checkpoint(hf_dir: Path, tmp_path: Path, capsys: pytest.Capture
 
 
 def test_verify_exit_status_follows_the_tolerances(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import conversion.verify as verify
+    import megatron_mugrpo.conversion.verify as verify
 
     reference = torch.randn(2, 5, 7)
     far = verify.compare_logits(reference, reference + 0.1, atol=1e-3, kl_tol=1e-5)

@@ -15,9 +15,10 @@ QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 
 
 def _export_copies_only_qkv(rank: int, world_size: int, hf_dir: str) -> None:
-    from conversion.hf_io import HfCheckpoint
-    from conversion.live import export_hf, load_hf_into_model
-    from conversion.megatron_io import build_model_chunks
+    from megatron_mugrpo.conversion.hf_io import HfCheckpoint
+    from megatron_mugrpo.conversion.live import export_hf, load_hf_into_model
+    from megatron_mugrpo.conversion.megatron_io import build_model_chunks
+
     from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
     from megatron_mugrpo.training.parallel import initialize_parallel
 

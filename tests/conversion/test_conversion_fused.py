@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from conversion import fused
-from conversion.mappings import ModelDims, TensorMap, to_hf, to_megatron_shard
+from megatron_mugrpo.conversion import fused
+from megatron_mugrpo.conversion.mappings import ModelDims, TensorMap, to_hf, to_megatron_shard
 
 
 def _rows(n: int, start: int = 0, width: int = 1) -> torch.Tensor:

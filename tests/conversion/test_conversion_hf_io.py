@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from conversion_helpers import make_hf_dir
+from megatron_mugrpo.conversion.errors import ConversionError
+from megatron_mugrpo.conversion.hf_io import SAFE_INDEX, HfCheckpoint, save_hf_dir
 from safetensors.torch import load_file, save_file
-
-from conversion.errors import ConversionError
-from conversion.hf_io import SAFE_INDEX, HfCheckpoint, save_hf_dir
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +106,7 @@ def test_streamed_shards_have_a_padded_header_and_load_everywhere(hf_dir: Path, 
 
 
 def test_a_header_larger_than_reserved_moves_the_data_once(tmp_path: Path) -> None:
-    from conversion.hf_io import _write_shards
+    from megatron_mugrpo.conversion.hf_io import _write_shards
 
     tensors = {f"a.very.long.tensor.name.{i}": torch.arange(i + 1, dtype=torch.bfloat16) for i in range(40)}
     (tmp_path / "out").mkdir()

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from conversion.errors import ConversionError
-from conversion.mappings import (
+from megatron_mugrpo.conversion.errors import ConversionError
+from megatron_mugrpo.conversion.mappings import (
     architecture_maps,
     canonical_megatron_name,
     entry_for,
     expected_hf_shapes,
     expected_hf_tensors,
 )
+
 from megatron_mugrpo.training.model import tiny_hf_config
 
 

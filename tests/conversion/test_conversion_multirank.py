@@ -56,10 +56,10 @@ def _assert_bitwise_equal(expected: dict[str, torch.Tensor], actual: dict[str, t
 
 def _check_live(groups: ParallelGroups, hf_dir: Path, reference: torch.Tensor, tokens: torch.Tensor) -> None:
     """One model at the current TP × PP: logits against transformers, export bit for bit."""
-    from conversion.hf_io import load_hf_config
-    from conversion.live import export_hf, load_hf_into_model
-    from conversion.megatron_io import build_model_chunks
-    from conversion.verify import pipeline_forward_logits
+    from megatron_mugrpo.conversion.hf_io import load_hf_config
+    from megatron_mugrpo.conversion.live import export_hf, load_hf_into_model
+    from megatron_mugrpo.conversion.megatron_io import build_model_chunks
+    from megatron_mugrpo.conversion.verify import pipeline_forward_logits
 
     where = f"{hf_dir.name} tp={groups.tp} pp={groups.pp}"
     config = load_hf_config(hf_dir)
@@ -74,9 +74,9 @@ def _check_live(groups: ParallelGroups, hf_dir: Path, reference: torch.Tensor, t
 
 def _check_bfloat16_export(groups: ParallelGroups, hf_dir: Path) -> None:
     """A bfloat16 model (the GPU training dtype) holds and exports exactly the bf16-cast HF tensors."""
-    from conversion.hf_io import load_hf_config
-    from conversion.live import export_hf, load_hf_into_model
-    from conversion.megatron_io import build_model_chunks
+    from megatron_mugrpo.conversion.hf_io import load_hf_config
+    from megatron_mugrpo.conversion.live import export_hf, load_hf_into_model
+    from megatron_mugrpo.conversion.megatron_io import build_model_chunks
 
     config = load_hf_config(hf_dir)
     chunks = build_model_chunks(config, torch.bfloat16, groups)
@@ -87,11 +87,11 @@ def _check_bfloat16_export(groups: ParallelGroups, hf_dir: Path) -> None:
 
 def _check_checkpoint(hf_dir: Path, reference: torch.Tensor, tokens: torch.Tensor, work: Path) -> None:
     import torch.distributed as dist
+    from megatron_mugrpo.conversion.convert import hf_to_megatron_on_rank, megatron_to_hf_on_rank
+    from megatron_mugrpo.conversion.hf_io import load_hf_config
+    from megatron_mugrpo.conversion.megatron_io import build_model_chunks, load_model
+    from megatron_mugrpo.conversion.verify import pipeline_forward_logits
 
-    from conversion.convert import hf_to_megatron_on_rank, megatron_to_hf_on_rank
-    from conversion.hf_io import load_hf_config
-    from conversion.megatron_io import build_model_chunks, load_model
-    from conversion.verify import pipeline_forward_logits
     from megatron_mugrpo.training import parallel
 
     step_dir, out_dir = work / "ckpt" / "step_00000000", work / "hf_out"
@@ -131,7 +131,7 @@ def _body(rank: int, world_size: int, root: str, tokens: torch.Tensor) -> None:
 
 @pytest.mark.multiprocess
 def test_live_models_and_checkpoints_match_transformers(tmp_path: Path) -> None:
-    from conversion.verify import hf_logits, random_tokens
+    from megatron_mugrpo.conversion.verify import hf_logits, random_tokens
 
     tokens = random_tokens(256, batch=2, seq_len=12, seed=0)
     for name, (arch, tied, overrides) in VARIANTS.items():

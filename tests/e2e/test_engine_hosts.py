@@ -25,7 +25,8 @@ def _digest(named: dict[str, torch.Tensor]) -> str:
 
 
 def _sync_on_two_hosts(rank: int, world_size: int, run_dir: str) -> None:
-    from conversion import export_hf
+    from megatron_mugrpo.conversion import export_hf
+
     from megatron_mugrpo.config import load_config
     from megatron_mugrpo.loop.engines import sync_engine
     from megatron_mugrpo.loop.setup import open_run
