@@ -11,7 +11,7 @@ itself and loads through ``torch.distributed.checkpoint.load`` with megatron's `
 nothing in megatron-core is replaced while it runs. The private helpers that translate megatron's
 sharded state dicts come from ``mcore_compat``.
 
-    loaded = dist_checkpointing.load(sharded_sd, directory, sharded_strategy=DirectLoadStrategy())
+    loaded = dist_checkpointing.load(sharded_sd, directory, sharded_strategy=DirectLoadStrategy(groups=groups))
 """
 
 from __future__ import annotations
