@@ -69,6 +69,8 @@ def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype, groups: Pa
     model = build_gpt_model(
         hf_config,
         dtype=dtype,
+        tensor_parallel=groups.tp,
+        pipeline_parallel=groups.pp,
         pre_process=groups.is_first_stage,
         post_process=groups.is_last_stage,
         config_overrides={"perform_initialization": False},

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -199,17 +198,6 @@ def transformer_config_from_hf(
     return TransformerConfig(**fields)
 
 
-def _initialised_parallel_sizes() -> tuple[int, int]:
-    """(TP, PP) of Megatron's initialised parallel state: only for build_gpt_model callers that do not
-    pass the sizes yet (training.setup, conversion.megatron_io)."""
-    if not parallel_state.model_parallel_is_initialized():
-        return 1, 1
-    return (
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-    )
-
-
 def layer_spec(config: TransformerConfig) -> ModuleSpec:
     """Transformer Engine layer spec when TE imports, Megatron's local spec otherwise.
 
@@ -288,20 +276,18 @@ def build_gpt_model(
     fp8: str = "none",
     vp_stage: int | None = None,
     config_overrides: dict[str, Any] | None = None,
-    tensor_parallel: int | None = None,
-    pipeline_parallel: int | None = None,
+    tensor_parallel: int,
+    pipeline_parallel: int,
 ) -> GPTModel:
     """The local TP/PP shard of the ``GPTModel`` described by ``hf_config``.
 
     Must run after Megatron's parallel state is initialised. ``pre_process`` / ``post_process`` say
     whether this pipeline stage holds the embedding / the final norm and output layer
     (``groups.is_first_stage`` / ``groups.is_last_stage``). ``tensor_parallel`` / ``pipeline_parallel``:
-    ``groups.tp`` / ``groups.pp`` (None: read from the initialised parallel state). The last stage
+    ``groups.tp`` / ``groups.pp``. The last stage
     returns logits [B, S, V_pad / tp] per TP rank (``parallel_output=True``); other stages hidden
     states [S, B, H].
     """
-    if tensor_parallel is None or pipeline_parallel is None:
-        tensor_parallel, pipeline_parallel = _initialised_parallel_sizes()
     config = transformer_config_from_hf(
         hf_config,
         dtype=dtype,

@@ -96,6 +96,8 @@ def build_model_chunks(
     model = build_gpt_model(
         hf_config,
         dtype=dtype,
+        tensor_parallel=groups.tp,
+        pipeline_parallel=groups.pp,
         pre_process=groups.is_first_stage,
         post_process=groups.is_last_stage,
         fp8=fp8,
