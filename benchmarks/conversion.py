@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of each measured path")
     args = parser.parse_args()
 
-    from megatron_mugrpo.training import checkpoint_io, parallel
+    from megatron_mugrpo.training import checkpoint_digests, parallel
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -269,7 +269,7 @@ def main() -> None:
         step_dir = _save(policy, work / "ck_load", 10, groups)
         on_disk = _dir_bytes(step_dir)
         files = [p for p in step_dir.rglob("*") if p.is_file()]
-        hash_s = _best_time(lambda i: checkpoint_io.hash_files(files), reps)
+        hash_s = _best_time(lambda i: checkpoint_digests.hash_files(files), reps)
         load_times, load_nv_times = [], []
         for _ in range(reps):
             _load(step_dir, hf, groups, verify=True)
@@ -299,7 +299,7 @@ def main() -> None:
     print(f"save_checkpoint (no fsync):    {save_nofsync_s:6.2f} s  ratio {raw_write_s / save_nofsync_s:.3f}")
     print(f"async save: blocks {blocked_s:.2f} s, published after {async_total_s:.2f} s")
     hash_gbps = on_disk / 1e9 / hash_s
-    name = checkpoint_io.CHECKSUM
+    name = checkpoint_digests.CHECKSUM
     print(f"{name} of the files:         {hash_s:6.2f} s  {hash_gbps:.3f} GB/s ({hash_s / save_s:.0%} of save)")
     print(f"raw safetensors read:          {raw_read_s:6.2f} s  {raw_read:.3f} GB/s")
     print(f"load_checkpoint (verified):    {load_s:6.2f} s  {load:.3f} GB/s  ratio {load / raw_read:.3f}")

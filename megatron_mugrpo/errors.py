@@ -12,6 +12,8 @@ callers that catch those still work.
 
 from __future__ import annotations
 
+import dataclasses
+
 
 class InputError(Exception):
     """Bad input (config, data, checkpoint, store, engine output, reward, CLI argument); says how to fix it."""
@@ -29,3 +31,21 @@ def require(ok: bool, message: str) -> None:
     """Raise ``ConfigError(message)`` unless ``ok``: the one-line validation used by every config section."""
     if not ok:
         raise ConfigError(message)
+
+
+def with_registry_sections(settings: type, sections: dict[str, type]) -> type:
+    """The config section ``settings`` plus one field per registry entry, each typed by (and defaulting
+    to) the entry's own options dataclass: how a new loss or engine brings its section in one file.
+
+    ``settings`` names the result (its name without a leading underscore and a trailing ``Settings``
+    becomes ``<Prefix>Config``) and lends it its docstring and module.
+    """
+    fields = [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in sections.items()]
+    name = settings.__name__.lstrip("_").removesuffix("Settings") + "Config"
+    return dataclasses.make_dataclass(
+        name,
+        fields,
+        bases=(settings,),
+        kw_only=True,
+        namespace={"__module__": settings.__module__, "__doc__": settings.__doc__},
+    )

@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron_mugrpo.algorithms.losses import AGGREGATIONS, available_losses, loss_spec
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
-from megatron_mugrpo.errors import require
+from megatron_mugrpo.errors import require, with_registry_sections
 
 
 @dataclass(kw_only=True)
@@ -51,18 +51,5 @@ class _AlgoSettings:
         return {"aggregation": self.aggregation} | dataclasses.asdict(getattr(self, self.loss))
 
 
-def _loss_sections() -> list[tuple[str, type, dataclasses.Field]]:
-    """One ``algo.<loss>`` field per registered loss, typed by its options dataclass."""
-    return [
-        (name, loss_spec(name).options, field(default_factory=loss_spec(name).options)) for name in available_losses()
-    ]
-
-
-AlgoConfig = dataclasses.make_dataclass(
-    "AlgoConfig",
-    _loss_sections(),
-    bases=(_AlgoSettings,),
-    kw_only=True,
-    namespace={"__module__": __name__, "__doc__": _AlgoSettings.__doc__},
-)
+AlgoConfig = with_registry_sections(_AlgoSettings, {name: loss_spec(name).options for name in available_losses()})
 """The ``algo`` section: the settings above plus one options section per registered loss."""

@@ -9,11 +9,10 @@ to ``rollout.quantization``.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_mugrpo.algorithms.allocation import ALLOCATIONS, VigorConfig
-from megatron_mugrpo.errors import require
+from megatron_mugrpo.errors import require, with_registry_sections
 from megatron_mugrpo.rollout.engine import MIN_TEMPERATURE, available_engines, engine_configs
 from megatron_mugrpo.rollout.quantization import ModelOptConfig, available_schemes, scheme_engine_problem
 
@@ -94,16 +93,5 @@ class _RolloutSettings:
         require(self.cpu_threads >= 0, f"rollout.cpu_threads={self.cpu_threads} must be >= 0 (0: share the cores)")
 
 
-def _engine_sections() -> list[tuple[str, type, dataclasses.Field]]:
-    """One ``rollout.<engine>`` field per registered engine with knobs, typed by its config dataclass."""
-    return [(name, cls, field(default_factory=cls)) for name, cls in engine_configs().items()]
-
-
-RolloutConfig = dataclasses.make_dataclass(
-    "RolloutConfig",
-    _engine_sections(),
-    bases=(_RolloutSettings,),
-    kw_only=True,
-    namespace={"__module__": __name__, "__doc__": _RolloutSettings.__doc__},
-)
+RolloutConfig = with_registry_sections(_RolloutSettings, engine_configs())
 """The ``rollout`` section: the settings above plus one knob section per registered engine."""
