@@ -122,6 +122,40 @@ class CodeProblem:
         if self.kind == "functional" and not self.func_name:
             raise InputError("a functional problem needs func_name (LiveCodeBench: metadata.func_name)")
 
+    def to_json(self) -> str:
+        """The problem as one compact JSON string: how it travels as a prompt's reference answer
+        (through the rollout store and between processes) to the code reward."""
+        return json.dumps(
+            {
+                "kind": self.kind,
+                "inputs": list(self.inputs),
+                "outputs": list(self.outputs),
+                "func_name": self.func_name,
+                "time_limit_s": self.time_limit_s,
+                "memory_limit_mib": self.memory_limit_mib,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> CodeProblem:
+        """The inverse of ``to_json``; a reference answer that is not one is an ``InputError``."""
+        try:
+            spec = json.loads(text)
+            return cls(
+                inputs=tuple(spec["inputs"]),
+                outputs=tuple(spec["outputs"]),
+                kind=spec.get("kind", "stdin"),
+                func_name=spec.get("func_name"),
+                time_limit_s=spec.get("time_limit_s"),
+                memory_limit_mib=spec.get("memory_limit_mib"),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InputError(
+                f"a code problem's reference answer is not a problem spec ({exc}): code data must be loaded with "
+                "data.format code_contests or livecodebench (or a built-in code task), not as math problems"
+            ) from exc
+
 
 @dataclass(frozen=True)
 class CodeScore:

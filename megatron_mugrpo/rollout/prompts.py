@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_mugrpo.errors import InputError, require
-from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
+from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -127,7 +127,7 @@ def load_prompts(
         prompt_field, answer_field = data_cfg.prompt_field, data_cfg.answer_field
     else:
         rows = builtin_problems(data_cfg.builtin_task, data_cfg.builtin_size, data_cfg.seed, "train")
-        source, template = f"builtin-{data_cfg.builtin_task}-train", builtin_prompt
+        source, template = f"builtin-{data_cfg.builtin_task}-train", builtin_template(data_cfg.builtin_task)
         origin = f"built-in task {data_cfg.builtin_task!r}"
         prompt_field, answer_field = "problem", "answer"
     records, _ = build_records(
@@ -159,7 +159,7 @@ def load_benchmark(
     """
     if bench.path == "builtin":
         rows = builtin_problems(builtin_task, bench.limit or DEFAULT_BUILTIN_EVAL_SIZE, seed, "eval")
-        template, prompt_field, answer_field = builtin_prompt, "problem", "answer"
+        template, prompt_field, answer_field = builtin_template(builtin_task), "problem", "answer"
         origin = f"built-in task {builtin_task!r} (eval split)"
     else:
         rows = read_rows(bench.path)

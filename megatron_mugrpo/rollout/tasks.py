@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import string
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,6 +100,20 @@ def builtin_problems(task: str, n: int, seed: int, split: str) -> list[dict[str,
 def builtin_prompt(problem: str) -> str:
     """The prompt text of a built-in problem, e.g. '23+58='."""
     return PROMPT_TEMPLATE.format(problem=problem)
+
+
+def builtin_template(task: str) -> Callable[[str], str]:
+    """The prompt template of a built-in task's problems (text → the prompt the model sees)."""
+    if task not in BUILTIN_TASKS:
+        raise ValueError(f"unknown built-in task {task!r} (data.builtin_task); choose one of {tuple(BUILTIN_TASKS)}")
+    return builtin_prompt
+
+
+def builtin_reward_kind(task: str) -> str:
+    """The reward kind (``reward.kind``) that scores a built-in task: 'math' for the arithmetic tasks."""
+    if task not in BUILTIN_TASKS:
+        raise ValueError(f"unknown built-in task {task!r} (data.builtin_task); choose one of {tuple(BUILTIN_TASKS)}")
+    return "math"
 
 
 def builtin_completion(answer: str) -> str:
