@@ -12,9 +12,9 @@ keeps everything it logged. Non-finite values are written (JSON ``NaN`` / ``Infi
 
 The file only grows, with one exception: a run that continues from a checkpoint first drops the
 records logged after that checkpoint (work it is about to redo), in the JSONL file and in
-TensorBoard: ``keep_records=N`` keeps the first N (the count the checkpoint stored),
-``purge_step=k`` (checkpoints without a count) drops steps >= k. Records with a ``"source"`` field
-come from a standalone command (``mugrpo eval``), not from the training loop, and are never dropped.
+TensorBoard: ``keep_records=N`` keeps the first N (the count the checkpoint stored). Records with a
+``"source"`` field come from a standalone command (``mugrpo eval``), not from the training loop, and
+are never dropped.
 
     logger = MetricsLogger(run_dir, rank=rank)
     timer = Timer()
@@ -108,20 +108,17 @@ def _truncate_partial_line(path: Path) -> None:
             handle.truncate(keep)
 
 
-def _drop_redone(path: Path, *, keep_records: int | None, purge_step: int | None) -> tuple[list, list]:
+def _drop_redone(path: Path, *, keep_records: int | None) -> tuple[list, list]:
     """Drop the training records logged after the checkpoint a continued run restarts from.
 
-    Returns (kept, dropped). Records with a "source" (standalone commands) are always kept. Rewritten
-    under a temporary name and renamed, so a crash here leaves the old file intact.
+    Returns (kept, dropped); ``keep_records=None`` drops nothing. Records with a "source" (standalone
+    commands) are always kept. Rewritten under a temporary name and renamed, so a crash here leaves
+    the old file intact.
     """
     records = _read_records(path)
 
     def redone(index: int, record: dict[str, Any]) -> bool:
-        if "source" in record:
-            return False
-        if keep_records is not None:
-            return index >= keep_records
-        return purge_step is not None and record["step"] >= purge_step
+        return keep_records is not None and "source" not in record and index >= keep_records
 
     kept = [r for i, r in enumerate(records) if not redone(i, r)]
     dropped = [r for i, r in enumerate(records) if redone(i, r)]
@@ -136,13 +133,12 @@ class MetricsLogger:
     """Send metric dicts to ``<run_dir>/metrics.jsonl``, TensorBoard and the console.
 
     Only ``rank`` 0 writes anything; other ranks still validate names so a bad metric fails everywhere.
-    A run continued from a checkpoint passes ``keep_records`` (the record count the checkpoint stored)
-    or, for a checkpoint without one taken after update ``k``, ``purge_step=k + 1``: the records the
-    interrupted run logged after that checkpoint (work the continued run repeats) are removed from the
-    JSONL file and from TensorBoard, so every step appears once. ``source`` marks every record of a
-    standalone command (e.g. ``"mugrpo eval of checkpoints/step_00000064"``); ``tensorboard_dir``
-    (relative to ``run_dir``) gives such a command its own TensorBoard run, since TensorBoard hides
-    later points of a tag when an earlier step is written after them.
+    A run continued from a checkpoint passes ``keep_records`` (the record count the checkpoint stored):
+    the records the interrupted run logged after that checkpoint (work the continued run repeats) are
+    removed from the JSONL file and from TensorBoard, so every step appears once. ``source`` marks
+    every record of a standalone command (e.g. ``"mugrpo eval of checkpoints/step_00000064"``);
+    ``tensorboard_dir`` (relative to ``run_dir``) gives such a command its own TensorBoard run, since
+    TensorBoard hides later points of a tag when an earlier step is written after them.
     """
 
     def __init__(
@@ -153,7 +149,6 @@ class MetricsLogger:
         console: bool = True,
         rank: int = 0,
         keep_records: int | None = None,
-        purge_step: int | None = None,
         source: str | None = None,
         tensorboard_dir: str = TENSORBOARD_DIR,
     ) -> None:
@@ -176,7 +171,7 @@ class MetricsLogger:
             path = self.run_dir / METRICS_FILE
             if path.exists():
                 _truncate_partial_line(path)
-                kept, dropped = _drop_redone(path, keep_records=keep_records, purge_step=purge_step)
+                kept, dropped = _drop_redone(path, keep_records=keep_records)
                 self._plan_tensorboard_purge(kept, dropped)
                 self.records = len(kept)
                 # A resumed run continues the wall clock so plots against wall_s stay monotone.

@@ -72,23 +72,6 @@ def test_truncated_last_line_is_cut_before_appending(tmp_path: Path) -> None:
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
 
-def test_purge_step_drops_what_the_resumed_run_repeats(tmp_path: Path) -> None:
-    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    with MetricsLogger(tmp_path, console=False) as logger:
-        for step in (1, 2, 3):
-            logger.log({"train/loss": float(step)}, step=step)
-    # Killed after update 3; the last checkpoint holds update 2, so the resumed run logs 3 again.
-    with MetricsLogger(tmp_path, console=False, purge_step=3) as logger:
-        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
-        for step in (3, 4):
-            logger.log({"train/loss": 10.0 * step}, step=step)
-    assert [r["train/loss"] for r in read_metrics(tmp_path)] == [1.0, 2.0, 30.0, 40.0]
-    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
-    acc.Reload()
-    points = [(e.step, e.value) for e in acc.Scalars("train/loss")]
-    assert points == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
-
-
 def _scalars(tensorboard_dir: Path, tag: str) -> list[tuple[int, float]]:
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     acc = event_accumulator.EventAccumulator(str(tensorboard_dir))
