@@ -38,10 +38,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_mugrpo.config import RolloutConfig
 from megatron_mugrpo.durable import Checksum
-from megatron_mugrpo.rollout.generate import generate_stage
+from megatron_mugrpo.rewards.registry import build_reward
+from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord
-from megatron_mugrpo.rollout.rewards import build_reward
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
 
@@ -100,11 +100,21 @@ def engine_process(rank: int, world: int, port: int, model_dir: str, store_dir: 
         group_size=args.group_size,
         max_new_tokens=args.max_new_tokens,
         shard_groups=args.shard_groups,
-        reward_workers=1,
     )
     hosts.barrier()
     started, cpu_started = time.perf_counter(), time.process_time()
-    metrics = generate_stage(
+    identity = stage_identity(
+        cfg=cfg,
+        reward={"kind": "math"},
+        prompts=prompts,
+        stage=0,
+        policy_version=0,
+        seed=0,
+        vocab_size=engine.vocab_size,
+        engine_name=engine.name,
+    )
+    metrics = generate_planned(
+        plan_stage(store_dir, identity, hosts),
         engine=engine,
         prompts=prompts,
         tokenizer=build_char_tokenizer(),
@@ -112,10 +122,7 @@ def engine_process(rank: int, world: int, port: int, model_dir: str, store_dir: 
         cfg=cfg,
         adv_eps=1e-6,
         store_dir=store_dir,
-        stage=0,
-        policy_version=0,
         seed=0,
-        vocab_size=engine.vocab_size,
         hosts=hosts,
     )
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started

@@ -10,6 +10,8 @@ YAML and overrides, and saves:
     parallel             training/parallel.py          optim       training/optimizer.py
     checkpoint           training/checkpoint_config.py logging     metrics.py
     data                 rollout/prompts.py            eval        evaluation.py
+    reward               rewards/registry.py, with reward.<kind>.* from each reward of the registry
+                         (reward.math.* in rewards/answers.py, reward.code.* in rewards/code.py)
     rollout              rollout/config.py, with rollout.<engine>.* from each engine module of the
                          engine registry (rollout/engine.py), rollout.vigor.* from
                          algorithms/allocation.py and rollout.modelopt.* from rollout/quantization.py
@@ -44,8 +46,9 @@ from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.evaluation import BenchmarkConfig, EvalConfig
 from megatron_mugrpo.kernels.config import KernelConfig
 from megatron_mugrpo.metrics import LoggingConfig
+from megatron_mugrpo.rewards.registry import RewardConfig
 from megatron_mugrpo.rollout.config import RolloutConfig
-from megatron_mugrpo.rollout.prompts import DataConfig
+from megatron_mugrpo.rollout.prompts import DataConfig, format_reward_kind
 from megatron_mugrpo.training.checkpoint_config import CheckpointConfig
 from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.parallel import ParallelConfig, check_hf_model_parallelism, check_model_parallelism
@@ -69,6 +72,7 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "ReplayConfig",
+    "RewardConfig",
     "RolloutConfig",
     "RunConfig",
     "StagesConfig",
@@ -123,6 +127,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
@@ -155,11 +160,35 @@ class RunConfig:
         if not self.model.hf_dir:
             tiny = self.model.tiny
             check_model_parallelism(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel)
+        self._check_rewards()
         require(
             not (self.replay.enabled and self.algo.rollout_correction.enabled),
             "replay.enabled cannot be combined with algo.rollout_correction: replayed groups do not carry the "
             "log π_old of the stage that generated them; turn one of the two off",
         )
+
+    def _check_rewards(self) -> None:
+        """Each data source is scored by a reward that can read its reference answers."""
+        data = self.data
+        source = f"data.format={data.format!r}" if data.train_path else f"data.builtin_task={data.builtin_task!r}"
+        require(
+            self.reward.kind == data.reward_kind,
+            f"reward.kind={self.reward.kind!r} cannot score the training data ({source} needs "
+            f"{data.reward_kind!r}); set reward.kind={data.reward_kind}",
+        )
+        for bench in self.eval.benchmarks:
+            builtin = bench.path == "builtin"
+            needed = data.reward_kind if builtin else format_reward_kind(bench.format)
+            problems = f"the built-in task {data.builtin_task!r}" if builtin else f"format={bench.format!r}"
+            require(
+                self.benchmark_reward(bench) == needed,
+                f"eval benchmark {bench.name!r} is scored by reward {self.benchmark_reward(bench)!r} but its "
+                f"problems ({problems}) need {needed!r}; set its reward: {needed}",
+            )
+
+    def benchmark_reward(self, bench: BenchmarkConfig) -> str:
+        """The reward kind that scores an evaluation benchmark."""
+        return bench.reward or self.reward.kind
 
     def _check_async(self) -> None:
         """What mode: async cannot combine with (the staged loop's per-stage passes have no async twin)."""

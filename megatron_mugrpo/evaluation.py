@@ -1,10 +1,13 @@
-"""Held-out evaluation: pass@1 averaged over k samples per problem, spread over every engine host.
+"""Held-out evaluation: pass@1 and pass@k over k samples per problem, spread over every engine host.
 
 For each benchmark, every problem is sampled k times at the evaluation temperature and scored by
-the same verifier as training; pass@1 is the mean reward over the k samples, averaged over
-problems (the paper: k = 16 for AIME, 4 for AMC and MATH-500). Results are logged as
-``eval/<benchmark>/pass@1`` and ``eval/avg_pass@1`` (the average over benchmarks, used to pick
-the best checkpoint).
+its reward (``reward`` of the benchmark; default the run's ``reward.kind``). A sample is correct
+when its reward is 1 (for code: every test passed, also when ``reward.code.partial`` grades
+fractions). Per benchmark the log holds ``eval/<benchmark>/pass@1`` (mean correctness; the paper:
+k = 16 for AIME, 4 for AMC and MATH-500), ``eval/<benchmark>/pass@<K>`` for ``pass_k`` = K (the
+unbiased estimator, ``algorithms/pass_at_k.py``; the paper's coding run: LiveCodeBench pass@4),
+``eval/<benchmark>/test_pass_rate`` when the reward runs tests (the mean fraction of tests
+passed), and ``eval/avg_pass@1``, the average over benchmarks that picks the best checkpoint.
 
 The work is cut into fixed chunks of ``eval.chunk_problems`` problems, each sampled with a seed
 derived from (seed, benchmark, chunk); hosts take chunks round-robin, score them with their own
@@ -18,11 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_mugrpo.algorithms.pass_at_k import pass_at_k
 from megatron_mugrpo.errors import require
+from megatron_mugrpo.rewards.registry import RewardFn
 from megatron_mugrpo.rollout.engine import RolloutEngine, SamplingParams, derive_seed
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
-from megatron_mugrpo.rollout.prompts import PromptRecord
-from megatron_mugrpo.rollout.rewards import RewardFn
+from megatron_mugrpo.rollout.prompts import DATA_FORMATS, PromptRecord
 
 AVG_KEY = "eval/avg_pass@1"
 
@@ -37,6 +41,13 @@ class BenchmarkConfig:
     """Local file, or 'builtin' for the held-out split of the built-in task."""
     k: int = 4
     """Samples per problem; pass@1 is averaged over them (paper: 16 for AIME, 4 for AMC/MATH-500)."""
+    pass_k: int = 0
+    """Also report pass@<pass_k> (the unbiased estimator over the k samples); 0: pass@k."""
+    format: str = "problems"
+    """How the file's rows are read: 'problems' (prompt_field / answer_field), 'code_contests' or
+    'livecodebench' (ignored for 'builtin')."""
+    reward: str = ""
+    """The reward kind that scores this benchmark ('math', 'code'); empty: the run's reward.kind."""
     prompt_field: str = "problem"
     """Column holding the problem text."""
     answer_field: str = "answer"
@@ -46,6 +57,14 @@ class BenchmarkConfig:
 
     def __post_init__(self) -> None:
         require(self.k >= 1, f"eval benchmark {self.name!r}: k={self.k} must be >= 1")
+        require(
+            0 <= self.pass_k <= self.k,
+            f"eval benchmark {self.name!r}: pass_k={self.pass_k} must be in [0, k={self.k}] (pass@k needs k samples)",
+        )
+        require(
+            self.format in DATA_FORMATS,
+            f"eval benchmark {self.name!r}: format={self.format!r} is not one of {DATA_FORMATS}",
+        )
         if self.path != "builtin":
             require(Path(self.path).is_file(), f"eval benchmark {self.name!r}: path {self.path!r} does not exist")
 
@@ -75,10 +94,11 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class Benchmark:
-    """One loaded benchmark: its config and its tokenised problems."""
+    """One loaded benchmark: its config, its tokenised problems and the reward that scores them."""
 
     config: BenchmarkConfig
     problems: list[PromptRecord]
+    reward_fn: RewardFn
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,8 @@ class ChunkResult:
     chunk: EvalChunk
     rewards: list[list[float]]
     lengths: list[int]
+    pass_fractions: list[float] = field(default_factory=list)
+    """Fraction of tests passed per sample, from rewards that run tests (empty for the others)."""
 
 
 def pass_at_1(rewards_per_problem: Sequence[Sequence[float]]) -> float:
@@ -121,7 +143,6 @@ def evaluate_chunk(
     chunk: EvalChunk,
     *,
     tokenizer,
-    reward_fn: RewardFn,
     eval_cfg: EvalConfig,
     seed: int,
 ) -> ChunkResult:
@@ -140,9 +161,11 @@ def evaluate_chunk(
             texts.append(tokenizer.decode(gen.response_ids, skip_special_tokens=True))
             answers.append(problem.answer)
             lengths.append(len(gen.response_ids))
-    scores = [reward for reward, _ in reward_fn.score(texts, answers)]
+    results = bench.reward_fn.score(texts, answers)
+    scores = [reward for reward, _ in results]
+    fractions = [f for f in (getattr(r, "pass_fraction", None) for r in results) if f is not None]
     rewards = [scores[i * k : (i + 1) * k] for i in range(len(problems))]
-    return ChunkResult(chunk=chunk, rewards=rewards, lengths=lengths)
+    return ChunkResult(chunk=chunk, rewards=rewards, lengths=lengths, pass_fractions=fractions)
 
 
 def evaluate(
@@ -150,7 +173,6 @@ def evaluate(
     benchmarks: Sequence[Benchmark],
     *,
     tokenizer,
-    reward_fn: RewardFn,
     eval_cfg: EvalConfig,
     seed: int,
     hosts: HostGroup | None = None,
@@ -163,9 +185,7 @@ def evaluate(
     if placement.is_host and engine is not None:
         chunks = eval_chunks(benchmarks, eval_cfg.chunk_problems)[placement.engine_index :: placement.num_engines]
         results = [
-            evaluate_chunk(
-                engine, benchmarks[c.bench], c, tokenizer=tokenizer, reward_fn=reward_fn, eval_cfg=eval_cfg, seed=seed
-            )
+            evaluate_chunk(engine, benchmarks[c.bench], c, tokenizer=tokenizer, eval_cfg=eval_cfg, seed=seed)
             for c in chunks
         ]
     gathered = hosts.gather(results)
@@ -175,7 +195,8 @@ def evaluate(
 
 
 def benchmark_metrics(benchmarks: Sequence[Benchmark], results: Sequence[ChunkResult]) -> dict[str, float]:
-    """pass@1 and mean response length per benchmark, and their average pass@1, from every chunk."""
+    """pass@1, pass@K, the test pass rate (rewards that run tests) and the mean response length per
+    benchmark, and their average pass@1, from every chunk."""
     ordered = sorted(results, key=lambda r: (r.chunk.bench, r.chunk.start))
     metrics: dict[str, float] = {}
     for b, bench in enumerate(benchmarks):
@@ -184,8 +205,15 @@ def benchmark_metrics(benchmarks: Sequence[Benchmark], results: Sequence[ChunkRe
         lengths = [n for r in mine for n in r.lengths]
         if len(rewards) != len(bench.problems):
             raise RuntimeError(f"evaluation of {bench.config.name!r} returned {len(rewards)} of {len(bench.problems)}")
-        name = bench.config.name
-        metrics[f"eval/{name}/pass@1"] = pass_at_1(rewards)
+        name, k = bench.config.name, bench.config.k
+        correct = [sum(r >= 1.0 for r in problem) for problem in rewards]
+        metrics[f"eval/{name}/pass@1"] = pass_at_1([[float(r >= 1.0) for r in problem] for problem in rewards])
+        pass_k = bench.config.pass_k or k
+        if pass_k > 1:
+            metrics[f"eval/{name}/pass@{pass_k}"] = sum(pass_at_k(k, c, pass_k) for c in correct) / len(correct)
+        fractions = [f for r in mine for f in r.pass_fractions]
+        if fractions:
+            metrics[f"eval/{name}/test_pass_rate"] = sum(fractions) / len(fractions)
         metrics[f"eval/{name}/response_len_mean"] = sum(lengths) / len(lengths)
     metrics[AVG_KEY] = sum(metrics[f"eval/{b.config.name}/pass@1"] for b in benchmarks) / len(benchmarks)
     return metrics

@@ -29,6 +29,9 @@ class RolloutSample:
     """Why the reward is what it is ('correct', 'no_box', 'unparsable', 'wrong', 'timeout')."""
     advantage: float = 0.0
     """Group-normalised advantage; every token of the response shares it."""
+    pass_fraction: float | None = None
+    """Fraction of the tests passed, from rewards that run tests (code); in memory only, summed into the
+    shard's statistics (``rollout/test_pass_rate``) when the shard is written, never stored per sample."""
     old_logprobs: list[float] | None = None
     """Per-token log π_train(θ_old): the trainer's own log-prob at the stage's starting weights. Only
     attached (never stored in the rollout shards) when the loss uses the rollout correction."""

@@ -40,7 +40,7 @@ fails keeps its log; the others go on, and the sweep exits with status 1 at the 
 **Cores.** ``--parallel N`` runs N at once; each gets ``cpus // N`` threads through
 OMP_NUM_THREADS (which torch reads at start-up for its intra-op pool), MKL_NUM_THREADS,
 OPENBLAS_NUM_THREADS and RAYON_NUM_THREADS (tokenizers). Reward-verifier processes inherit the same
-environment; they run only while their trainer waits for scores, so with ``rollout.reward_workers``
+environment; they run only while their trainer waits for scores, so with ``reward.workers``
 ≤ threads per run they do not oversubscribe the cores (the sweep warns otherwise).
 """
 
@@ -632,11 +632,11 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _warn_reward_workers(plan: Sequence[PlannedRun], threads: int, echo: Callable[[str], None]) -> None:
     for variant in dict.fromkeys(run.variant for run in plan):
-        workers = next(run.cfg.rollout.reward_workers for run in plan if run.variant == variant)
+        workers = next(run.cfg.reward.workers for run in plan if run.variant == variant)
         if workers > threads:
             echo(
-                f"warning: variant {variant!r} has rollout.reward_workers={workers} > {threads} thread(s) per run: "
-                f"verification may oversubscribe the cores (add rollout.reward_workers={threads} to the overrides)"
+                f"warning: variant {variant!r} has reward.workers={workers} > {threads} thread(s) per run: "
+                f"verification may oversubscribe the cores (add reward.workers={threads} to the overrides)"
             )
 
 

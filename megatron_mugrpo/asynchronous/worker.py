@@ -36,12 +36,12 @@ from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer
 from megatron_mugrpo.asynchronous.publish import Subscription, engine_digest
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.records import RolloutGroup
+from megatron_mugrpo.rewards.registry import RewardFn, RewardSet
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config, shutdown_engine
 from megatron_mugrpo.rollout.generate import generate_groups
 from megatron_mugrpo.rollout.prompts import DataConfig, PromptRecord, load_prompts, prompt_slice
 from megatron_mugrpo.rollout.queue import QueueWriter
-from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +110,8 @@ class Worker:
         demo builds its base model on the trainer) there is no engine to build yet; a path without
         ``config.json`` is left for the trainer to report.
         """
-        rollout = self.cfg.rollout
         if self.reward_fn is None:
-            self.reward_fn = build_reward(
-                rollout.reward, workers=rollout.reward_workers, timeout_s=rollout.reward_timeout_s
-            )
+            self.reward_fn = RewardSet(self.cfg.reward)
             self.reward_fn.start()
         hf_dir = self.cfg.model.hf_dir
         if self.engine is None and hf_dir and (Path(hf_dir) / "config.json").is_file():

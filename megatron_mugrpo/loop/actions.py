@@ -90,7 +90,6 @@ def run_evaluation(run: Run) -> dict[str, float]:
                 run.engine,
                 run.benchmarks,
                 tokenizer=run.tokenizer,
-                reward_fn=run.reward_fn,
                 eval_cfg=run.cfg.eval,
                 seed=run.cfg.seed + 7919 * run.state.global_update,
                 hosts=run.hosts,

@@ -40,10 +40,10 @@ from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.loop.cadence import Cadence
 from megatron_mugrpo.loop.hdr import ReplayState, open_replay
 from megatron_mugrpo.metrics import TENSORBOARD_DIR, MetricsLogger, Timer
+from megatron_mugrpo.rewards.registry import RewardSet
 from megatron_mugrpo.rollout.engine import RolloutEngine, shutdown_engine
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
-from megatron_mugrpo.rollout.rewards import RewardFn, build_reward
 from megatron_mugrpo.rundir import Claim, RunLock, claim, record_config
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training.checkpoint import (
@@ -83,7 +83,8 @@ class Run:
     state: TrainerState
     prompts: list[PromptRecord]
     benchmarks: list[Benchmark]
-    reward_fn: RewardFn
+    reward_fn: RewardSet
+    """The training data's reward (``score``) and every benchmark's, started and closed together."""
     logger: MetricsLogger
     timer: Timer
     checkpoints: CheckpointSaver
@@ -134,7 +135,7 @@ class Inputs:
     tokenizer: Any
     prompts: list[PromptRecord]
     benchmarks: list[Benchmark]
-    reward_fn: RewardFn
+    reward_fn: RewardSet
 
 
 def set_determinism(cfg: RunConfig) -> None:
@@ -207,27 +208,27 @@ def open_run(
 
 
 def read_inputs(cfg: RunConfig) -> Inputs:
-    """Tokenizer, prompts, benchmarks and reward: read and checked before any model is built."""
+    """Tokenizer, prompts, benchmarks and rewards: read and checked before any model is built. The
+    rewards come last: building the code reward checks its sandbox."""
     tokenizer = load_tokenizer(cfg)
     prompts = load_prompts(cfg.data, tokenizer, cfg.rollout.max_prompt_tokens)
-    benchmarks = [
-        Benchmark(
-            config=bench,
-            problems=load_benchmark(
-                bench,
-                tokenizer,
-                cfg.rollout.max_prompt_tokens,
-                builtin_task=cfg.data.builtin_task,
-                seed=cfg.data.seed,
-                use_chat_template=cfg.data.use_chat_template,
-            ),
+    problems = [
+        load_benchmark(
+            bench,
+            tokenizer,
+            cfg.rollout.max_prompt_tokens,
+            builtin_task=cfg.data.builtin_task,
+            seed=cfg.data.seed,
+            use_chat_template=cfg.data.use_chat_template,
         )
         for bench in cfg.eval.benchmarks
     ]
-    reward_fn = build_reward(
-        cfg.rollout.reward, workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s
-    )
-    return Inputs(tokenizer=tokenizer, prompts=prompts, benchmarks=benchmarks, reward_fn=reward_fn)
+    rewards = RewardSet(cfg.reward, kinds=[cfg.benchmark_reward(bench) for bench in cfg.eval.benchmarks])
+    benchmarks = [
+        Benchmark(config=bench, problems=loaded, reward_fn=rewards.for_kind(cfg.benchmark_reward(bench)))
+        for bench, loaded in zip(cfg.eval.benchmarks, problems)
+    ]
+    return Inputs(tokenizer=tokenizer, prompts=prompts, benchmarks=benchmarks, reward_fn=rewards)
 
 
 def load_tokenizer(cfg: RunConfig) -> Any:

@@ -31,6 +31,7 @@ from megatron_mugrpo.loop.engines import behaviour_policy, release_engine, sync_
 from megatron_mugrpo.loop.export import export_final
 from megatron_mugrpo.loop.setup import Run
 from megatron_mugrpo.metrics import progress
+from megatron_mugrpo.rewards.registry import reward_record
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity, stage_store_metrics
 from megatron_mugrpo.rollout.placement import engine_threads
 from megatron_mugrpo.rollout.prompts import stage_prompts
@@ -121,6 +122,7 @@ def plan_rollout(run: Run, stage: int, prompts: list[PromptRecord]) -> StorePlan
     """What stage ``stage``'s store needs (collective); a store made by an older policy keeps its version."""
     identity = stage_identity(
         cfg=run.cfg.rollout,
+        reward=reward_record(run.cfg.reward),
         prompts=prompts,
         stage=stage,
         policy_version=run.state.global_update,

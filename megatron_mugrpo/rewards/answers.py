@@ -18,6 +18,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron_mugrpo.errors import ConfigError
+
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?(?![\w])")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
@@ -89,5 +91,17 @@ ANSWER_FORMATS: dict[str, Callable[[str], Extracted]] = {
 
 def extractor(answer_format: str) -> Callable[[str], Extracted]:
     if answer_format not in ANSWER_FORMATS:
-        raise ValueError(f"reward.math.answer_format={answer_format!r} is not one of {tuple(ANSWER_FORMATS)}")
+        raise ConfigError(f"reward.math.answer_format={answer_format!r} is not one of {tuple(ANSWER_FORMATS)}")
     return ANSWER_FORMATS[answer_format]
+
+
+@dataclass(kw_only=True)
+class MathOptions:
+    """``reward.math.*``: how the math reward finds a response's final answer."""
+
+    answer_format: str = "boxed"
+    """'boxed' (the last \\boxed{}), 'last_number', 'gsm8k' (after the last ####) or 'answer_tag'
+    (inside the last <answer>...</answer>)."""
+
+    def __post_init__(self) -> None:
+        extractor(self.answer_format)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.rewards.registry import Score
 from megatron_mugrpo.rewards.sandbox import Limits, RunResult, Sandbox, Unsandboxed, check_available
 
 CODE_REASONS = (
@@ -306,6 +307,32 @@ class CodeRewardPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+class CodeReward:
+    """The code reward as the reward registry builds it (``reward.kind: code``): each reference answer
+    is a problem's tests as ``CodeProblem.to_json()``; each score is ``Score(reward, reason,
+    pass_fraction)``. Building it checks the sandbox (fails closed)."""
+
+    def __init__(self, *, workers: int, timeout_s: float, options: CodeRewardConfig | None = None) -> None:
+        del timeout_s  # programs are bounded by reward.code's limits and the problems' own
+        self.pool = CodeRewardPool(options or CodeRewardConfig(), workers=workers)
+
+    def score(self, responses: list[str], answers: list[str]) -> list[tuple[float, str]]:
+        if len(responses) != len(answers):
+            raise InputError(f"score() got {len(responses)} responses but {len(answers)} problems")
+        problems: dict[str, CodeProblem] = {}  # a group's G responses share one problem: parse it once
+        for answer in answers:
+            if answer not in problems:
+                problems[answer] = CodeProblem.from_json(answer)
+        scores = self.pool.score(responses, [problems[a] for a in answers])
+        return [Score(s.reward, s.reason, s.pass_fraction) for s in scores]
+
+    def start(self) -> None:
+        """Nothing to warm up: a sandbox starts per program."""
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def _runner_results(stdout: bytes, total: int) -> list[dict[str, str]]:

@@ -1,6 +1,6 @@
 """Coding problems from local files: code_contests and LiveCodeBench rows into ``CodeProblem``s.
 
-Both read from local JSONL or Parquet (``rollout.prompts.read_rows``: a malformed JSONL line is an
+Both read from local JSONL or Parquet (``datafiles.read_rows``: a malformed JSONL line is an
 error naming its number), and a row that cannot become a problem is an error naming the file, the
 row and the field.
 
@@ -24,10 +24,12 @@ import io
 import json
 import pickle
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_mugrpo.datafiles import read_rows
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rewards.code import CodeProblem
 
@@ -57,15 +59,17 @@ class CodeRecord:
 
 def load_code_problems(path: str | Path, fmt: str) -> list[CodeRecord]:
     """Every problem of a local code_contests or LiveCodeBench file."""
-    from megatron_mugrpo.rollout.prompts import read_rows
+    return code_records(read_rows(path), fmt, str(path))
 
+
+def code_records(rows: Sequence[dict[str, Any]], fmt: str, origin: str) -> list[CodeRecord]:
+    """Rows of a ``fmt`` file (``origin`` names it in errors) as coding problems."""
     if fmt not in FORMATS:
         raise CodeDataError(f"code data format {fmt!r} is not one of {FORMATS}")
-    rows = read_rows(path)
     parse = code_contests_record if fmt == "code_contests" else livecodebench_record
-    records = [parse(row, where=f"{path} row {number}") for number, row in enumerate(rows, start=1)]
+    records = [parse(row, where=f"{origin} row {number}") for number, row in enumerate(rows, start=1)]
     if not records:
-        raise CodeDataError(f"{path} holds no problem")
+        raise CodeDataError(f"{origin} holds no problem")
     return records
 
 

@@ -1,10 +1,12 @@
-"""Verifiable rewards: a registry of reward functions and the math reward with a bounded verifier pool.
+"""The math reward (``reward.kind: math``) and the bounded verifier pool it runs math-verify in.
 
-The math reward takes the answer in the LAST ``\\boxed{...}`` of a response (balanced braces) and
-checks it against the reference: 1.0 when equal, else 0.0, always with a reason:
+The reward takes the response's final answer (by default the LAST ``\\boxed{...}``, balanced braces;
+``reward.math.answer_format`` picks another convention, see ``rewards/answers.py``) and checks it
+against the reference: 1.0 when equal, else 0.0, always with a reason:
 
     correct     equal to the reference (exactly after normalisation, or equivalent per math-verify)
-    no_box      the response has no ``\\boxed``
+    no_box      the response has no ``\\boxed`` (no_number, no_answer_marker, no_answer_tag: the
+                other formats found no answer)
     unparsable  a ``\\boxed`` without balanced braces, or content math-verify cannot parse
     wrong       parsed and not equal
     timeout     verification took longer than ``timeout_s``; the worker was killed and replaced
@@ -19,12 +21,9 @@ The rest run in a pool of worker processes with a per-answer wall-clock bound. m
 timeouts use ``signal.alarm`` (main thread only), so they are disabled and the pool kills a worker
 that runs past the bound, e.g. on ``\\boxed{9^{9^{9^{9}}}}``, which sympy would try to evaluate forever.
 
-    reward = build_reward("math", workers=2, timeout_s=5.0)
+    reward = MathReward(workers=2, timeout_s=5.0, options=MathOptions(answer_format="boxed"))
     results = reward.score(responses, answers)      # [(1.0, "correct"), (0.0, "no_box"), ...]
-    metrics = reward_metrics(results)               # {"rollout/reason_correct": 1.0, ...}
     reward.close()
-
-A new reward (e.g. code execution) registers a factory with ``@register_reward("code")``.
 """
 
 from __future__ import annotations
@@ -34,14 +33,14 @@ import multiprocessing as mp
 import os
 import re
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol
+from typing import Any
 
-from megatron_mugrpo.errors import InputError
-from megatron_mugrpo.rewards.answers import extractor
+from megatron_mugrpo.rewards.answers import MathOptions, extractor
+from megatron_mugrpo.rewards.registry import RewardError, Score
 
 log = logging.getLogger(__name__)
 
@@ -65,64 +64,6 @@ WORKER_START_TIMEOUT_S = 120.0
 _TIMEOUT = "timeout"
 _CRASH = "crash"
 _ERROR = "error"
-
-
-class RewardError(InputError, RuntimeError):
-    """The reward function cannot run (unknown name, bad arguments, verifier pool cannot start)."""
-
-
-class RewardFn(Protocol):
-    """Scores decoded responses against reference answers."""
-
-    def score(self, responses: list[str], answers: list[str]) -> list[tuple[float, str]]:
-        """One (reward, reason) per response; ``answers[i]`` is the reference for ``responses[i]``."""
-        ...
-
-    def start(self) -> None:
-        """Start what the first ``score`` would start (worker processes) without waiting for it."""
-        ...
-
-    def close(self) -> None:
-        """Free the reward's resources (worker processes)."""
-        ...
-
-
-_REGISTRY: dict[str, Callable[..., RewardFn]] = {}
-
-
-def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
-    """Decorator: register a reward factory ``factory(*, workers: int, timeout_s: float) -> RewardFn``."""
-
-    def decorate(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
-        if name in _REGISTRY:
-            raise RewardError(f"reward {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return decorate
-
-
-def build_reward(name: str, *, workers: int, timeout_s: float) -> RewardFn:
-    """Instantiate a registered reward.
-
-    Config: rollout.reward (name), rollout.reward_workers, rollout.reward_timeout_s.
-    """
-    if name not in _REGISTRY:
-        raise RewardError(f"unknown reward {name!r} (rollout.reward); registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](workers=workers, timeout_s=timeout_s)
-
-
-def reason_counts(results: Sequence[tuple[float, str]]) -> dict[str, int]:
-    """How many results carry each reason (every known reason present, zeros included)."""
-    counts = Counter(reason for _, reason in results)
-    return {reason: counts.get(reason, 0) for reason in (*REASONS, *sorted(set(counts) - set(REASONS)))}
-
-
-def reward_metrics(results: Sequence[tuple[float, str]], prefix: str = "rollout/") -> dict[str, float]:
-    """``{prefix}reason_<reason>`` counts plus ``{prefix}reward_mean`` over the results."""
-    metrics = {f"{prefix}reason_{reason}": float(n) for reason, n in reason_counts(results).items()}
-    metrics[f"{prefix}reward_mean"] = sum(r for r, _ in results) / len(results) if results else 0.0
-    return metrics
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -370,12 +311,12 @@ class VerifierPool:
 # ---------------------------------------------------------------------------------------------------
 
 
-@register_reward("math")
 class MathReward:
-    """1.0 when the last boxed answer equals the reference (math-verify equivalence), else 0.0."""
+    """1.0 when the response's final answer equals the reference (math-verify equivalence), else 0.0;
+    the answer is found per ``reward.math.answer_format`` (``rewards.answers``)."""
 
-    def __init__(self, *, workers: int, timeout_s: float, answer_format: str = "boxed"):
-        self.extract = extractor(answer_format)
+    def __init__(self, *, workers: int, timeout_s: float, options: MathOptions | None = None):
+        self.extract = extractor((options or MathOptions()).answer_format)
         self.pool = VerifierPool(verify_with_math_verify, workers=workers, timeout_s=timeout_s, warmup=("1", "1"))
 
     def score(self, responses: list[str], answers: list[str]) -> list[tuple[float, str]]:
@@ -402,7 +343,7 @@ class MathReward:
                 reasons[index] = _ERROR
         if errors:
             log.warning("checking %d answer(s) raised; scored 0, reason 'error' (first: %s)", len(errors), errors[0])
-        return [(CORRECT_REWARD if r == "correct" else INCORRECT_REWARD, r) for r in reasons]
+        return [Score(CORRECT_REWARD if r == "correct" else INCORRECT_REWARD, r) for r in reasons]
 
     def start(self) -> None:
         self.pool.start()

@@ -42,12 +42,6 @@ class _RolloutSettings:
     """'fixed' (G per prompt) or 'vigor'."""
     vigor: VigorConfig = field(default_factory=VigorConfig)
     """VIGOR's knobs (rollout.allocation == 'vigor')."""
-    reward: str = "math"
-    """Reward function from the reward registry."""
-    reward_timeout_s: float = 5.0
-    """Wall-clock bound on verifying one answer; a timeout scores 0 with reason 'timeout'."""
-    reward_workers: int = 2
-    """Processes in the verification pool."""
     tensor_parallel: int = 1
     """Ranks per rollout engine group. The group's first rank hosts one engine (SGLang ``tp_size``), so
     the world runs world_size / tensor_parallel engines; it must divide the world size and the ranks
@@ -77,9 +71,8 @@ class _RolloutSettings:
             "rollout.top_p must be 1.0 and rollout.top_k 0: truncated sampling makes the stored behaviour "
             "log-probs differ from log_softmax(logits / T) and biases the importance ratio",
         )
-        for name in ("max_new_tokens", "max_prompt_tokens", "shard_groups", "reward_workers"):
+        for name in ("max_new_tokens", "max_prompt_tokens", "shard_groups"):
             require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        require(self.reward_timeout_s > 0, f"rollout.reward_timeout_s={self.reward_timeout_s} must be > 0")
         require(
             self.quantization in available_schemes(),
             f"rollout.quantization={self.quantization!r} is unknown; choose one of {available_schemes()}",

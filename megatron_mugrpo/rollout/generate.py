@@ -14,9 +14,12 @@ The hosts share the work through the store (see ``rollout/store.py``): rank 0 pr
 (``generate_planned``: a faster engine takes more), and rank 0 seals the manifest after a barrier.
 A rerun after a crash generates only the missing shards, on however many engines it has.
 
-    metrics = generate_stage(engine=engine, prompts=records, tokenizer=tok, reward_fn=reward,
-                             cfg=cfg.rollout, adv_eps=cfg.algo.adv_eps, store_dir=run / "rollouts/stage_000",
-                             stage=0, policy_version=0, seed=cfg.stages.seed, vocab_size=hf_vocab)
+    identity = stage_identity(cfg=cfg.rollout, reward=reward_record(cfg.reward), prompts=records, stage=0,
+                              policy_version=0, seed=cfg.stages.seed, vocab_size=hf_vocab, engine_name="transformers")
+    plan = plan_stage(run / "rollouts/stage_000", identity, hosts)                 # collective
+    metrics = generate_planned(plan, engine=engine, prompts=records, tokenizer=tok, reward_fn=reward,
+                               cfg=cfg.rollout, adv_eps=cfg.algo.adv_eps, store_dir=run / "rollouts/stage_000",
+                               seed=cfg.stages.seed, hosts=hosts)
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from megatron_mugrpo.algorithms.allocation import (
 )
 from megatron_mugrpo.errors import MissingInputError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
+from megatron_mugrpo.rewards.registry import RewardFn
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import (
     Generation,
@@ -46,8 +50,7 @@ from megatron_mugrpo.rollout.engine import (
     derive_seed,
     validate_generations,
 )
-from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
-from megatron_mugrpo.rollout.rewards import RewardFn
+from megatron_mugrpo.rollout.placement import HostGroup
 from megatron_mugrpo.rollout.store import (
     ShardWriter,
     StoreManifest,
@@ -80,70 +83,10 @@ class _Pending:
     samples: list[RolloutSample]
 
 
-def generate_stage(
-    *,
-    engine: RolloutEngine | None,
-    prompts: Sequence[PromptRecord],
-    tokenizer: Decoder,
-    reward_fn: RewardFn,
-    cfg: RolloutConfig,
-    adv_eps: float,
-    store_dir: str | Path,
-    stage: int,
-    policy_version: int,
-    seed: int,
-    vocab_size: int,
-    progress: ProgressCallback | None = None,
-    hosts: HostGroup | None = None,
-) -> dict[str, float]:
-    """Generate (or finish generating) the rollout store of one stage on the engine(s) as they are.
-
-    Collective over ``hosts`` (default: this process alone): every rank calls it, hosts with their
-    engine, other ranks with ``engine=None``. The caller has loaded the stage's policy into every
-    engine (``rollout_phase`` in loop/staged.py also repairs older stores with their own policy).
-
-    Args:
-        prompts: the stage's B_train prompts; shard i holds ``prompts[i·S:(i+1)·S]``, S = cfg.shard_groups.
-        vocab_size: the TRUE vocabulary size (token ids must be below it).
-        progress: forwarded to ``engine.generate`` (sequences finished by this host).
-
-    Returns (on rank 0; other ranks get ``{}``):
-        ``rollout/*`` metrics of the whole store (reward mean, solve-all/none fractions, response
-        length, length-finish fraction, reason counts, ...) and ``perf/*`` metrics of this call
-        (generated tokens over all hosts, seconds, shards written and resumed, engines).
-    """
-    hosts = hosts or HostGroup(EnginePlacement.single())
-    if not prompts:
-        raise ValueError("generate_stage() got no prompts; the stage needs at least one prompt group")
-    engine_name = getattr(engine, "name", type(engine).__name__) if engine is not None else cfg.engine
-    identity = stage_identity(
-        cfg=cfg,
-        prompts=prompts,
-        stage=stage,
-        policy_version=policy_version,
-        seed=seed,
-        vocab_size=vocab_size,
-        engine_name=engine_name,
-    )
-    plan = plan_stage(store_dir, identity, hosts)
-    return generate_planned(
-        plan,
-        engine=engine,
-        prompts=prompts,
-        tokenizer=tokenizer,
-        reward_fn=reward_fn,
-        cfg=cfg,
-        adv_eps=adv_eps,
-        store_dir=store_dir,
-        seed=seed,
-        hosts=hosts,
-        progress=progress,
-    )
-
-
 def stage_identity(
     *,
     cfg: RolloutConfig,
+    reward: dict[str, Any],
     prompts: Sequence[PromptRecord],
     stage: int,
     policy_version: int,
@@ -151,12 +94,13 @@ def stage_identity(
     vocab_size: int,
     engine_name: str,
 ) -> StoreManifest:
-    """The manifest a stage's store must have: what a resumed store is checked against."""
+    """The manifest a stage's store must have: what a resumed store is checked against. ``reward``
+    names the reward and its options (``rewards.registry.reward_record``): other scores, another store."""
     return store_identity(
         stage=stage,
         policy_version=policy_version,
         engine=engine_name,
-        sampling=_sampling_record(cfg, seed),
+        sampling=_sampling_record(cfg, seed) | {"reward": reward},
         num_groups=len(prompts),
         shard_groups=cfg.shard_groups,
         vocab_size=vocab_size,
@@ -202,10 +146,18 @@ def generate_planned(
     progress: ProgressCallback | None = None,
     on_shard_written: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
-    """Every host claims and writes the plan's missing shards; rank 0 then seals the store. Collective.
+    """Every host claims and writes the plan's missing shards; rank 0 then seals the store. Collective:
+    every rank calls it, hosts with their engine, other ranks with ``engine=None``. The caller has
+    loaded the stage's policy into every engine (``rollout_phase`` in loop/staged.py).
 
-    ``on_shard_written(index)`` runs on the writing host after each shard (fault injection in tests).
-    Returns the metrics of ``generate_stage`` on rank 0, ``{}`` elsewhere.
+    ``prompts`` are the stage's B_train prompts (shard i holds ``prompts[i·S:(i+1)·S]``, S =
+    cfg.shard_groups). ``on_shard_written(index)`` runs on the writing host after each shard (fault
+    injection in tests).
+
+    Returns (on rank 0; other ranks get ``{}``): ``rollout/*`` metrics of the whole store (reward mean,
+    solve-all/none fractions, response length, length-finish fraction, reason counts, test pass rate
+    of rewards that run tests) and ``perf/*`` metrics of this call (generated tokens over all hosts,
+    seconds, shards written and resumed, engines).
     """
     started, tokens, written = time.perf_counter(), 0, 0
     if hosts.placement.is_host:
@@ -339,7 +291,8 @@ def _sample_round(
     flat: list[tuple[int, Generation]] = [(p, gen) for p, group in zip(chosen, generations) for gen in group]
     texts = [tokenizer.decode(gen.response_ids, skip_special_tokens=True) for _, gen in flat]
     scores = reward_fn.score(texts, [pending[p].record.answer for p, _ in flat])
-    for (p, gen), (reward, reason) in zip(flat, scores):
+    for (p, gen), score in zip(flat, scores):
+        reward, reason = score
         pending[p].samples.append(
             RolloutSample(
                 response_ids=list(gen.response_ids),
@@ -347,6 +300,7 @@ def _sample_round(
                 finish_reason=gen.finish_reason,
                 reward=reward,
                 reward_reason=reason,
+                pass_fraction=getattr(score, "pass_fraction", None),
             )
         )
 
@@ -366,7 +320,6 @@ def _sampling_record(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
         "allocation": cfg.allocation,
         "group_size": cfg.group_size,
         "vigor": asdict(cfg.vigor) if cfg.allocation == "vigor" else None,
-        "reward": cfg.reward,
     }
 
 

@@ -14,7 +14,6 @@ file and the fields. Nothing is shuffled here: prompt order is the stage sampler
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections import Counter
@@ -23,8 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from megatron_mugrpo.errors import InputError, require
-from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_template
+from megatron_mugrpo.datafiles import PromptDataError, read_rows
+from megatron_mugrpo.errors import require
+from megatron_mugrpo.rewards.code_data import FORMATS as CODE_FORMATS
+from megatron_mugrpo.rewards.code_data import code_records
+from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_reward_kind, builtin_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,6 +40,15 @@ DEFAULT_BUILTIN_EVAL_SIZE = 256
 """Problems in the built-in task's eval split when a 'builtin' benchmark sets no limit."""
 
 REJECT_REASONS = ("missing_prompt", "missing_answer", "empty_prompt", "empty_answer", "too_long")
+DATA_FORMATS = ("problems", *CODE_FORMATS)
+"""How a data file's rows are read: 'problems' (a problem and a reference answer per row, read through
+``prompt_field`` / ``answer_field``: math), 'code_contests' or 'livecodebench' (coding problems with
+their tests, ``rewards/code_data.py``)."""
+
+
+def format_reward_kind(data_format: str) -> str:
+    """The reward kind that can score a data format's reference answers."""
+    return "math" if data_format == "problems" else "code"
 
 
 @dataclass(kw_only=True)
@@ -46,6 +57,9 @@ class DataConfig:
 
     train_path: str = ""
     """Local JSONL or Parquet file of problems; empty uses the built-in task."""
+    format: str = "problems"
+    """How the file's rows are read: 'problems' (prompt_field / answer_field), 'code_contests' or
+    'livecodebench'. The reward (reward.kind) must be able to score them: math or code."""
     prompt_field: str = "problem"
     """Column holding the problem text (DeepScaleR: 'problem')."""
     answer_field: str = "answer"
@@ -70,6 +84,12 @@ class DataConfig:
                 f"data.train_path={self.train_path!r}: expected a .jsonl, .json or .parquet file",
             )
         require(self.builtin_size >= 1, f"data.builtin_size={self.builtin_size} must be >= 1")
+        require(self.format in DATA_FORMATS, f"data.format={self.format!r} is not one of {DATA_FORMATS}")
+
+    @property
+    def reward_kind(self) -> str:
+        """The reward kind this data needs: the built-in task's, or the file format's."""
+        return format_reward_kind(self.format) if self.train_path else builtin_reward_kind(self.builtin_task)
 
 
 class BenchmarkFile(Protocol):
@@ -78,14 +98,12 @@ class BenchmarkFile(Protocol):
     name: str
     path: str
     """Local file, or 'builtin' for the built-in task's eval split."""
+    format: str
+    """How the file's rows are read (``DATA_FORMATS``)."""
     prompt_field: str
     answer_field: str
     limit: int
     """Keep the first N usable problems (0: all)."""
-
-
-class PromptDataError(InputError, ValueError):
-    """A prompt file has no usable row (or cannot be read); the message names the file and fields."""
 
 
 @dataclass(frozen=True)
@@ -122,24 +140,26 @@ def load_prompts(
 ) -> list[PromptRecord]:
     """Training prompts from ``data.train_path``, or the built-in task's train split when it is empty."""
     if data_cfg.train_path:
-        rows = read_rows(data_cfg.train_path)
-        source, origin, template = Path(data_cfg.train_path).stem, data_cfg.train_path, instruction_prompt
-        prompt_field, answer_field = data_cfg.prompt_field, data_cfg.answer_field
-    else:
-        rows = builtin_problems(data_cfg.builtin_task, data_cfg.builtin_size, data_cfg.seed, "train")
-        source, template = f"builtin-{data_cfg.builtin_task}-train", builtin_template(data_cfg.builtin_task)
-        origin = f"built-in task {data_cfg.builtin_task!r}"
-        prompt_field, answer_field = "problem", "answer"
+        return load_file(
+            data_cfg.train_path,
+            data_cfg.format,
+            source=Path(data_cfg.train_path).stem,
+            fields=(data_cfg.prompt_field, data_cfg.answer_field),
+            tokenizer=tokenizer,
+            max_prompt_tokens=max_prompt_tokens,
+            use_chat_template=data_cfg.use_chat_template,
+        )
+    task = data_cfg.builtin_task
     records, _ = build_records(
-        rows,
-        source=source,
-        origin=origin,
-        prompt_field=prompt_field,
-        answer_field=answer_field,
+        builtin_problems(task, data_cfg.builtin_size, data_cfg.seed, "train"),
+        source=f"builtin-{task}-train",
+        origin=f"built-in task {task!r}",
+        prompt_field="problem",
+        answer_field="answer",
         tokenizer=tokenizer,
         max_prompt_tokens=max_prompt_tokens,
         use_chat_template=data_cfg.use_chat_template,
-        template=template,
+        template=builtin_template(task),
     )
     return records
 
@@ -158,17 +178,54 @@ def load_benchmark(
     ``bench.limit`` keeps the first N usable problems (0: all).
     """
     if bench.path == "builtin":
-        rows = builtin_problems(builtin_task, bench.limit or DEFAULT_BUILTIN_EVAL_SIZE, seed, "eval")
-        template, prompt_field, answer_field = builtin_template(builtin_task), "problem", "answer"
-        origin = f"built-in task {builtin_task!r} (eval split)"
+        records, _ = build_records(
+            builtin_problems(builtin_task, bench.limit or DEFAULT_BUILTIN_EVAL_SIZE, seed, "eval"),
+            source=bench.name,
+            origin=f"built-in task {builtin_task!r} (eval split)",
+            prompt_field="problem",
+            answer_field="answer",
+            tokenizer=tokenizer,
+            max_prompt_tokens=max_prompt_tokens,
+            use_chat_template=use_chat_template,
+            template=builtin_template(builtin_task),
+        )
     else:
-        rows = read_rows(bench.path)
-        template, prompt_field, answer_field = instruction_prompt, bench.prompt_field, bench.answer_field
-        origin = bench.path
+        records = load_file(
+            bench.path,
+            bench.format,
+            source=bench.name,
+            fields=(bench.prompt_field, bench.answer_field),
+            tokenizer=tokenizer,
+            max_prompt_tokens=max_prompt_tokens,
+            use_chat_template=use_chat_template,
+        )
+    return records[: bench.limit] if bench.limit else records
+
+
+def load_file(
+    path: str,
+    data_format: str,
+    *,
+    source: str,
+    fields: tuple[str, str],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_tokens: int,
+    use_chat_template: bool,
+) -> list[PromptRecord]:
+    """The prompts of a local data file in ``data_format``. Math problems get the paper's instruction;
+    a coding problem's prompt is built by its format (instruction, starter code) and its reference
+    answer is its tests (``CodeProblem.to_json``)."""
+    rows = read_rows(path)
+    if data_format == "problems":
+        prompt_field, answer_field = fields
+        template = instruction_prompt
+    else:
+        rows = [{"problem": r.prompt, "answer": r.problem.to_json()} for r in code_records(rows, data_format, path)]
+        prompt_field, answer_field, template = "problem", "answer", str.strip
     records, _ = build_records(
         rows,
-        source=bench.name,
-        origin=origin,
+        source=source,
+        origin=path,
         prompt_field=prompt_field,
         answer_field=answer_field,
         tokenizer=tokenizer,
@@ -176,54 +233,7 @@ def load_benchmark(
         use_chat_template=use_chat_template,
         template=template,
     )
-    return records[: bench.limit] if bench.limit else records
-
-
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a local .jsonl / .json / .parquet file.
-
-    JSONL is parsed here, line by line, so a malformed line is reported with its number; .json and
-    .parquet go through the `datasets` library.
-    """
-    path = Path(path)
-    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
-    if builder is None:
-        raise PromptDataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet")
-    if not path.is_file():
-        raise PromptDataError(f"{path} does not exist")
-    if path.stat().st_size == 0:
-        raise PromptDataError(f"{path} is empty: expected one JSON object (or table row) per problem")
-    if path.suffix == ".jsonl":
-        return read_jsonl(path)
-    from datasets import load_dataset
-
-    try:
-        dataset = load_dataset(builder, data_files=str(path), split="train")
-    except Exception as exc:  # datasets raises many types for malformed files
-        raise PromptDataError(f"{path} could not be read as {builder}: {str(exc) or type(exc).__name__}") from exc
-    return list(dataset)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """One JSON object per non-blank line; a bad line is an error naming the file and line number."""
-    rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError from the file
-                raise PromptDataError(f"{path}:{number}: not a JSON object ({exc}); fix or delete that line") from exc
-            if not isinstance(row, dict):
-                raise PromptDataError(
-                    f"{path}:{number}: expected a JSON object with the problem and answer fields, "
-                    f"got {type(row).__name__}"
-                )
-            rows.append(row)
-    if not rows:
-        raise PromptDataError(f"{path} holds only blank lines: expected one JSON object per problem")
-    return rows
+    return records
 
 
 def instruction_prompt(problem: str) -> str:

@@ -209,6 +209,9 @@ def shard_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
     for sample in samples:
         key = f"reason_{sample.reward_reason or 'unknown'}"
         stats[key] = stats.get(key, 0.0) + 1.0
+    fractions = [s.pass_fraction for s in samples if s.pass_fraction is not None]
+    if fractions:
+        stats["test_pass_sum"], stats["test_pass_count"] = sum(fractions), float(len(fractions))
     return stats
 
 
@@ -626,6 +629,8 @@ def store_metrics(manifest: StoreManifest, prefix: str = "rollout/") -> dict[str
         f"{prefix}solve_all_frac": total.get("solve_all", 0.0) / groups,
         f"{prefix}solve_none_frac": total.get("solve_none", 0.0) / groups,
     }
+    if total.get("test_pass_count"):
+        metrics[f"{prefix}test_pass_rate"] = total["test_pass_sum"] / total["test_pass_count"]
     for key, value in total.items():
         if key.startswith("reason_"):
             metrics[f"{prefix}{key}"] = value

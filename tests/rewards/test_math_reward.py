@@ -1,17 +1,18 @@
 """Math reward: answer extraction, the fast path, math-verify equivalence, and the bounded verifier pool."""
 
 import time
+from dataclasses import dataclass
 
 import pytest
 
-from megatron_mugrpo.rewards.answers import last_boxed
-from megatron_mugrpo.rollout.rewards import (
-    REASONS,
-    MathReward,
+from megatron_mugrpo.rewards import registry
+from megatron_mugrpo.rewards.answers import MathOptions, last_boxed
+from megatron_mugrpo.rewards.math_reward import REASONS, MathReward, VerifierPool, fast_verdict
+from megatron_mugrpo.rewards.registry import (
     RewardError,
-    VerifierPool,
+    RewardSet,
+    Score,
     build_reward,
-    fast_verdict,
     reason_counts,
     register_reward,
     reward_metrics,
@@ -104,7 +105,7 @@ def test_pathological_answer_times_out_without_stalling_the_pool(math_reward):
 
 def test_reason_counts_and_metrics():
     results = [(1.0, "correct"), (0.0, "wrong"), (0.0, "wrong"), (0.0, "timeout")]
-    counts = reason_counts(results)
+    counts = reason_counts(results, REASONS)
     assert set(REASONS) <= set(counts)
     assert counts["wrong"] == 2 and counts["no_box"] == 0
     metrics = reward_metrics(results)
@@ -133,14 +134,13 @@ def test_started_pool_warms_up_before_the_first_task():
         assert pool.restarts == 0 and len(pool._workers) == 2
 
 
-def test_registry():
-    @register_reward("test_constant")
+def test_registry(monkeypatch):
     class Constant:
-        def __init__(self, *, workers, timeout_s):
-            self.timeout_s = timeout_s
+        def __init__(self, *, workers, timeout_s, options):
+            self.options = options
 
         def score(self, responses, answers):
-            return [(1.0, "correct") for _ in responses]
+            return [Score(1.0, "correct") for _ in responses]
 
         def start(self):
             pass
@@ -148,12 +148,52 @@ def test_registry():
         def close(self):
             pass
 
+    @dataclass
+    class ConstantOptions:
+        level: int = 3
+
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    monkeypatch.setattr(registry, "_OPTIONS", dict(registry._OPTIONS))
+    register_reward("test_constant", Constant, ConstantOptions)
     reward = build_reward("test_constant", workers=1, timeout_s=1.0)
-    assert reward.score(["a"], ["b"]) == [(1.0, "correct")]
+    assert reward.score(["a"], ["b"]) == [(1.0, "correct")] and reward.options == ConstantOptions()
     with pytest.raises(RewardError, match="already registered"):
-        register_reward("test_constant")(Constant)
+        register_reward("test_constant", Constant, ConstantOptions)
     with pytest.raises(RewardError, match="unknown reward 'nope'"):
         build_reward("nope", workers=1, timeout_s=1.0)
+
+
+def test_reward_section_has_one_options_section_per_registered_reward():
+    section = registry.RewardConfig()
+    assert section.kind == "math" and section.math.answer_format == "boxed" and section.code.sandbox == "bwrap"
+    with pytest.raises(Exception, match=r"reward.kind='poetry' is not one of \('code', 'math'\)"):
+        registry.RewardConfig(kind="poetry")
+    with pytest.raises(Exception, match=r"reward\.math\.answer_format='latex'"):
+        MathOptions(answer_format="latex")
+    assert registry.reward_record(section) == {"kind": "math", "options": {"answer_format": "boxed"}}
+
+
+def test_reward_set_builds_each_kind_once_and_scores_with_the_training_kind():
+    rewards = RewardSet(registry.RewardConfig(workers=1), kinds=["math", "math"])
+    try:
+        assert rewards.score(["\\boxed{2}"], ["2"]) == [(1.0, "correct")]
+        assert isinstance(rewards.for_kind("math"), MathReward)
+        with pytest.raises(RewardError, match="'code' was not built"):
+            rewards.for_kind("code")
+    finally:
+        rewards.close()
+
+
+def test_score_is_a_pair_that_keeps_its_pass_fraction_through_pickle():
+    import pickle
+
+    score = Score(0.0, "wrong_answer", 0.5)
+    reward, reason = score
+    assert (reward, reason) == (0.0, "wrong_answer") and score == (0.0, "wrong_answer")
+    again = pickle.loads(pickle.dumps(score))
+    assert again == score and again.pass_fraction == 0.5 and Score(1.0, "correct").pass_fraction is None
+    metrics = reward_metrics([score, Score(1.0, "correct", 1.0)])
+    assert metrics["rollout/test_pass_rate"] == 0.75 and metrics["rollout/reward_mean"] == 0.5
 
 
 def test_score_rejects_mismatched_lengths(math_reward):
@@ -181,7 +221,7 @@ def test_huge_integers_are_compared_as_digit_strings(math_reward):
 def test_a_failing_check_is_reason_error_for_that_answer_only(math_reward, monkeypatch):
     """An exception while checking one answer (main process or verifier worker) scores it 0 with
     reason 'error'; the other answers of the batch are scored as usual."""
-    from megatron_mugrpo.rollout import rewards
+    from megatron_mugrpo.rewards import math_reward as rewards
 
     real = rewards.fast_verdict
 
@@ -271,7 +311,7 @@ def test_fuzz_thousand_strings_never_raise():
 
 
 def test_math_reward_reads_the_configured_answer_format():
-    reward = MathReward(workers=1, timeout_s=5.0, answer_format="gsm8k")
+    reward = MathReward(workers=1, timeout_s=5.0, options=MathOptions(answer_format="gsm8k"))
     try:
         assert reward.score(["so 3 + 4 = 7\n#### 7", "it is 7", "#### 8"], ["7", "7", "7"]) == [
             (1.0, "correct"),

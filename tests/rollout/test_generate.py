@@ -15,12 +15,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_mugrpo.algorithms.allocation import VigorConfig
 from megatron_mugrpo.durable import Checksum
+from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import EngineOutputError, Generation, derive_seed
-from megatron_mugrpo.rollout.generate import generate_stage
+from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup, engine_threads
 from megatron_mugrpo.rollout.prompts import PromptRecord
-from megatron_mugrpo.rollout.rewards import build_reward
 from megatron_mugrpo.rollout.store import RolloutStore, StoreError, is_complete
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt, char_vocab
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
@@ -79,8 +79,22 @@ def rollout_cfg(**overrides) -> RolloutConfig:
     return RolloutConfig(**({"group_size": 3, "max_new_tokens": 6, "shard_groups": 2} | overrides))
 
 
-def run(store_dir, engine, prompts, tokenizer, reward, cfg, **overrides):
-    kwargs = dict(
+def run(store_dir, engine, prompts, tokenizer, reward, cfg, *, hosts=None, stage=2, policy_version=40, seed=5):
+    """One stage's store the way the staged loop makes it: its identity, the plan, the generation."""
+    hosts = hosts or HostGroup(EnginePlacement.single())
+    identity = stage_identity(
+        cfg=cfg,
+        reward={"kind": "math"},
+        prompts=prompts,
+        stage=stage,
+        policy_version=policy_version,
+        seed=seed,
+        vocab_size=VOCAB,
+        engine_name=getattr(engine, "name", type(engine).__name__),
+    )
+    plan = plan_stage(store_dir, identity, hosts)
+    return generate_planned(
+        plan,
         engine=engine,
         prompts=prompts,
         tokenizer=tokenizer,
@@ -88,12 +102,9 @@ def run(store_dir, engine, prompts, tokenizer, reward, cfg, **overrides):
         cfg=cfg,
         adv_eps=1e-6,
         store_dir=store_dir,
-        stage=2,
-        policy_version=40,
-        seed=5,
-        vocab_size=VOCAB,
+        seed=seed,
+        hosts=hosts,
     )
-    return generate_stage(**(kwargs | overrides))
 
 
 class CountingEngine:

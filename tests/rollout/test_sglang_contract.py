@@ -259,7 +259,7 @@ import torch
 torch.cuda.is_available = lambda: True
 from sglang_standin import build_module, load_snapshot
 sys.modules["sglang"] = build_module(load_snapshot({version!r}), kill_children=True)
-from megatron_mugrpo.rollout.rewards import build_reward
+from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.sglang_engine import SGLangEngine
 
 reward = build_reward("math", workers=1, timeout_s=30)
