@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_mugrpo.config import load_config
-from megatron_mugrpo.rollout.rewards import build_reward
+from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_completion, builtin_problems
 from megatron_mugrpo.warmstart import WARMSTART_FILE, miscopy, prepare_base_model, sft_batch, worked_solution
 

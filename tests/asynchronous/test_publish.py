@@ -101,8 +101,8 @@ def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_pat
     warm = _worker(str(dirs["base"]))
     warm.warm_up()
     assert warm.engine is not None and warm.prompts and warm.tokenizer is not None
-    workers = warm.reward_fn.pool._workers
-    assert len(workers) == warm.cfg.rollout.reward_workers and all(w.process.is_alive() for w in workers)
+    workers = warm.reward_fn.for_kind("math").pool._workers
+    assert len(workers) == warm.cfg.reward.workers and all(w.process.is_alive() for w in workers)
     warm.reward_fn.close()
     base_weights = {k: v.clone() for k, v in warm.engine.weights().items()}
     engine = warm.engine
