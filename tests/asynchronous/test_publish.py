@@ -129,6 +129,7 @@ def _worker(hf_dir: str):
     cfg = SimpleNamespace(
         model=SimpleNamespace(hf_dir=hf_dir),
         rollout=demo.rollout,
+        reward=demo.reward,
         data=demo.data,
         seed=0,
         async_=SimpleNamespace(verify_weights=True),
