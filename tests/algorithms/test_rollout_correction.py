@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedModel
 
 from megatron_mugrpo.algorithms.losses import available_losses, policy_loss
 from megatron_mugrpo.algorithms.rollout_correction import (
@@ -22,6 +22,7 @@ from megatron_mugrpo.records import RolloutGroup, RolloutSample
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, teacher_forced_logprobs
 from megatron_mugrpo.training.stage_reference import group_mismatch_metrics
+from megatron_mugrpo.training.tiny import tiny_model
 
 LOG = math.log
 D = torch.float64
@@ -151,19 +152,8 @@ def test_mismatch_metrics_by_hand():
     assert math.isnan(mismatch_metrics(behaviour, reference, torch.zeros(1, 3))["mismatch_kl"])
 
 
-def _model(seed: int, head_scale: float = 1.0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-    )
-    model = Qwen2ForCausalLM(config).eval()
+def _model(seed: int, head_scale: float = 1.0) -> PreTrainedModel:
+    model = tiny_model(seed=seed, vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale * 8.0)  # peaked distributions, so the pair differs clearly
     return model

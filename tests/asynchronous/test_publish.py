@@ -88,16 +88,12 @@ def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_pat
     """``Worker.warm_up`` starts the verifier's processes and builds the engine from model.hf_dir
     before any publication; loading the first publication then replaces every weight (a worker never
     samples from the warm-up weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from megatron_mugrpo.training.tiny import tiny_hf_dir
 
-    from megatron_mugrpo.training.model import tiny_hf_config
-
-    dirs = {}
-    for name, seed in (("base", 0), ("publication", 1)):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_hf_config("qwen2")), dtype=torch.float32)
-        model.save_pretrained(str(tmp_path / name), safe_serialization=True)
-        dirs[name] = tmp_path / name
+    dirs = {
+        name: tiny_hf_dir(tmp_path / name, seed=seed, tokenizer=False)
+        for name, seed in (("base", 0), ("publication", 1))
+    }
     warm = _worker(str(dirs["base"]))
     warm.warm_up()
     assert warm.engine is not None and warm.prompts and warm.tokenizer is not None

@@ -7,25 +7,21 @@ from typing import Any
 
 import torch
 
-from megatron_mugrpo.training.model import tiny_hf_config
+from megatron_mugrpo.training.tiny import tiny_hf_dir
 
 NORM_JITTER = 0.5
 """Norm weights are drawn around 1 (not left at 1) so a swapped or missing norm changes the logits."""
 
 
+def _jitter(model: torch.nn.Module) -> None:
+    """Redraw every weight: norms around 1, the rest N(0, 0.1), so each tensor's role shows in the logits."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.copy_(1.0 + NORM_JITTER * (torch.rand_like(param) - 0.5))
+        else:
+            param.normal_(0.0, 0.1)
+
+
 def make_hf_dir(out_dir: str | Path, arch: str, *, tied: bool = False, seed: int = 0, **overrides: Any) -> Path:
     """Save a random-weight transformers model of ``tiny_hf_config(arch)`` as safetensors in ``out_dir``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config_dict = tiny_hf_config(arch, tie_word_embeddings=tied, **overrides)
-    config = AutoConfig.for_model(**config_dict)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + NORM_JITTER * (torch.rand_like(param) - 0.5))
-            else:
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    return Path(out_dir)
+    return tiny_hf_dir(out_dir, arch, seed=seed, tokenizer=False, adjust=_jitter, tie_word_embeddings=tied, **overrides)

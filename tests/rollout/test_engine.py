@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import (
@@ -26,6 +26,7 @@ from megatron_mugrpo.rollout.transformers_engine import (
     TransformersEngineConfig,
     teacher_forced_logprobs,
 )
+from megatron_mugrpo.training.tiny import tiny_hf_dir
 
 LOGPROB_TOLERANCE = 1e-5
 """float32 engine log-probs vs one unpadded forward pass per sequence (measured ≈ 5e-7)."""
@@ -37,29 +38,14 @@ STOP_IDS = list(range(2, 12))
 """Many EOS ids so that a random model stops often (≈ 20% per step)."""
 
 
-def _save_tiny_model(path, seed: int) -> None:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    """Two tiny Qwen2 checkpoints with different weights."""
+    """Two tiny Qwen2 checkpoints with different weights (EOS id 2, no tokenizer)."""
     root = tmp_path_factory.mktemp("tiny_models")
-    _save_tiny_model(root / "a", seed=0)
-    _save_tiny_model(root / "b", seed=1)
-    return str(root / "a"), str(root / "b")
+    shape = {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 128, "tie_word_embeddings": True}
+    a = tiny_hf_dir(root / "a", seed=0, tokenizer=False, vocab_size=VOCAB, **shape)
+    b = tiny_hf_dir(root / "b", seed=1, tokenizer=False, vocab_size=VOCAB, **shape)
+    return str(a), str(b)
 
 
 def _engine(model_dir: str, **kwargs) -> TransformersEngine:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedModel
 
 from megatron_mugrpo.config import load_config
 from megatron_mugrpo.errors import ConfigError, InputError
@@ -35,6 +35,7 @@ from megatron_mugrpo.rollout.quantization import (
     quantize_model,
 )
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, teacher_forced_logprobs
+from megatron_mugrpo.training.tiny import tiny_hf_dir, tiny_model
 
 HAVE_MODELOPT = importlib.util.find_spec("modelopt") is not None  # without importing it (slow) at collection
 needs_modelopt = pytest.mark.skipif(
@@ -44,32 +45,20 @@ needs_modelopt = pytest.mark.skipif(
 LOGPROB_TOLERANCE = 1e-5
 """Engine log-probs vs a teacher-forced recompute of the same (quantized) model, float32."""
 VOCAB = 64
+SHAPE = {"vocab_size": VOCAB, "max_position_embeddings": 128, "tie_word_embeddings": True}
+"""tiny_model's qwen2 (hidden 64, 2 layers, 4 heads / 2 KV heads, EOS id 2) with these changes."""
 CPU_SCHEMES = ("fp8", "fp8_per_channel")
 PROMPTS = [[1, 5, 6], [1, 7, 8, 9, 10, 11], [1, 2], [1, 30, 31, 32]]
 CALIBRATION = [[1, 3 + i, 4 + i, 5 + (i % 7)] for i in range(24)] + [[1, 9, 9, 9, 9, 9, 2]]
 
 
-def _tiny_model(seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-    )
-    return Qwen2ForCausalLM(config).eval()
+def _tiny_model(seed: int) -> PreTrainedModel:
+    return tiny_model(seed=seed, **SHAPE).eval()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_fp8") / "model"
-    _tiny_model(0).save_pretrained(path)
-    return path
+    return tiny_hf_dir(tmp_path_factory.mktemp("tiny_fp8") / "model", seed=0, tokenizer=False, **SHAPE)
 
 
 def _named(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -7,11 +7,12 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import teacher_forced_logprobs
+from megatron_mugrpo.training.tiny import tiny_hf_dir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,22 +25,17 @@ MAX_TOLERANCE = 1e-2
 """float32 SGLang kernels (paged attention, fused norms) vs one HF forward per sequence."""
 
 
-def _save_model(path, tokenizer, seed: int) -> None:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+def _save_model(path, seed: int) -> None:
+    """A float32 Qwen2 over the character tokenizer (saved with it), 2 layers, tied embeddings."""
+    tiny_hf_dir(
+        path,
+        seed=seed,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
         num_attention_heads=2,  # head_dim 64: supported by every SGLang attention backend
         num_key_value_heads=1,
-        max_position_embeddings=256,
         tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        torch_dtype="float32",
     )
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
 
 
 def _logprob_errors(model_dir, prompts, groups, temperature):
@@ -55,8 +51,8 @@ def test_sglang_logprobs_weights_and_release(tmp_path):
 
     tokenizer = build_char_tokenizer()
     dir_a, dir_b = tmp_path / "a", tmp_path / "b"
-    _save_model(dir_a, tokenizer, seed=0)
-    _save_model(dir_b, tokenizer, seed=1)
+    _save_model(dir_a, seed=0)
+    _save_model(dir_b, seed=1)
     prompts = [
         tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in builtin_problems("arithmetic", 8, 0, "train")
     ]
