@@ -54,12 +54,10 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 def _build_hf_dir(out: Path, *, hidden: int, layers: int, vocab: int, seed: int) -> int:
     """Random-weight Qwen2 HF directory at ``out``; returns its tensor bytes."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from megatron_mugrpo.training.tiny import tiny_model
 
-    from megatron_mugrpo.training.model import tiny_hf_config
-
-    config = tiny_hf_config(
-        "qwen2",
+    model = tiny_model(
+        seed=seed,
         hidden_size=hidden,
         num_hidden_layers=layers,
         vocab_size=vocab,
@@ -67,8 +65,6 @@ def _build_hf_dir(out: Path, *, hidden: int, layers: int, vocab: int, seed: int)
         num_attention_heads=hidden // 64,
         num_key_value_heads=max(1, hidden // 256),
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
     return sum(p.numel() * p.element_size() for p in model.state_dict().values())
 

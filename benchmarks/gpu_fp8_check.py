@@ -57,10 +57,14 @@ def parse_args() -> argparse.Namespace:
 
 def build_model_dir(path: Path, args: argparse.Namespace, seed: int = 0) -> None:
     """A random bf16 Qwen2 with a sharpened output layer (so sampled tokens are not uniform noise)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from megatron_mugrpo.training.tiny import tiny_hf_dir
 
-    torch.manual_seed(seed)
-    config = Qwen2Config(
+    tiny_hf_dir(
+        path,
+        seed=seed,
+        dtype=torch.bfloat16,
+        tokenizer=False,
+        adjust=lambda model: model.lm_head.weight.mul_(3.0),
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=int(2.75 * args.hidden) // 256 * 256,
@@ -68,13 +72,8 @@ def build_model_dir(path: Path, args: argparse.Namespace, seed: int = 0) -> None
         num_attention_heads=args.hidden // 128,
         num_key_value_heads=max(1, args.hidden // 512),
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
         eos_token_id=0,
     )
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    model.save_pretrained(path)
 
 
 def hf_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:

@@ -65,15 +65,14 @@ def free_gib() -> float:
 
 
 def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
-    """A random float32 Qwen2 (head_dim 64, supported by every SGLang attention backend) and prompts."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    """A random float32 Qwen2 (head_dim 64, supported by every SGLang attention backend) over the
+    character tokenizer, saved with it in ``out_dir``, and the tokenized prompts."""
     from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
+    from megatron_mugrpo.training.tiny import tiny_hf_dir
 
-    tokenizer = build_char_tokenizer(out_dir)
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    tiny_hf_dir(
+        out_dir,
+        seed=0,
         hidden_size=args.hidden,
         intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers,
@@ -81,10 +80,8 @@ def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
         num_key_value_heads=max(1, args.hidden // 128),
         max_position_embeddings=512,
         tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        torch_dtype="float32",
     )
-    Qwen2ForCausalLM(config).save_pretrained(out_dir)
+    tokenizer = build_char_tokenizer()
     rows = builtin_problems("arithmetic", args.prompts, seed=0, split="train")
     return [tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in rows]
 

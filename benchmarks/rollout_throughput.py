@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
+from megatron_mugrpo.training.tiny import tiny_hf_dir
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,10 +42,9 @@ def parse_args() -> argparse.Namespace:
 
 def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
     """Save a random small Qwen2 + char tokenizer in out_dir; return the tokenized prompt pool."""
-    tokenizer = build_char_tokenizer(out_dir)
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    tiny_hf_dir(
+        out_dir,
+        seed=0,
         hidden_size=args.hidden,
         intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers,
@@ -53,9 +52,8 @@ def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
         num_key_value_heads=max(1, args.heads // 2),
         max_position_embeddings=256,
         tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
     )
-    Qwen2ForCausalLM(config).save_pretrained(out_dir)
+    tokenizer = build_char_tokenizer()
     rows = builtin_problems("arithmetic", max(args.batch_sizes), seed=0, split="train")
     return [tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in rows]
 

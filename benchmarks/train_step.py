@@ -110,11 +110,10 @@ def time_alternating(
 def plain_step_fn(
     args: argparse.Namespace, config: dict, batch: TrainBatch, device: torch.device, dtype: torch.dtype
 ) -> Callable[[], None]:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from megatron_mugrpo.training.tiny import tiny_model
 
     attention = "sdpa" if device.type == "cuda" else "eager"
-    model = Qwen2ForCausalLM(Qwen2Config.from_dict(config | {"attn_implementation": attention}))
-    model.to(device=device, dtype=dtype).train()
+    model = tiny_model(seed=0, dtype=dtype, attn_implementation=attention, **config).to(device).train()
     optim = OptimConfig(lr=LR, clip_grad=CLIP_GRAD)
     opt = torch.optim.AdamW(
         model.parameters(),
