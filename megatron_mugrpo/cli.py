@@ -6,6 +6,7 @@
     torchrun --nproc_per_node 2 -m megatron_mugrpo.cli train --config configs/demo_async_cpu.yaml --run-dir runs/async
     mugrpo optimize --run-dir runs/demo --stage 1          # phase 2 only, on the stored D_1
     mugrpo eval --run-dir runs/demo [--checkpoint STEP_DIR]
+    mugrpo score --config C --data FILE --responses RESP.jsonl    # given responses through the reward
     mugrpo report runs/mu_grpo runs/grpo --out reports/cmp
     mugrpo sweep experiments/f1_mu_vs_grpo.yaml --out runs/sweeps/f1 --parallel 2
     mugrpo convert {hf-to-megatron,megatron-to-hf,verify} ...
@@ -77,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(ev)
     ev.add_argument("--run-dir", type=Path, required=True, help="run directory")
     ev.add_argument("--checkpoint", type=Path, help="step directory (default: the latest checkpoint, else the base)")
+
+    score = verbs.add_parser(
+        "score",
+        help="score given responses through the configured reward (sandbox included) and print one JSON line each",
+        description='Score RESP.jsonl (rows {"id": <problem id or row number>, "response": "..."}) against '
+        "the problems of --data, read as data.format says, through reward.kind with its options: a check of a data "
+        "set, an answer format or the sandbox before a run. Prints id, reward, reason, tests passed/total, seconds.",
+    )
+    _add_config_args(score)
+    score.add_argument("--data", type=Path, required=True, help="problems file (.jsonl/.json/.parquet)")
+    score.add_argument("--responses", type=Path, required=True, help='JSONL of {"id": ..., "response": "..."}')
 
     report = verbs.add_parser("report", help="PNG plots comparing run directories (accuracy vs wall clock, ...)")
     report.add_argument("run_dirs", nargs="+", type=Path, help="run directories holding metrics.jsonl")
@@ -325,6 +337,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.rewards.registry import RewardSet
+    from megatron_mugrpo.scoring import read_responses, reference_answers, score_responses
+
+    if args.config is None:
+        raise _UsageError("score needs --config (the run config whose reward and data format to use)")
+    if not args.data.is_file():
+        raise _UsageError(f"--data {args.data} does not exist")
+    # The data file as the run's training data: the config checks that reward.kind can score its format.
+    cfg = load_config(args.config, [*args.overrides, f"data.train_path={args.data}"])
+    answers = reference_answers(args.data, cfg.data.format, cfg.data.answer_field)
+    responses = read_responses(args.responses, answers)  # every row checked before anything runs
+    rewards = RewardSet(cfg.reward)
+    try:
+        for scored in score_responses(rewards, answers, responses):
+            print(scored.to_json(), flush=True)
+    finally:
+        rewards.close()
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from megatron_mugrpo.report import write_report
 
@@ -362,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "optimize": cmd_phase,
         "eval": cmd_eval,
         "report": cmd_report,
+        "score": cmd_score,
         "sweep": cmd_sweep,
     }
     try:

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mugrpo.errors import InputError
-from megatron_mugrpo.rewards.registry import Score
 from megatron_mugrpo.rewards.sandbox import Limits, RunResult, Sandbox, Unsandboxed, check_available
+from megatron_mugrpo.rewards.score import Score
 
 CODE_REASONS = (
     "correct",
@@ -311,8 +311,8 @@ class CodeRewardPool:
 
 class CodeReward:
     """The code reward as the reward registry builds it (``reward.kind: code``): each reference answer
-    is a problem's tests as ``CodeProblem.to_json()``; each score is ``Score(reward, reason,
-    pass_fraction)``. Building it checks the sandbox (fails closed)."""
+    is a problem's tests as ``CodeProblem.to_json()``; each score is a ``Score`` with the tests passed
+    and run and the seconds spent. Building it checks the sandbox (fails closed)."""
 
     def __init__(self, *, workers: int, timeout_s: float, options: CodeRewardConfig | None = None) -> None:
         del timeout_s  # programs are bounded by reward.code's limits and the problems' own
@@ -326,7 +326,7 @@ class CodeReward:
             if answer not in problems:
                 problems[answer] = CodeProblem.from_json(answer)
         scores = self.pool.score(responses, [problems[a] for a in answers])
-        return [Score(s.reward, s.reason, s.pass_fraction) for s in scores]
+        return [Score(s.reward, s.reason, s.passed, s.total, s.seconds) for s in scores]
 
     def start(self) -> None:
         """Nothing to warm up: a sandbox starts per program."""

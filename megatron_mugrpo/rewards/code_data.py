@@ -53,6 +53,7 @@ class CodeRecord:
     """One coding problem: its id, the prompt text shown to the model, and its tests."""
 
     problem_id: str
+    """The row's own id (code_contests ``name``, LiveCodeBench ``question_id``), else its row index."""
     prompt: str
     problem: CodeProblem
 
@@ -68,6 +69,8 @@ def code_records(rows: Sequence[dict[str, Any]], fmt: str, origin: str) -> list[
         raise CodeDataError(f"code data format {fmt!r} is not one of {FORMATS}")
     parse = code_contests_record if fmt == "code_contests" else livecodebench_record
     records = [parse(row, where=f"{origin} row {number}") for number, row in enumerate(rows, start=1)]
+    # A problem without an id of its own is named by its row (0-based, as prompt ids are).
+    records = [r if r.problem_id else CodeRecord(str(i), r.prompt, r.problem) for i, r in enumerate(records)]
     if not records:
         raise CodeDataError(f"{origin} holds no problem")
     return records
@@ -92,7 +95,7 @@ def code_contests_record(row: dict[str, Any], *, where: str) -> CodeRecord:
         time_limit_s=_seconds(row.get("time_limit"), where),
         memory_limit_mib=int(row["memory_limit_bytes"]) >> 20 if row.get("memory_limit_bytes") else None,
     )
-    name = str(row.get("name") or row.get("problem_id") or where)
+    name = str(row.get("name") or row.get("problem_id") or "")
     return CodeRecord(name, f"{description.strip()}\n\n{CODE_INSTRUCTION}", problem)
 
 
@@ -120,7 +123,7 @@ def livecodebench_record(row: dict[str, Any], *, where: str) -> CodeRecord:
     prompt = f"{question.strip()}\n\n{instruction}"
     if starter:
         prompt += f"\n\n```python\n{starter.rstrip()}\n```"
-    return CodeRecord(str(row.get("question_id") or where), prompt, problem)
+    return CodeRecord(str(row.get("question_id") or ""), prompt, problem)
 
 
 def _field(row: dict[str, Any], name: str, kind: type, where: str) -> Any:

@@ -20,6 +20,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 """Where the program and the tests lie: /code in the sandbox."""
@@ -53,9 +54,13 @@ def main() -> None:
 
 def run_one(spec: dict, test: object) -> dict:
     cpu = max(1, int(spec["cpu_s"] + 0.999))
+    output_bytes = spec["output_bytes"]
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+        # Output goes to files in the scratch directory, none larger than this: a program that prints
+        # without end is stopped by SIGXFSZ instead of filling this runner's memory.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (output_bytes + 1, output_bytes + 1))
 
     functional = spec["kind"] == "functional"
     if functional:
@@ -64,42 +69,48 @@ def run_one(spec: dict, test: object) -> dict:
         stdin, pass_fds = json.dumps(test).encode(), (write_end,)
     else:
         command, stdin, pass_fds = [sys.executable, "-I", os.path.join(HERE, "main.py")], test.encode(), ()
-    try:
-        done = subprocess.run(
-            command,
-            input=stdin,
-            capture_output=True,
-            timeout=spec["wall_s"],
-            preexec_fn=limit,
-            pass_fds=pass_fds,
-        )
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "output": ""}
-    finally:
-        if functional:
-            os.close(write_end)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            done = subprocess.run(
+                command,
+                input=stdin,
+                stdout=out,
+                stderr=err,
+                timeout=spec["wall_s"],
+                preexec_fn=limit,
+                pass_fds=pass_fds,
+            )
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "output": ""}
+        finally:
+            if functional:
+                os.close(write_end)
+        out.seek(0)
+        printed = out.read(output_bytes + 1)
+        size = err.seek(0, os.SEEK_END)
+        err.seek(max(0, size - 4096))
+        stderr_tail = err.read()
     if functional:
-        returned = os.read(read_end, spec["output_bytes"] + 1)
+        output = os.read(read_end, output_bytes + 1)
         os.close(read_end)
-        output = returned
     else:
-        output = done.stdout
-    return {"status": classify(done, output, spec["output_bytes"]), "output": output.decode(errors="replace")}
+        output = printed
+    status = classify(done.returncode, len(output), stderr_tail, output_bytes)
+    return {"status": status, "output": output[:output_bytes].decode(errors="replace")}
 
 
-def classify(done: subprocess.CompletedProcess, output: bytes, output_bytes: int) -> str:
-    if len(output) > output_bytes or len(done.stdout) > 16 * output_bytes:
+def classify(returncode: int, output_len: int, stderr_tail: bytes, output_bytes: int) -> str:
+    if output_len > output_bytes or returncode == -25:  # SIGXFSZ: a file (stdout) passed the limit
         return "output_limit"
-    if done.returncode == 0:
+    if returncode == 0:
         return "ok"
-    tail = done.stderr[-4096:]
-    if done.returncode in (-24, -9):  # SIGXCPU at the CPU limit, SIGKILL past it
+    if returncode in (-24, -9):  # SIGXCPU at the CPU limit, SIGKILL past it
         return "timeout"
-    if b"MemoryError" in tail:
+    if b"MemoryError" in stderr_tail:
         return "memory_limit"
-    if b"SyntaxError" in tail or b"IndentationError" in tail:
+    if b"SyntaxError" in stderr_tail or b"IndentationError" in stderr_tail:
         return "syntax_error"
-    if done.returncode == -25 or b"No space left on device" in tail:  # SIGXFSZ
+    if b"No space left on device" in stderr_tail or b"File too large" in stderr_tail:  # Python ignores SIGXFSZ
         return "output_limit"
     return "runtime_error"
 

@@ -40,7 +40,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from megatron_mugrpo.rewards.answers import MathOptions, extractor
-from megatron_mugrpo.rewards.registry import RewardError, Score
+from megatron_mugrpo.rewards.registry import RewardError
+from megatron_mugrpo.rewards.score import Score
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ The training data's responses are scored by ``reward.kind``; each evaluation ben
     rewards.for_kind("math").score(...)      # a benchmark's
     rewards.close()
 
-Every score is ``Score(reward, reason)``, a pair, with ``pass_fraction`` set by rewards that grade
-partially (code: tests passed / tests run), so both the full-pass rate and the test pass rate are
-logged whichever one is the reward.
+Every score is ``Score(reward, reason)``, a pair; rewards that run tests add the tests passed and run
+(``pass_fraction``), so both the full-pass rate and the test pass rate are logged whichever one is
+the reward.
 """
 
 from __future__ import annotations
@@ -33,27 +33,6 @@ from megatron_mugrpo.errors import InputError, require, with_registry_sections
 
 class RewardError(InputError, RuntimeError):
     """The reward function cannot run (unknown name, bad arguments, verifier pool cannot start)."""
-
-
-class Score(tuple):
-    """``(reward, reason)``: unpacks and compares like that pair; ``pass_fraction`` is the fraction
-    of tests passed for rewards that run tests (None for the others)."""
-
-    def __new__(cls, reward: float, reason: str, pass_fraction: float | None = None) -> Score:
-        score = super().__new__(cls, (reward, reason))
-        score.pass_fraction = pass_fraction
-        return score
-
-    def __getnewargs__(self) -> tuple[float, str, float | None]:  # pickles with its fraction
-        return (self[0], self[1], self.pass_fraction)
-
-    @property
-    def reward(self) -> float:
-        return self[0]
-
-    @property
-    def reason(self) -> str:
-        return self[1]
 
 
 class RewardFn(Protocol):

@@ -11,12 +11,12 @@ from megatron_mugrpo.rewards.math_reward import REASONS, MathReward, VerifierPoo
 from megatron_mugrpo.rewards.registry import (
     RewardError,
     RewardSet,
-    Score,
     build_reward,
     reason_counts,
     register_reward,
     reward_metrics,
 )
+from megatron_mugrpo.rewards.score import Score
 
 TIMEOUT_S = 3.0
 PATHOLOGICAL = "so the answer is \\boxed{9^{9^{9^{9}}}}"  # sympy tries to evaluate this integer forever
@@ -187,12 +187,13 @@ def test_reward_set_builds_each_kind_once_and_scores_with_the_training_kind():
 def test_score_is_a_pair_that_keeps_its_pass_fraction_through_pickle():
     import pickle
 
-    score = Score(0.0, "wrong_answer", 0.5)
+    score = Score(0.0, "wrong_answer", passed=1, total=2, seconds=0.25)
     reward, reason = score
     assert (reward, reason) == (0.0, "wrong_answer") and score == (0.0, "wrong_answer")
     again = pickle.loads(pickle.dumps(score))
-    assert again == score and again.pass_fraction == 0.5 and Score(1.0, "correct").pass_fraction is None
-    metrics = reward_metrics([score, Score(1.0, "correct", 1.0)])
+    assert again == score and (again.pass_fraction, again.seconds) == (0.5, 0.25)
+    assert Score(1.0, "correct").pass_fraction is None
+    metrics = reward_metrics([score, Score(1.0, "correct", passed=3, total=3)])
     assert metrics["rollout/test_pass_rate"] == 0.75 and metrics["rollout/reward_mean"] == 0.5
 
 
