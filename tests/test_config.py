@@ -65,6 +65,9 @@ def _path_overrides(path: Path, tmp_path: Path, hf_fields: dict | None = None) -
         train = tmp_path / "train.jsonl"
         train.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
         overrides.append(f"data.train_path={train}")
+    for index, bench in enumerate(raw.get("eval", {}).get("benchmarks", [])):
+        if bench["path"] != "builtin":
+            overrides.append(f"eval.benchmarks.{index}.path={train}")
     return overrides
 
 
@@ -88,7 +91,35 @@ def test_grid_covers_every_paper_file() -> None:
     grid = {CONFIGS / "paper" / f"{m}__{method}.yaml" for m in PAPER_MODELS for method in PAPER_METHODS}
     # Table 2's asynchronous runs (tests/asynchronous/test_async_config.py checks them).
     grid |= {CONFIGS / "paper" / f"qwen2.5_math_7b__{method}.yaml" for method in ("async_grpo", "async_mu_grpo")}
+    grid |= {CONFIGS / "paper" / f"qwen2.5_coder_7b__{method}.yaml" for method in ("mu_grpo", "grpo")}  # coding
     assert set(YAMLS) - set(NON_PAPER_YAMLS) == grid
+
+
+@pytest.mark.parametrize(("method", "stages", "mu"), [("mu_grpo", 4, 1024), ("grpo", 1024, 4)])
+def test_paper_coding_run_settings(method: str, stages: int, mu: int, tmp_path: Path) -> None:
+    """The paper's coding run: Qwen2.5-Coder-7B on code_contests, 8k context, B_mini 16, 4096 updates,
+    full-pass code reward in the sandbox, LiveCodeBench pass@4."""
+    path = CONFIGS / "paper" / f"qwen2.5_coder_7b__{method}.yaml"
+    cfg = load_config(path, _path_overrides(path, tmp_path, _dims(28, 4, 28)))
+    check_hf_model_parallelism(cfg.model.hf_dir, cfg.parallel)
+    assert (cfg.stages.num_stages, cfg.stages.updates_per_stage, cfg.stages.mini_groups) == (stages, mu, 16)
+    assert cfg.stages.total_updates == PAPER_TOTAL_UPDATES
+    assert cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens == 8192
+    assert (cfg.data.format, cfg.reward.kind, cfg.reward.code.sandbox, cfg.reward.code.partial) == (
+        "code_contests",
+        "code",
+        "bwrap",
+        False,
+    )
+    (bench,) = cfg.eval.benchmarks
+    assert (bench.name, bench.format, bench.k, bench.pass_k, cfg.benchmark_reward(bench)) == (
+        "livecodebench",
+        "livecodebench",
+        4,
+        4,
+        "code",
+    )
+    assert cfg.algo.loss == ("mu_grpo" if method == "mu_grpo" else "grpo")
 
 
 def test_placeholder_paths_fail_until_overridden() -> None:
