@@ -236,3 +236,21 @@ def test_replay_metrics_get_their_plot(tmp_path: Path) -> None:
     assert [p.name for p in written] == [*EXPECTED_FILES[:-1], "replay.png", "report.md"]
     assert _is_png(written[-2])
     assert "- none" in written[-1].read_text()
+
+
+def test_every_metric_the_report_reads_is_spelled_by_its_producer():
+    """The report stays light (no torch, no megatron), so it names the metrics it plots itself rather
+    than importing them from their producers; this keeps the two spellings from drifting apart."""
+    from megatron_mugrpo import report
+
+    package = Path(report.__file__).parent
+    sources = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name not in ("report.py", "metrics.py"))
+    names = [
+        report.EVAL_AVG, report.EVAL_X, report.REWARD, report.STAGE, report.TOKENS, report.RATIO_NEG,
+        report.RATIO_POS, report.T_ROLLOUT, report.T_OPTIMIZE, *report.UPDATE_FRACTIONS, *report.LAG_KEYS,
+        *report.IDLE_KEYS, *(key for panel in report.REPLAY_PANELS for key in panel),
+    ]  # fmt: skip
+    for name in names:
+        rest = name.partition("/")[2]
+        produced = name in sources or f'"{rest}"' in sources or f"{{prefix}}{rest}" in sources
+        assert produced, f"the report reads {name!r}, which no module of the package produces"
