@@ -8,6 +8,11 @@ also when a worker restarts after a crash. Without a ramp, worker w's batch b is
 ``batch_groups`` prompts.
 
     prompt_range(cfg.async_, batch=3, worker=1)   # range(start, start + n_3)
+
+``lag_pause`` decides whether a worker waits before a batch whose groups would be dropped for their
+lag when the trainer reaches them (generating them would only waste the engine's time).
+
+    lag_pause(cfg.async_, groups=64, unconsumed=120, trainer_update=40, version=36, mini_groups=32)
 """
 
 from __future__ import annotations
@@ -34,3 +39,34 @@ def prompt_range(cfg: AsyncConfig, batch: int, worker: int) -> range:
     size = batch_size(cfg, batch)
     start = cfg.rollout_ranks * groups_before(cfg, batch) + worker * size
     return range(start, start + size)
+
+
+def consumed_by(*, trainer_update: int, ahead: int, mini_groups: int) -> int:
+    """Updates the trainer will have made when it reaches a group with ``ahead`` unconsumed groups in
+    front of it in the queue: the ``update`` that group's lag is measured at (``rollout.queue.group_lag``).
+
+    An estimate: groups the trainer already took for the update it is assembling (consumed, not yet
+    trained on) make it up to one update later (a drop the pause missed, counted as a drop), drops
+    among the groups ahead make it earlier (a pause that was not needed).
+    """
+    return trainer_update + ahead // mini_groups
+
+
+def lag_pause(
+    cfg: AsyncConfig, *, groups: int, unconsumed: int, trainer_update: int, version: int, mini_groups: int
+) -> bool:
+    """Whether a worker should wait before generating a batch of ``groups`` groups with the policy of
+    ``version`` (trainer updates behind it) because its last group would be dropped as more than
+    ``async.max_lag`` updates old when the trainer reaches it.
+
+    ``unconsumed`` groups are in the queue before it and the trainer has made ``trainer_update``
+    updates (its cursor file says both). Never with an empty queue: the trainer then waits for groups,
+    and a batch too large for ``max_lag`` even at the front of the queue is better made and partly
+    dropped (counted) than never made. A pause ends when the trainer has consumed enough or published
+        newer weights, and the trainer needs nothing from this worker to do either (it waits for groups
+    only once it has consumed every admitted one), so a pause cannot deadlock the run.
+    """
+    if unconsumed <= 0:
+        return False
+    last = consumed_by(trainer_update=trainer_update, ahead=unconsumed + groups - 1, mini_groups=mini_groups)
+    return last - version > cfg.max_lag

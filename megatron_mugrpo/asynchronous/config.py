@@ -35,6 +35,12 @@ class AsyncConfig:
     worker_timeout_s: float = 300.0
     """A trainer or worker whose heartbeat has not changed for this long is dead: the run stops with
     an error naming it."""
+    progress_timeout_s: float | None = 1800.0
+    """A trainer or worker whose heartbeat goes on while its main loop makes no progress for this long
+    hangs: the run stops with an error naming it and what it was doing. Progress is every response
+    generated, batch written and update made, and every look at the other side while waiting; so this
+    must exceed the longest step without any: one engine call of a worker (a whole batch with SGLang,
+    up to 4096 rows), the trainer's setup, one evaluation, checkpoint or publication. null: off."""
     startup_timeout_s: float = 900.0
     """How long a rank waits for the other side's first heartbeat (ranks on other nodes may start
     later; a trainer loads its model before it watches the workers)."""
@@ -54,6 +60,10 @@ class AsyncConfig:
         )
         for name in ("worker_timeout_s", "startup_timeout_s"):
             require(getattr(self, name) > 0, f"async.{name}={getattr(self, name)} must be > 0")
+        require(
+            self.progress_timeout_s is None or self.progress_timeout_s > 0,
+            f"async.progress_timeout_s={self.progress_timeout_s} must be > 0 (or null: no hang detection)",
+        )
         if self.first_batch_groups is not None:
             require(
                 self.first_batch_groups >= 1,

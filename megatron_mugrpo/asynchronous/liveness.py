@@ -1,17 +1,27 @@
 """Heartbeats between the trainer and the rollout workers, through the run directory.
 
 Each process runs a ``Heartbeat``: a daemon thread that rewrites ``<dir>/<name>.json`` every
-``HEARTBEAT_S`` seconds with a growing count, a nonce of its own and a status (running, done, or
-failed with a message). Another process watches that file with a ``Peer``: the peer is alive while
-the file keeps changing. A file unchanged for ``timeout_s`` (timed on the watcher's own clock, so
-the clocks of different nodes never matter) means the process died or hangs; a failed status
-carries the process's own error message. Only changes seen after the watcher started count: a stale
-file left by an earlier launch of the same run directory never passes for a live process, and its
-'done' or 'failed' status never for this launch's.
+``HEARTBEAT_S`` seconds with a growing count, a nonce of its own, a status (running, done, or
+failed with a message) and the process's *progress*: a counter that only its main loop advances
+(``advance``: per response generated, batch written, update made, and per look at the other side
+while it waits), with a phrase saying what it is doing. Another process watches that file with a
+``Peer``:
+
+- a file unchanged for ``timeout_s`` means the process died (or its whole interpreter is stuck);
+- a file that keeps changing while its progress does not, for ``progress_timeout_s``, means the
+  process is alive but its main loop hangs (a collective that never returns, an engine that never
+  answers): the heartbeat thread alone cannot tell that apart from work;
+- a failed status carries the process's own error message.
+
+Both delays are timed on the watcher's own clock, so the clocks of different nodes never matter.
+Only changes seen after the watcher started count: a stale file left by an earlier launch of the
+same run directory never passes for a live process, and its 'done' or 'failed' status never for
+this launch's.
 
     with Heartbeat(beat_dir / "worker_000.json"):           # in the worker
-        ...
-    peer = Peer(beat_dir / "worker_000.json", "rollout worker 0 (rank 1)", timeout_s=300, startup_s=900)
+        advance("generating batch 3")                        # its main loop, as it works or polls
+    peer = Peer(beat_dir / "worker_000.json", "rollout worker 0 (rank 1)", timeout_s=300, startup_s=900,
+                progress_timeout_s=1800)
     peer.check()                                             # in the trainer's wait loop: raises RankFailedError
 """
 
@@ -51,6 +61,10 @@ class Beat:
     """Why it failed (the exception's text), else ''."""
     pid: int
     host: str
+    progress: int = 0
+    """Steps of the process's main loop (``Heartbeat.advance``); the heartbeat thread never moves it."""
+    doing: str = ""
+    """What the main loop is doing (its last ``advance``), e.g. 'generating batch 12'."""
 
 
 def read_beat(path: Path) -> Beat | None:
@@ -61,16 +75,27 @@ def read_beat(path: Path) -> Beat | None:
 class Heartbeat:
     """Announce that this process is alive (a daemon thread), and how it ended."""
 
-    def __init__(self, path: Path, interval_s: float = HEARTBEAT_S):
+    def __init__(self, path: Path, interval_s: float = HEARTBEAT_S, doing: str = "starting up"):
         self.path, self.interval_s = path, interval_s
         self._nonce, self._count = uuid.uuid4().hex, 0
         self._status, self._message = RUNNING, ""
+        self._progress, self._doing = 0, doing
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread: threading.Thread | None = None
 
+    def advance(self, doing: str | None = None, steps: int = 1) -> None:
+        """The main loop moved on by ``steps`` (and now does ``doing``, when given). Cheap: the next
+        beat carries it; call it from the loop that does the work, never from a helper thread."""
+        with self._lock:
+            self._progress += steps
+            if doing is not None:
+                self._doing = doing
+
     def start(self) -> Heartbeat:
+        global _current
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write()
+        _current = self
         self._thread = threading.Thread(target=self._run, name=f"heartbeat:{self.path.stem}", daemon=True)
         self._thread.start()
         return self
@@ -82,11 +107,23 @@ class Heartbeat:
     def _write(self) -> None:
         with self._lock:
             self._count += 1
-            beat = Beat(self._nonce, self._count, self._status, self._message, os.getpid(), socket.gethostname())
+            beat = Beat(
+                self._nonce,
+                self._count,
+                self._status,
+                self._message,
+                os.getpid(),
+                socket.gethostname(),
+                self._progress,
+                self._doing,
+            )
             write_json(self.path, asdict(beat))
 
     def finish(self, status: str, message: str = "") -> None:
         """Stop beating; the last record says ``status`` (done or failed, with ``message``)."""
+        global _current
+        if _current is self:
+            _current = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -101,6 +138,18 @@ class Heartbeat:
             self.finish(DONE)
         else:
             self.finish(FAILED, f"{type(exc).__name__}: {exc}")
+
+
+_current: Heartbeat | None = None
+"""The heartbeat this process started last (one per process in a launch): what ``advance`` moves."""
+
+
+def advance(doing: str | None = None, steps: int = 1) -> None:
+    """``Heartbeat.advance`` on this process's heartbeat; nothing when it has none (staged mode, a
+    trainer rank other than 0). The trainer's heartbeat is the CLI's, so its loop reports through this."""
+    beat = _current
+    if beat is not None:
+        beat.advance(doing, steps)
 
 
 @contextmanager
@@ -123,18 +172,24 @@ class Peer:
         *,
         timeout_s: float,
         startup_s: float,
+        progress_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.path, self.name, self.timeout_s, self.startup_s, self._clock = path, name, timeout_s, startup_s, clock
+        self.progress_timeout_s = progress_timeout_s
+        """None: a live process is never declared hung (only a silent one, dead)."""
         self._seen = self._stale = read_beat(path)  # what an earlier launch may have left: not a sign of life
-        self._changed_at = clock()
+        self._changed_at = self._progressed_at = clock()
         self.live: Beat | None = None
         """The latest record written since this watcher started (None: nothing yet)."""
 
     def poll(self) -> Beat | None:
         beat = read_beat(self.path)
         if beat is not None and beat != self._seen:
-            self._seen, self._changed_at, self.live = beat, self._clock(), beat
+            now, live = self._clock(), self.live
+            if live is None or (beat.nonce, beat.progress) != (live.nonce, live.progress):
+                self._progressed_at = now
+            self._seen, self._changed_at, self.live = beat, now, beat
         return self.live
 
     @property
@@ -154,6 +209,14 @@ class Peer:
             raise RankFailedError(
                 f"{self.name} has sent no heartbeat for {silent:.0f} s (async.worker_timeout_s={self.timeout_s:g}; "
                 f"{self.path}): it died or hangs. See its log, then continue with `mugrpo train --resume RUN_DIR`"
+            )
+        stalled = self._clock() - self._progressed_at
+        if beat is not None and self.progress_timeout_s is not None and stalled > self.progress_timeout_s:
+            raise RankFailedError(
+                f"{self.name} hangs: its heartbeat goes on, but its main loop has not moved for {stalled:.0f} s, "
+                f"while {beat.doing or 'starting up'} (async.progress_timeout_s={self.progress_timeout_s:g}; "
+                f"pid {beat.pid} on {beat.host}). See its log and its stacks (`py-spy dump --pid {beat.pid}` on "
+                "that host), then continue with `mugrpo train --resume RUN_DIR`"
             )
         if beat is None and silent > self.startup_s:
             older = ""

@@ -45,7 +45,11 @@ LOG = "publications.jsonl"
 KEEP_PUBLICATIONS = 4
 """Publications kept on disk: a worker may still be loading an older one when a newer one lands."""
 LOAD_ATTEMPTS = 5
-"""Times a worker retries a load whose directory vanished (pruned under it) before giving up."""
+"""Times a worker tries to load the latest publication before giving up: a directory pruned under it
+(OSError) or the engine's own refusal (SGLang's ``update_weights_from_disk`` failing is a RuntimeError)
+are retried, each time with the publication ``latest`` names then."""
+RETRY_S = 1.0
+"""Seconds between two attempts (the n-th failure waits n × this: a busy file system gets time)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,28 +143,41 @@ def publication_digests(root: Path) -> dict[str, str]:
 class Subscription:
     """A worker's view of the publications: which one its engine holds, and loading the newest."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, *, retry_s: float = RETRY_S):
+        self.root, self.retry_s = root, retry_s
         self.current: Publication | None = None
 
     def path(self, publication: Publication) -> Path:
         return self.root / publication.name
 
     def refresh(self, load: Callable[[str], None]) -> float:
-        """``load(directory)`` the newest publication unless it is the one loaded; returns the seconds spent."""
+        """``load(directory)`` the newest publication unless it is the one loaded; returns the seconds spent.
+
+        A failed load is retried (``LOAD_ATTEMPTS`` in all, ``retry_s`` apart and growing): the directory
+        may have been pruned under it (OSError; a newer one is named by then), or the engine refused it
+        (RuntimeError: SGLang's ``update_weights_from_disk``). The last failure is in the error raised.
+        """
         started = time.perf_counter()
-        for _ in range(LOAD_ATTEMPTS):
+        failures: list[tuple[Publication, Exception]] = []
+        while len(failures) < LOAD_ATTEMPTS:
             latest = latest_publication(self.root)
             if latest is None or latest == self.current:
                 break
             try:
                 load(str(self.path(latest)))
-            except OSError:  # pruned while we read it (FileNotFoundError included): a newer one is named by now
+            except (OSError, RuntimeError) as exc:
+                failures.append((latest, exc))
+                if len(failures) < LOAD_ATTEMPTS:
+                    time.sleep(self.retry_s * len(failures))
                 continue
             self.current = latest
             break
         else:
-            raise RuntimeError(f"could not load the latest publication of {self.root} in {LOAD_ATTEMPTS} attempts")
+            publication, error = failures[-1]
+            raise RuntimeError(
+                f"could not load the latest publication of {self.root} in {LOAD_ATTEMPTS} attempts; the last, "
+                f"of {publication.name}, failed with {type(error).__name__}: {error}"
+            ) from error
         return time.perf_counter() - started
 
 

@@ -6,12 +6,17 @@ dispatches by role). Its loop, one queue shard per turn::
     wait for room in the queue (workers pause while async.queue_groups groups are unconsumed)
     → load newly published weights, if any (between batches only: a whole batch, every VIGOR
       round included, is sampled by one policy)
+    → pause (loading newer weights as they come) while the batch's groups would be dropped for
+      their lag when the trainer reaches them (``batches.lag_pause``; counted in the shard's record)
     → generate and score batch b: its prompts are ``batches.prompt_range(async, b, w)`` of the seeded prompt
       stream (this worker is w) and every engine call is seeded from (stages.seed, w, b, round)
     → normalise advantages per group, tag every group with the policy version, append the shard
 
-It never joins torch.distributed and never imports Megatron. It ends when the trainer's heartbeat
-says the run is done, and fails with a message naming the trainer when that heartbeat stops. A
+It never joins torch.distributed and never imports Megatron. Its engine has a seed of its own,
+``engine_seed(seed, w)``. Its heartbeat carries its progress (every response generated, batch
+written, and look at the trainer while it waits). It ends when the trainer's heartbeat says the run
+is done, and fails with a message naming the trainer when that heartbeat stops or the trainer's
+progress does (``liveness``). A
 worker restarted after a crash continues at its first unrecorded batch (what it left half-written
 is deleted first), so batch b holds the same prompts whichever process made it.
 """
@@ -29,16 +34,16 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from megatron_mugrpo.algorithms.advantages import assign_advantages
-from megatron_mugrpo.asynchronous.batches import prompt_range
+from megatron_mugrpo.asynchronous.batches import lag_pause, prompt_range
 from megatron_mugrpo.asynchronous.config import AsyncConfig
 from megatron_mugrpo.asynchronous.files import AsyncPaths
-from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer
+from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer, advance
 from megatron_mugrpo.asynchronous.publish import Subscription, engine_digest
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rewards.registry import RewardFn, RewardSet
 from megatron_mugrpo.rollout.config import RolloutConfig
-from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config, shutdown_engine
+from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config, derive_seed, shutdown_engine
 from megatron_mugrpo.rollout.generate import generate_groups
 from megatron_mugrpo.rollout.prompts import DataConfig, PromptRecord, load_prompts, prompt_slice
 from megatron_mugrpo.rollout.queue import QueueWriter
@@ -54,6 +59,12 @@ _GPU_PLACEMENT: dict[str, Callable[[int], dict[str, Any]]] = {
 """Engine keywords that put a worker's engine on its own local GPU (torchrun's LOCAL_RANK)."""
 
 T = TypeVar("T")
+
+
+def engine_seed(seed: int, worker: int) -> int:
+    """The engine seed of rollout worker ``worker`` (SGLang's ``random_seed``): one of its own, so that
+    workers never draw the same random stream, and the same for that worker in every launch."""
+    return derive_seed(seed, worker)
 
 
 class WorkerConfig(Protocol):
@@ -92,6 +103,7 @@ class Worker:
 
     def load(self, path: str) -> None:
         """Build the engine on the first publication (unless ``warm_up`` did); later ones replace its weights."""
+        advance(f"loading the weights of publication {Path(path).name}")
         if self.engine is None:
             self.engine = self._build_engine(path)
         else:
@@ -110,6 +122,7 @@ class Worker:
         demo builds its base model on the trainer) there is no engine to build yet; a path without
         ``config.json`` is left for the trainer to report.
         """
+        advance("warming up (verifier, engine, prompts)")
         if self.reward_fn is None:
             self.reward_fn = RewardSet(self.cfg.reward)
             self.reward_fn.start()
@@ -130,7 +143,8 @@ class Worker:
         if torch.cuda.is_available():
             gpu = int(os.environ.get("LOCAL_RANK", "0"))
             overrides = _GPU_PLACEMENT.get(self.cfg.rollout.engine, lambda _: {})(gpu)
-        return build_engine_from_config(self.cfg.rollout, path, seed=self.cfg.seed, **overrides)
+        seed = engine_seed(self.cfg.seed, self.index)
+        return build_engine_from_config(self.cfg.rollout, path, seed=seed, **overrides)
 
     def first_weights(self) -> bool | None:
         """Load the first publication if there is one yet (True), else None."""
@@ -150,11 +164,12 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
             "the trainer (rank 0)",
             timeout_s=timeouts.worker_timeout_s,
             startup_s=timeouts.startup_timeout_s,
+            progress_timeout_s=timeouts.progress_timeout_s,
         )
         worker = Worker(cfg=cfg, role=role, paths=paths, trainer=trainer, subscription=Subscription(paths.weights))
         try:
             worker.warm_up()
-            first = _wait(worker, worker.first_weights)
+            first = _wait(worker, worker.first_weights, "waiting for the trainer's first publication")
             if first is None:
                 return  # the trainer finished before this worker got weights: nothing left to do
             _setup(worker)
@@ -167,7 +182,8 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
 
 
 def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
-    """Wait for room → pick up new weights → generate batch b → append it; until the trainer is done.
+    """Wait for room → pick up new weights → pause while too stale → generate batch b → append it; until
+    the trainer is done.
 
     ``idle_s``: seconds already spent waiting (for the first weights), counted with the first batch.
     """
@@ -175,17 +191,25 @@ def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
     batch = worker.queue.resume_batch()
     log.info("%s: generating from batch %d", worker.role.describe(), batch)
     while True:
-        waited = _wait(worker, lambda: worker.queue.unconsumed() < cfg.queue_groups or None)
+        room = f"waiting for room in the queue before batch {batch}"
+        waited = _wait(worker, lambda: worker.queue.unconsumed() < cfg.queue_groups or None, room)
         if waited is None:
             return
         load_s = worker.subscription.refresh(worker.load)  # new weights only here, between batches
+        paused = _pause_for_lag(worker, batch)
+        if paused is None:
+            return
+        paused_s, paused_load_s = paused
+        advance(f"generating batch {batch} with publication {worker.subscription.current.name}")
         started = time.perf_counter()
         groups = generate_batch(worker, batch)
+        advance(f"writing batch {batch}")
         worker.queue.append(
             batch,
             groups,
-            idle_s=idle_s + waited[1],
-            load_s=load_s,
+            idle_s=idle_s + waited[1] + paused_s,
+            paused_s=paused_s,
+            load_s=load_s + paused_load_s,
             generate_s=time.perf_counter() - started,
             publication=worker.subscription.current.name,
             weights_digest=worker.digest,
@@ -193,11 +217,43 @@ def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
         batch, idle_s = batch + 1, 0.0
 
 
+def _pause_for_lag(worker: Worker, batch: int) -> tuple[float, float] | None:
+    """Wait while batch ``batch`` would be dropped for its lag (``batches.lag_pause``), loading newer
+    weights as they are published. Returns (seconds paused, of which loading weights), or None once the
+    trainer is done."""
+    cfg = worker.cfg
+    groups = len(prompt_range(cfg.async_, batch, worker.index))
+    load_s = [0.0]
+
+    def fresh() -> bool | None:
+        load_s[0] += worker.subscription.refresh(worker.load)
+        unconsumed, update = worker.queue.backlog()
+        stale = lag_pause(
+            cfg.async_,
+            groups=groups,
+            unconsumed=unconsumed,
+            trainer_update=update,
+            version=worker.subscription.current.version,
+            mini_groups=cfg.stages.mini_groups,
+        )
+        return None if stale else True
+
+    if fresh():
+        return 0.0, load_s[0]
+    log.debug("%s: pausing before batch %d: its groups would be too old when trained on", worker.role.describe(), batch)
+    waited = _wait(worker, fresh, f"pausing before batch {batch}: its groups would be dropped for their lag")
+    return None if waited is None else (waited[1], load_s[0])
+
+
 def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
     """Batch ``batch`` of this worker, sampled and scored by the policy it holds now."""
     cfg, publication = worker.cfg, worker.subscription.current
     positions = prompt_range(cfg.async_, batch, worker.index)
     records = prompt_slice(worker.prompts, positions.start, len(positions), cfg.data.seed)
+
+    def responses(finished: int) -> None:  # the engine's progress: this worker's main loop moves
+        advance(steps=finished)
+
     groups = generate_groups(
         engine=worker.engine,
         records=records,
@@ -206,6 +262,7 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
         cfg=cfg.rollout,
         seeds=(cfg.stages.seed, worker.index, batch),
         vocab_size=worker.queue.vocab_size,
+        progress=responses,
     )
     for group in groups:
         group.policy_version = publication.version
@@ -225,11 +282,13 @@ def _setup(worker: Worker) -> None:
     worker.queue = QueueWriter(worker.paths.queue, worker=worker.index, vocab_size=vocab_size)
 
 
-def _wait(worker: Worker, ready: Callable[[], T | None]) -> tuple[T, float] | None:
+def _wait(worker: Worker, ready: Callable[[], T | None], doing: str) -> tuple[T, float] | None:
     """Poll ``ready()`` until it returns a value; returns it with the seconds waited, or None once the
-    trainer is done. Raises RankFailedError when the trainer failed or went silent."""
+    trainer is done. Raises RankFailedError when the trainer failed, went silent or hangs. Every poll
+    is progress of this worker's main loop (``doing``)."""
     started = time.perf_counter()
     while True:
+        advance(doing)
         worker.trainer.check()
         if worker.trainer.done:
             return None

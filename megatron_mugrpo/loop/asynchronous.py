@@ -5,7 +5,9 @@
     → log → at stage ends: rollout summary, evaluation, checkpoint (the queue cursor with it)
 
 The run makes ``stages.num_stages × μ`` updates; a "stage" is only the evaluation and checkpoint
-period here, since nothing is generated in bulk. The mechanics live in ``Feed`` (the trainer's end
+period here, since nothing is generated in bulk. Rank 0 reports its progress in its heartbeat (every
+update, publication, evaluation step and look at the queue while it waits: ``liveness.advance``), so
+the workers tell a hung trainer from a busy one. The mechanics live in ``Feed`` (the trainer's end
 of the queue, the weight publications and the heartbeats) and in the modules it uses.
 
     mugrpo train --config configs/demo_async_cpu.yaml ...   under torchrun, on the trainer ranks
@@ -18,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_mugrpo.asynchronous.files import AsyncPaths
-from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError
+from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError, advance
 from megatron_mugrpo.asynchronous.publish import Publication, publication_digests, publish_policy
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.evaluation import AVG_KEY
@@ -47,12 +49,15 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
     feed = Feed.open(run, role)  # rank 0: the queue reader, the workers' heartbeats
     feed.publish(run)  # the workers' first policy (or, resumed, the checkpoint's)
     if state.global_update == 0 and state.acc_before is None:
+        advance("evaluating the initial policy")
         state.acc_before = run_evaluation(run).get(AVG_KEY, float("nan"))
     for _ in progress_range(run, run.state.global_update, cfg.stages.total_updates, "async updates"):
+        advance(f"assembling update {run.state.global_update + 1}")
         started = time.perf_counter()
         with run.timer("perf/t_rollout_s"):  # idle: waiting for and assembling samples
             taken = feed.next_groups(run)
         with run.timer("perf/t_optimize_s"):
+            advance(f"making update {run.state.global_update + 1}")
             metrics = async_update(run, taken)
             if run.state.global_update % cfg.async_.sync_every == 0:
                 metrics |= feed.publish(run)
@@ -83,6 +88,7 @@ def end_of_update(run: Run, feed: Feed) -> None:
     if stage_end:
         run.logger.log(feed.stage_summary(run.state.stage - 1), step=done)
     run.state.queue = feed.cursor()  # a copy: a background save must not see the cursor move on
+    advance(f"evaluating or checkpointing after update {done}")
     evaluate_and_checkpoint(run, stage_end=stage_end, last=last)
 
 
@@ -120,6 +126,7 @@ class Feed:
                     _worker_name(role, i),
                     timeout_s=cfg.worker_timeout_s,
                     startup_s=cfg.startup_timeout_s,
+                    progress_timeout_s=cfg.progress_timeout_s,
                 )
                 for i in range(role.num_workers)
             ]
@@ -133,6 +140,7 @@ class Feed:
     def publish(self, run: Run) -> dict[str, float]:
         """Publish the current policy for the workers (collective over the trainer ranks)."""
         started = time.perf_counter()
+        advance(f"publishing its weights after {run.state.global_update} updates")
         publication = publish_policy(
             run, self.paths.weights, version=run.state.global_update, digest=self.verify_weights
         )
@@ -167,6 +175,7 @@ class Feed:
             reader.publish_cursor(update)  # room freed by what was consumed, even before the update is made
             if taken is not None:
                 return taken
+            advance(f"waiting for groups for update {update + 1}")  # a look at the workers: progress
             for peer in self.workers:
                 peer.check()
                 if peer.done:
@@ -205,10 +214,12 @@ class Feed:
         cursor = self.reader.cursor
         metrics |= {
             "rollout/dropped_groups_total": float(cursor.dropped),
+            "rollout/paused_batches_total": float(cursor.paused),
             "rollout/queue_position": float(cursor.position),
             "rollout/queue_backlog": float(self.reader.index.total_groups - cursor.position),
         }
         cursor.window = _summed(cursor.window, shard_stats(taken.groups))
+        metrics["rollout/paused_batches"] = float(sum(r.paused_s > 0 for r in self.admitted))
         if self.admitted:
             busy = sum(r.generate_s + r.load_s for r in self.admitted)
             idle = sum(r.idle_s for r in self.admitted)
@@ -234,6 +245,7 @@ class Feed:
         return {
             "consumed_groups": float(cursor.position),
             "dropped_groups": float(cursor.dropped),
+            "paused_batches": float(cursor.paused),
             "left_in_queue": float(self.reader.index.total_groups - cursor.position),
         }
 

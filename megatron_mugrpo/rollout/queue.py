@@ -13,7 +13,8 @@ A worker validates a batch with the rollout store's checks, writes the shard and
 each under a temporary name, fsynced and renamed into place (``durable``): a shard exists for readers
 exactly when its record does, also after a power loss. A worker killed mid-write leaves temporaries
 or a shard without a record; when it restarts it deletes them and continues at its next batch index,
-so nothing half-written is ever read. Workers pause while ``written − consumed`` groups reach ``async.queue_groups``.
+so nothing half-written is ever read. Workers pause while ``written − consumed`` groups reach ``async.queue_groups``,
+and before a batch whose groups would be too old when the trainer reaches them (``paused_s``).
 
 The trainer (``QueueReader``, trainer rank 0) admits recorded shards in the order their records
 appeared (the record's modification time, then its name) and appends their names to the cursor;
@@ -73,7 +74,10 @@ class ShardRecord:
     stats: dict[str, float] = field(default_factory=dict)
     """Summable statistics of the groups (``rollout.store.shard_stats``)."""
     idle_s: float = 0.0
-    """Seconds the worker waited before this batch (queue full, or no weights yet)."""
+    """Seconds the worker waited before this batch (queue full, no weights yet, or ``paused_s``)."""
+    paused_s: float = 0.0
+    """Of those, seconds it paused because the batch's groups would have been dropped for their lag
+    (``asynchronous.batches.lag_pause``); 0: no such pause."""
     load_s: float = 0.0
     """Seconds it spent loading newly published weights before this batch."""
     generate_s: float = 0.0
@@ -95,6 +99,8 @@ class QueueCursor:
     """Groups of that sequence consumed so far: trained on, or dropped for their lag."""
     dropped: int = 0
     """Of those, how many were dropped."""
+    paused: int = 0
+    """Admitted shards whose worker paused before generating them, lest they be dropped for their lag."""
     window: dict[str, float] = field(default_factory=dict)
     """Summed ``shard_stats`` of the groups trained on since the last stage end (its rollout summary)."""
 
@@ -195,8 +201,13 @@ def read_shard(queue_dir: Path, record: ShardRecord) -> list[RolloutGroup]:
 
 def consumed_groups(queue_dir: Path) -> int:
     """Groups the trainer has consumed (its cursor.json; 0 before it wrote one)."""
+    return trainer_progress(queue_dir)[0]
+
+
+def trainer_progress(queue_dir: Path) -> tuple[int, int]:
+    """(groups consumed, updates made) as the trainer last published them (cursor.json; zeros before)."""
     values = read_json(queue_dir / CURSOR_FILE)
-    return int(values["position"]) if values else 0
+    return (int(values["position"]), int(values.get("global_update", 0))) if values else (0, 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,8 +238,13 @@ class QueueWriter:
 
     def unconsumed(self) -> int:
         """Groups written by every worker and not yet consumed by the trainer."""
+        return self.backlog()[0]
+
+    def backlog(self) -> tuple[int, int]:
+        """(groups written by every worker and not yet consumed, updates the trainer has made)."""
         self.index.refresh()
-        return self.index.total_groups - consumed_groups(self.queue_dir)
+        consumed, update = trainer_progress(self.queue_dir)
+        return self.index.total_groups - consumed, update
 
     def append(self, batch: int, groups: Sequence[RolloutGroup], **record: Any) -> ShardRecord:
         """Validate and write one batch (shard, then record); ``record`` fills ShardRecord's timing fields."""
@@ -311,6 +327,7 @@ class QueueReader:
         for record in new:
             self._buffer.extend(_Queued(g, record) for g in read_shard(self.queue_dir, record))
             self.cursor.shards.append(record.name)
+            self.cursor.paused += record.paused_s > 0
         return new
 
     def take(self, *, update: int, count: int, max_lag: int) -> Taken | None:

@@ -49,11 +49,17 @@ def test_inherited_async_sections_merge(tmp_path: Path) -> None:
         (["async_.max_lag=8"], r"'async_\.max_lag' is not a configuration key"),
         (["async.max_lag=soon"], r"async\.max_lag: Value 'soon'"),
         (["async.first_batch_groups=0"], r"async\.first_batch_groups=0 must be >= 1"),
+        (["async.progress_timeout_s=-1"], r"async\.progress_timeout_s=-1\.0 must be > 0 \(or null"),
     ],
 )
 def test_bad_async_settings_are_clear_errors(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_hang_detection_can_be_switched_off() -> None:
+    assert load_config(None, []).async_.progress_timeout_s == 1800.0
+    assert load_config(None, ["async.progress_timeout_s=null"]).async_.progress_timeout_s is None
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,18 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from dist_utils import run_distributed
 from safetensors.torch import load_file
 
+from megatron_mugrpo.asynchronous.files import write_json
 from megatron_mugrpo.asynchronous.publish import (
     KEEP_PUBLICATIONS,
+    LOAD_ATTEMPTS,
     LOG,
+    POINTER,
+    Publication,
     Subscription,
     engine_digest,
     latest_publication,
@@ -116,8 +121,79 @@ def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_pat
         assert idle.engine is None
 
 
-def _worker(hf_dir: str):
+def _point(root: Path, name: str, version: int) -> Publication:
+    """Publish a directory by hand: ``latest`` names it."""
+    (root / name).mkdir(parents=True, exist_ok=True)
+    write_json(root / POINTER, {"name": name, "version": version, "digest": ""})
+    return Publication(name=name, version=version)
+
+
+def test_a_load_the_engine_refuses_is_retried(tmp_path: Path) -> None:
+    """SGLang's ``update_weights_from_disk`` failing raises RuntimeError, not OSError: it is retried too."""
+    root = tmp_path / "weights"
+    first = _point(root, "v00000004-aaaa", 4)
+    calls: list[str] = []
+
+    def flaky(path: str) -> None:
+        calls.append(Path(path).name)
+        if len(calls) == 1:
+            raise RuntimeError("update_weights_from_disk: Failed to load weights (busy)")
+        if len(calls) == 2:
+            _point(root, "v00000008-bbbb", 8)  # meanwhile a newer one was published: the next try takes it
+            raise FileNotFoundError(path)
+
+    subscription = Subscription(root, retry_s=0.0)
+    subscription.refresh(flaky)
+    assert calls == [first.name, first.name, "v00000008-bbbb"]
+    assert subscription.current == Publication(name="v00000008-bbbb", version=8)
+
+
+def test_a_load_that_keeps_failing_stops_with_the_last_error(tmp_path: Path) -> None:
+    root = tmp_path / "weights"
+    _point(root, "v00000004-aaaa", 4)
+    attempts: list[int] = []
+
+    def broken(path: str) -> None:
+        attempts.append(1)
+        raise RuntimeError(f"update_weights_from_disk({path}) failed: attempt {len(attempts)}")
+
+    subscription = Subscription(root, retry_s=0.0)
+    with pytest.raises(RuntimeError) as failure:
+        subscription.refresh(broken)
+    assert len(attempts) == LOAD_ATTEMPTS and subscription.current is None
+    message = str(failure.value)
+    assert f"in {LOAD_ATTEMPTS} attempts; the last, of v00000004-aaaa, failed with RuntimeError" in message
+    assert message.endswith(f"attempt {LOAD_ATTEMPTS}")
+
+    def bug(path: str) -> None:  # anything else is not a load failure: no retry
+        raise KeyError("model.layers.0")
+
+    with pytest.raises(KeyError):
+        subscription.refresh(bug)
+
+
+def test_each_worker_seeds_its_engine_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_mugrpo.asynchronous import worker as worker_module
+
+    seeds = [worker_module.engine_seed(0, w) for w in range(8)]
+    assert len(set(seeds)) == 8 and seeds == [worker_module.engine_seed(0, w) for w in range(8)]  # stable
+    assert worker_module.engine_seed(1, 0) not in seeds and all(0 <= s < 2**31 for s in seeds)
+
+    built: dict[int, int] = {}
+
+    def build(rollout, path, *, seed, **overrides):
+        return SimpleNamespace(seed=seed)
+
+    monkeypatch.setattr(worker_module, "build_engine_from_config", build)
+    for index in (0, 1):
+        worker = _worker("", index=index, world=3)
+        built[index] = worker._build_engine("unused").seed
+    assert built == {0: seeds[0], 1: seeds[1]}
+
+
+def _worker(hf_dir: str, *, index: int = 0, world: int = 2):
     """A rollout worker with the async demo's engine settings and only what loading weights needs."""
+    from megatron_mugrpo.asynchronous.roles import split_roles
     from megatron_mugrpo.asynchronous.worker import Worker
     from megatron_mugrpo.config import load_config
 
@@ -130,4 +206,5 @@ def _worker(hf_dir: str):
         seed=0,
         async_=SimpleNamespace(verify_weights=True),
     )
-    return Worker(cfg=cfg, role=None, paths=None, trainer=None, subscription=None)
+    role = split_roles(rank=1 + index, world_size=world, mode="async", rollout_ranks=world - 1, model_parallel=1)
+    return Worker(cfg=cfg, role=role, paths=None, trainer=None, subscription=None)
