@@ -2,7 +2,9 @@
 
 Nothing can be downloaded at run time, so the demo builds its own tokenizer (character level) and
 a small randomly initialised Qwen2 model, then teaches it the answer format with a short supervised
-phase on the built-in arithmetic task ("23+58=" → "\\boxed{81}<eos>"). The result is an ordinary
+phase on the built-in task: worked arithmetic steps ("23+58=" → "3+8+0=11,2+5+1=8,\\boxed{81}<eos>"),
+or for a code task the program ("a+b:" → "```\\na,b=map(int,input().split())\\nprint(a+b)\\n```<eos>"),
+with a deliberate flaw in a fraction of the examples (``warmstart.answer_noise``). The result is an ordinary
 Hugging Face directory that the converter, the rollout engine and the trainer read like any real
 checkpoint. It is cached: a directory with a ``warmstart.json`` matching the requested settings is
 reused as it is (resume, repeated demos).
@@ -25,7 +27,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from megatron_mugrpo.errors import require
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_completion, builtin_problems, builtin_prompt
+from megatron_mugrpo.rollout.tasks import (
+    build_char_tokenizer,
+    builtin_completion,
+    builtin_problems,
+    builtin_prompt,
+    builtin_reward_kind,
+    builtin_template,
+    code_solution,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -104,8 +114,10 @@ class WarmStartConfig:
     batch_size: int = 32
     """Examples per supervised step."""
     answer_noise: float = 0.0
-    """Fraction of warm-start examples whose final boxed answer has one digit miscopied (the worked
-    steps stay right). The demo uses it to start RL from a policy with a systematic, verifiable flaw."""
+    """Fraction of warm-start examples with a deliberate flaw: for a math task the final boxed answer
+    has one digit miscopied (the worked steps stay right); for a code task the program leaves its input
+    as text (``a,b=input().split()``, wrong or failing once run). The demos use it to start RL from a
+    policy with a systematic flaw that only the reward (verifier, tests) reveals."""
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")
@@ -227,17 +239,27 @@ def sft_batch(
     *,
     noise: float = 0.0,
     rng: random.Random | None = None,
+    task: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Right-padded prompt + completion + EOS with labels only on the completion (−100 elsewhere).
 
-    With ``noise`` > 0 that fraction of completions box a miscopied answer after correct steps.
+    Rows of a math task (``task`` None or a math task) get worked steps; with ``noise`` > 0 that
+    fraction of completions box a miscopied answer after correct steps. Rows of a code task get the
+    program (``code_solution``); with ``noise`` > 0 that fraction of programs has the flaw.
     """
     rng = rng or random.Random(0)
+    code_prompt = builtin_template(task) if task is not None and builtin_reward_kind(task) == "code" else None
     seqs, labels = [], []
     for row in rows:
-        prompt = tokenizer(builtin_prompt(row["problem"]))["input_ids"]
-        boxed = miscopy(row["answer"], rng) if rng.random() < noise else row["answer"]
-        solution = worked_solution(row["problem"], row["answer"]).rsplit(",", 1)[0] + "," + builtin_completion(boxed)
+        if code_prompt is not None:
+            prompt = tokenizer(code_prompt(row["problem"]))["input_ids"]
+            solution = code_solution(row["problem"], flawed=rng.random() < noise)
+        else:
+            prompt = tokenizer(builtin_prompt(row["problem"]))["input_ids"]
+            boxed = miscopy(row["answer"], rng) if rng.random() < noise else row["answer"]
+            solution = (
+                worked_solution(row["problem"], row["answer"]).rsplit(",", 1)[0] + "," + builtin_completion(boxed)
+            )
         completion = tokenizer(solution, add_special_tokens=False)["input_ids"]
         completion = [*completion, tokenizer.eos_token_id]
         seqs.append(prompt + completion)
@@ -269,7 +291,7 @@ def supervised_warmstart(
     noise_rng = random.Random(seed + 2)
     for step in range(ws.steps):
         chunk = rows[step * ws.batch_size : (step + 1) * ws.batch_size]
-        batch = sft_batch(chunk, tokenizer, noise=ws.answer_noise, rng=noise_rng)
+        batch = sft_batch(chunk, tokenizer, noise=ws.answer_noise, rng=noise_rng, task=task)
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

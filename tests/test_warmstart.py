@@ -7,10 +7,17 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_mugrpo.config import load_config
 from megatron_mugrpo.rewards.registry import build_reward
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_completion, builtin_problems
+from megatron_mugrpo.rollout.tasks import (
+    CODE_READ_FLAWED,
+    build_char_tokenizer,
+    builtin_completion,
+    builtin_problems,
+    code_solution,
+)
 from megatron_mugrpo.warmstart import WARMSTART_FILE, miscopy, prepare_base_model, sft_batch, worked_solution
 
 
@@ -57,6 +64,35 @@ def test_sft_batch_labels_only_the_completion_and_noise_rate():
     texts = [tokenizer.decode([t for t in lab.tolist() if t >= 0], skip_special_tokens=True) for lab in labels]
     wrong = sum(not t.endswith(builtin_completion(r["answer"])) for t, r in zip(texts, rows))
     assert 150 <= wrong <= 250  # ~50% of 400
+
+
+def test_sft_batch_of_a_code_task_teaches_programs_with_the_flaw_at_its_rate():
+    tokenizer = build_char_tokenizer()
+    rows = builtin_problems("code_expr", 400, seed=0, split="train")
+    batch = sft_batch(rows, tokenizer, noise=0.5, rng=random.Random(1), task="code_expr")
+    texts = []
+    for row, lab, seq in zip(rows, batch["labels"], batch["input_ids"]):
+        prompt_len = len(tokenizer(row["problem"] + ":")["input_ids"])
+        assert (lab[:prompt_len] == -100).all() and (lab[prompt_len] == seq[prompt_len])
+        completion = [t for t in lab.tolist() if t >= 0]
+        assert completion[-1] == tokenizer.eos_token_id
+        texts.append(tokenizer.decode(completion, skip_special_tokens=True))
+    flawed = sum(t == code_solution(r["problem"], flawed=True) for t, r in zip(texts, rows))
+    correct = sum(t == code_solution(r["problem"]) for t, r in zip(texts, rows))
+    assert flawed + correct == 400 and 150 <= flawed <= 250  # ~50% of 400
+    assert all((CODE_READ_FLAWED in t) == (t == code_solution(r["problem"], flawed=True)) for t, r in zip(texts, rows))
+    clean = sft_batch(rows, tokenizer, noise=0.0, rng=random.Random(1), task="code_expr")
+    assert clean["labels"].shape[0] == 400 and not any(
+        CODE_READ_FLAWED in tokenizer.decode([t for t in lab.tolist() if t >= 0]) for lab in clean["labels"]
+    )
+
+
+def test_math_sft_batch_is_unchanged_by_the_task_argument():
+    tokenizer = build_char_tokenizer()
+    rows = builtin_problems("addition", 64, seed=0, split="train")
+    plain = sft_batch(rows, tokenizer, noise=0.5, rng=random.Random(1))
+    named = sft_batch(rows, tokenizer, noise=0.5, rng=random.Random(1), task="addition")
+    assert all(torch.equal(plain[k], named[k]) for k in plain)
 
 
 def test_prepare_base_model_is_cached(tmp_path: Path):

@@ -1,10 +1,15 @@
-"""Built-in procedural math task and a character-level tokenizer, for the CPU demo and the tests.
+"""Built-in procedural tasks (math and code) and a character-level tokenizer, for the CPU demos and the tests.
 
-Nothing can be downloaded at run time, so the demo trains a tiny locally built model on problems
-generated here. Problems are short two-operand sums/differences such as ``23+58``; the prompt is
-``23+58=`` and the model is taught (warm start) to answer ``\\boxed{81}`` followed by EOS, which the
-math reward verifies like any real answer. Prompts are kept short on purpose: a character-level
-model pays one token per character.
+Nothing can be downloaded at run time, so the demos train a tiny locally built model on problems
+generated here. Prompts are kept short on purpose: a character-level model pays one token per character.
+
+* **Math** (``arithmetic``, ``addition``, ...): short two-operand sums/differences such as ``23+58``;
+  the prompt is ``23+58=`` and the model is taught (warm start) to answer ``\\boxed{81}`` followed by
+  EOS, which the math reward verifies like any real answer.
+* **Code** (``code_expr``): the problem is an expression in two integers, e.g. ``max(a,b)*3-7``; the
+  prompt is ``max(a,b)*3-7:`` and the answer is a program that reads ``a b`` from stdin and prints the
+  expression's value, in a fence (``code_solution``). The reference answer is a ``CodeProblem`` (as
+  JSON) with hidden stdin/stdout tests on multi-digit inputs, which the code reward runs the program on.
 
     rows = builtin_problems("arithmetic", n=4096, seed=0, split="train")   # [{"problem", "answer"}]
     tokenizer = build_char_tokenizer("runs/demo/tokenizer")                 # AutoTokenizer-loadable
@@ -15,16 +20,19 @@ stable hash of its text falls in the eval bucket, whatever the seed or the numbe
 
 from __future__ import annotations
 
+import functools
 import random
 import string
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
+
+    from megatron_mugrpo.rewards.code import CodeProblem
 
 SPLITS = ("train", "eval")
 EVAL_BUCKETS = 10
@@ -44,6 +52,7 @@ class ArithmeticTask:
     """Difficulty knob: 9 → one-digit operands, 99 → two digits, ..."""
     operators: str
     """Subset of '+-*'. Differences are ordered so that the answer is never negative."""
+    reward_kind: ClassVar[str] = "math"
 
     def sample(self, rng: random.Random) -> tuple[str, str]:
         """One (problem, answer) pair, e.g. ('23+58', '81')."""
@@ -54,12 +63,131 @@ class ArithmeticTask:
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         return f"{a}{op}{b}", str(value)
 
+    def prompt(self, problem: str) -> str:
+        return builtin_prompt(problem)
 
-BUILTIN_TASKS: dict[str, ArithmeticTask] = {
+
+CODE_CORES: dict[str, Callable[[Any, Any], Any]] = {
+    "a+b": lambda a, b: a + b,
+    "a-b": lambda a, b: a - b,
+    "b-a": lambda a, b: b - a,
+    "a*b": lambda a, b: a * b,
+    "max(a,b)": max,
+    "min(a,b)": min,
+    "a": lambda a, b: a,
+    "b": lambda a, b: b,
+}
+"""The innermost part of a code task's expression, and its value (ints, or the flaw's strings)."""
+CODE_PROMPT_TEMPLATE = "{problem}:"
+CODE_READ = "a,b=map(int,input().split())"
+CODE_READ_FLAWED = "a,b=input().split()"
+"""The warm start's deliberate flaw (``warmstart.answer_noise``): the input is not converted to int,
+so ``a+b`` concatenates, ``max`` compares as text and ``*``/``-`` repeat or raise. The program looks
+right; only running it shows the difference."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodeExpressionTask:
+    """Write a program that reads two integers ``a b`` and prints an expression of them.
+
+    Expressions are ``CORE``, ``CORE*k``, ``CORE+c``, ``CORE*k-c``, ... with a core of ``CODE_CORES``
+    (parenthesised before ``*k`` when it is a sum or difference), k in [2, max_factor] and c in
+    [1, max_constant]; bare ``a`` and ``b`` are left out (the flawed program would pass them). Each
+    problem has ``tests`` hidden stdin/stdout tests with operands of 1 to ``max_digits`` digits, the
+    same for a problem whatever the seed, drawn so that the flawed program fails at least one.
+
+    The default space holds about 1,350 problems (about 135 held out). Constants are one digit
+    because copying is what the demo's tiny model finds hard: with c up to 99 the 2-layer, 64-wide
+    model copied the expression exactly in 41% of samples after 800 warm-start steps, against 92-96%
+    with one-digit constants after 1,000.
+    """
+
+    max_factor: int = 9
+    max_constant: int = 9
+    max_digits: int = 3
+    tests: int = 5
+    reward_kind: ClassVar[str] = "code"
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        """One (problem, answer) pair: ('max(a,b)*3-7', CodeProblem(...).to_json())."""
+        while True:
+            core = rng.choice(tuple(CODE_CORES))
+            factor = rng.randint(2, self.max_factor) if rng.random() < 0.5 else 0
+            constant = rng.randint(1, self.max_constant) * rng.choice((1, -1)) if rng.random() < 0.75 else 0
+            if factor or constant or len(core) > 1:
+                break
+        problem = core
+        if factor:
+            problem = f"({core})*{factor}" if core in ("a+b", "a-b", "b-a") else f"{core}*{factor}"
+        if constant:
+            problem += f"{constant:+d}"
+        return problem, _tests_json(self, problem)
+
+    def problem_tests(self, problem: str) -> CodeProblem:
+        """The hidden tests of ``problem`` (deterministic in its text)."""
+        from megatron_mugrpo.rewards.code import CodeProblem
+
+        rng = random.Random(f"code-tests/{problem}")
+        while True:
+            pairs = [(self._operand(rng), self._operand(rng)) for _ in range(self.tests)]
+            outputs = [f"{code_value(problem, a, b)}\n" for a, b in pairs]
+            if any(_flawed_output(problem, a, b) != out for (a, b), out in zip(pairs, outputs)):
+                return CodeProblem(inputs=tuple(f"{a} {b}\n" for a, b in pairs), outputs=tuple(outputs))
+
+    def _operand(self, rng: random.Random) -> int:
+        digits = rng.randint(1, self.max_digits)
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+    def prompt(self, problem: str) -> str:
+        return CODE_PROMPT_TEMPLATE.format(problem=problem)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _tests_json(task: CodeExpressionTask, problem: str) -> str:
+    """``problem_tests`` as JSON, cached: a small problem space is drawn from many times over."""
+    return task.problem_tests(problem).to_json()
+
+
+def code_value(problem: str, a: Any, b: Any) -> Any:
+    """The value of a code task's expression at ``a``, ``b`` (ints; strings give the flaw's behaviour,
+    raising TypeError where Python would)."""
+    rest = problem
+    core = next(c for c in sorted(CODE_CORES, key=len, reverse=True) if rest.lstrip("(").startswith(c))
+    value = CODE_CORES[core](a, b)
+    rest = rest.lstrip("(")[len(core) :].lstrip(")")
+    if rest.startswith("*"):
+        digits = len(rest) - len(rest[1:].lstrip("0123456789"))
+        value, rest = value * int(rest[1:digits]), rest[digits:]
+    if rest:
+        value = value + int(rest)  # '+c' or '-c'
+    return value
+
+
+def _flawed_output(problem: str, a: int, b: int) -> str | None:
+    """What the flawed program (operands left as strings) prints, or None where it raises."""
+    try:
+        return f"{code_value(problem, str(a), str(b))}\n"
+    except TypeError:
+        return None
+
+
+def code_solution(problem: str, *, flawed: bool = False) -> str:
+    """The fenced program the warm start teaches for a code task's problem (EOS follows).
+
+    'max(a,b)*3-7' → '```\\na,b=map(int,input().split())\\nprint(max(a,b)*3-7)\\n```'; ``flawed``
+    reads the operands without converting them (``CODE_READ_FLAWED``). The fence is unlabelled, which
+    the code reward accepts (``extract_program``), and saves a character-level model six tokens.
+    """
+    read = CODE_READ_FLAWED if flawed else CODE_READ
+    return f"```\n{read}\nprint({problem})\n```"
+
+
+BUILTIN_TASKS: dict[str, ArithmeticTask | CodeExpressionTask] = {
     "arithmetic_easy": ArithmeticTask(max_operand=9, operators="+-"),
     "addition": ArithmeticTask(max_operand=99, operators="+"),
     "arithmetic": ArithmeticTask(max_operand=99, operators="+-"),
     "arithmetic_hard": ArithmeticTask(max_operand=999, operators="+-*"),
+    "code_expr": CodeExpressionTask(),
 }
 
 
@@ -74,13 +202,12 @@ def builtin_problems(task: str, n: int, seed: int, split: str) -> list[dict[str,
     Deterministic in (task, n, seed, split). Problems are distinct while the split's problem space
     allows it; tiny spaces (e.g. 'arithmetic_easy' with large n) repeat problems.
     """
-    if task not in BUILTIN_TASKS:
-        raise ValueError(f"unknown built-in task {task!r} (data.builtin_task); choose one of {tuple(BUILTIN_TASKS)}")
+    spec = _task(task)
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
     if n < 1:
         raise ValueError(f"n={n} problems must be >= 1")
-    spec, want_eval = BUILTIN_TASKS[task], split == "eval"
+    want_eval = split == "eval"
     rng = random.Random(f"{task}/{split}/{seed}")  # str seeds are hashed with SHA-512: stable across runs
     rows: list[dict[str, str]] = []
     seen: set[str] = set()
@@ -104,16 +231,19 @@ def builtin_prompt(problem: str) -> str:
 
 def builtin_template(task: str) -> Callable[[str], str]:
     """The prompt template of a built-in task's problems (text → the prompt the model sees)."""
-    if task not in BUILTIN_TASKS:
-        raise ValueError(f"unknown built-in task {task!r} (data.builtin_task); choose one of {tuple(BUILTIN_TASKS)}")
-    return builtin_prompt
+    return _task(task).prompt
 
 
 def builtin_reward_kind(task: str) -> str:
-    """The reward kind (``reward.kind``) that scores a built-in task: 'math' for the arithmetic tasks."""
+    """The reward kind (``reward.kind``) that scores a built-in task: 'math' for the arithmetic tasks,
+    'code' for the code tasks."""
+    return _task(task).reward_kind
+
+
+def _task(task: str) -> ArithmeticTask | CodeExpressionTask:
     if task not in BUILTIN_TASKS:
         raise ValueError(f"unknown built-in task {task!r} (data.builtin_task); choose one of {tuple(BUILTIN_TASKS)}")
-    return "math"
+    return BUILTIN_TASKS[task]
 
 
 def builtin_completion(answer: str) -> str:
@@ -127,8 +257,10 @@ def builtin_completion(answer: str) -> str:
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-CHARACTERS = string.digits + "+-*/=()[]{}\\^_.,:;!?'\"<>|$%&#~ \n" + string.ascii_letters
-"""Everything the tasks, the answer format and short English instructions need."""
+CHARACTERS = string.digits + "+-*/=()[]{}\\^_.,:;!?'\"<>|$%&#` \n" + string.ascii_letters
+"""Everything the tasks, the answer formats (``\\boxed{}``, a fenced program) and short English
+instructions need. The backtick of code fences took the place of '~' (which nothing here needs), so
+the vocabulary's size and every other token's id are those of the math demo's models before it."""
 
 
 def char_vocab() -> dict[str, int]:
