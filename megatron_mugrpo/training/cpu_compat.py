@@ -17,6 +17,19 @@ nothing when ``torch.cuda.is_available()`` (a CUDA machine must run Megatron unc
 - ``.type()`` strings: clip_grads and the (distributed) optimizer assert
   ``param.type() == "torch.cuda.FloatTensor"``; the same mode reports a CPU tensor's argument-less
   ``.type()`` as its ``torch.cuda.*`` name.
+- Backward inside the mode (part of ``device_mode``): ``Tensor.backward`` / ``torch.autograd.backward``
+  reach the mode as one torch function, and a mode is switched off while it handles a call, so the
+  whole backward pass would run unmapped (the expert-parallel all-to-all allocates its gradient
+  with ``device=torch.cuda.current_device()``; Megatron's schedules call ``torch.autograd.backward``
+  unless ``deallocate_pipeline_outputs`` is set). The mode runs these two itself, with the mode
+  re-entered, through torch's autograd engine entry (``_make_grads``, ``_tensor_or_tensors_to_tuple``,
+  ``graph._engine_run_backward``: private, resolved at ``activate()``, which fails naming a missing one).
+- MoE all-to-all split sizes (``moe_dispatch``): the all-to-all token dispatcher turns its split
+  sizes into numpy arrays with ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts
+  CUDA tensors only; gloo's ``all_to_all_single`` rejects the CPU tensors left behind. The
+  dispatcher's reference to that helper is wrapped to convert CPU tensors too. Applied by
+  ``activate_moe()``, which the model provider calls when it builds a MoE model (dense runs do not
+  import the dispatcher); a megatron-core without the helper fails it with a ``RuntimeError``.
 
 Not available on CPU (leave them off in the TransformerConfig): sequence_parallel,
 gradient_accumulation_fusion, persist_layer_norm, apply_rope_fusion, bias/activation fusions that
@@ -24,6 +37,7 @@ need Apex or Transformer Engine.
 
     from megatron_mugrpo.training import cpu_compat
     counts = cpu_compat.activate()   # {"rng_tracker": 1, "torch_cuda_stubs": 8, "device_mode": 1}
+    cpu_compat.activate_moe()        # + {"moe_dispatch": 1}, for mixture-of-experts models
 """
 
 from __future__ import annotations
@@ -58,6 +72,13 @@ def activate() -> dict[str, int]:
         _PATCH_COUNTS["rng_tracker"] = _patch_rng_tracker()
         _PATCH_COUNTS["torch_cuda_stubs"] = _patch_torch_cuda()
         _PATCH_COUNTS["device_mode"] = _enter_device_mode()
+    return dict(_PATCH_COUNTS)
+
+
+def activate_moe() -> dict[str, int]:
+    """The MoE dispatcher patch on top of ``activate()``; idempotent, nothing unless the layer is active."""
+    if is_active() and "moe_dispatch" not in _PATCH_COUNTS:
+        _PATCH_COUNTS["moe_dispatch"] = _patch_moe_dispatch()
     return dict(_PATCH_COUNTS)
 
 
@@ -220,11 +241,65 @@ _CUDA_TYPE_NAMES = {
 }
 
 
+def _backward_entry() -> dict[str, Any]:
+    """torch's private autograd entry points that ``_run_backward`` calls; RuntimeError naming a missing one."""
+    import torch.autograd.graph as graph
+
+    owners = {"_make_grads": torch.autograd, "_tensor_or_tensors_to_tuple": torch.autograd}
+    owners["_engine_run_backward"] = graph
+    missing = [name for name, owner in owners.items() if not hasattr(owner, name)]
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__} lacks torch.autograd {missing}: the CPU compatibility layer cannot run "
+            "backward passes inside its device mode; update megatron_mugrpo/training/cpu_compat.py"
+        )
+    return {name: getattr(owner, name) for name, owner in owners.items()}
+
+
+def _run_backward(
+    tensors: Any,
+    grad_tensors: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    inputs: Any = None,
+) -> None:
+    """``torch.autograd.backward`` without its torch-function dispatch (which would reach the mode again)."""
+    entry = _backward_entry()
+    tensors = (tensors,) if torch.is_tensor(tensors) else tuple(tensors)
+    inputs_tuple = () if inputs is None else (inputs,) if torch.is_tensor(inputs) else tuple(inputs)
+    grads = entry["_tensor_or_tensors_to_tuple"](grad_tensors, len(tensors))
+    grads = entry["_make_grads"](tensors, grads, is_grads_batched=False)
+    retain = create_graph if retain_graph is None else retain_graph
+    entry["_engine_run_backward"](
+        tensors, grads, retain, create_graph, inputs_tuple, allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def _backward_call(func: Any, args: tuple, kwargs: dict) -> Any:
+    """(tensors, grad_tensors, retain_graph, create_graph, inputs) of a Tensor.backward / autograd.backward call."""
+    import inspect
+
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    if func is torch.Tensor.backward:
+        return named["self"], named["gradient"], named["retain_graph"], named["create_graph"], named["inputs"]
+    grads = named["grad_tensors"] if named.get("grad_tensors") is not None else named.get("grad_variables")
+    return named["tensors"], grads, named["retain_graph"], named["create_graph"], named["inputs"]
+
+
+_BACKWARD_FUNCS = (torch.Tensor.backward, torch.autograd.backward)
+"""Torch functions that run a whole backward pass: the mode must stay on inside them."""
+
+
 class _CpuDeviceMode(TorchFunctionMode):
     """Maps CUDA device arguments to CPU and reports ``.type()`` with CUDA names."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _BACKWARD_FUNCS:
+            with self:  # re-entered: backward functions (e.g. the EP all-to-all's) allocate on 'cuda'
+                return _run_backward(*_backward_call(func, args, kwargs))
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = _CUDA_TYPE_NAMES.get(args[0].dtype)
             return name if name is not None else func(*args)
@@ -239,8 +314,41 @@ class _CpuDeviceMode(TorchFunctionMode):
 
 def _enter_device_mode() -> int:
     global _DEVICE_MODE
+    _backward_entry()  # fail here, not in the first backward, when torch moved its autograd entry
     _DEVICE_MODE = _CpuDeviceMode()
     # Entered for the life of the process: Megatron allocates on 'cuda' at arbitrary points
     # (optimizer construction, schedules, checkpoint exchange), not inside one call we could wrap.
     _DEVICE_MODE.__enter__()
+    return 1
+
+
+# ------------------------------------------------------------------------------ MoE dispatch
+
+
+_MOE_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+
+
+def _to_cpu_or_numpy(move: Any) -> Any:
+    """``maybe_move_tensor_to_cpu`` that also turns CPU tensors into numpy when ``as_numpy`` is set."""
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+def _patch_moe_dispatch() -> int:
+    """Split sizes of the all-to-all dispatcher as numpy on CPU (see the module docstring)."""
+    import importlib
+
+    dispatcher = importlib.import_module(_MOE_DISPATCHER)
+    move = getattr(dispatcher, "maybe_move_tensor_to_cpu", None)
+    if move is None:
+        raise RuntimeError(
+            f"{_MOE_DISPATCHER}.maybe_move_tensor_to_cpu is missing: the CPU compatibility layer cannot give "
+            "gloo the all-to-all split sizes; update megatron_mugrpo/training/cpu_compat.py for this megatron-core"
+        )
+    _patch(dispatcher, "maybe_move_tensor_to_cpu", _to_cpu_or_numpy(move))
     return 1

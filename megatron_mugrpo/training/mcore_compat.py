@@ -24,6 +24,12 @@ torch.save computes a CRC-32 per record that torch.load never checks (the manife
 covers the bytes). From torch 2.13 on the switch is per thread and only the writer threads change
 it (``thread_without_zip_crc``); the process is left alone.
 
+One more patch, for mixture-of-experts models without Transformer Engine (``define_moe_te_names``):
+megatron-core 0.16 binds ``te_general_gemm`` and eight ``fused_*`` kernels in ``moe_utils`` only
+inside ``try: import transformer_engine``, then tests them with ``is not None``; without TE the names
+are undefined and the router's first forward raises ``NameError`` (CPU and GPU alike). They are
+defined as None, the value megatron-core itself checks for; nothing is touched when TE is there.
+
 Version gates: each hook names the megatron-core versions it was read from
 (``TESTED_MCORE``, the range ``setup.py`` allows) and the parameters it must take. ``check()``
 resolves every hook against the installed libraries and raises ``CompatError`` naming the missing
@@ -228,3 +234,40 @@ def thread_without_zip_crc() -> contextlib.AbstractContextManager:
     if config is None or ZIP_CRC_PROCESS_WIDE:
         return contextlib.nullcontext()
     return config.patch({"save.compute_crc32": False})
+
+
+# ------------------------------------------------------------------- MoE without Transformer Engine
+
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+MOE_TE_NAMES = (
+    "te_general_gemm",
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+)
+"""Names ``moe_utils`` binds only when Transformer Engine imports, and tests against None."""
+
+
+def define_moe_te_names() -> list[str]:
+    """Define the missing ``MOE_TE_NAMES`` in ``moe_utils`` as None (see the module docstring).
+
+    Returns the names defined now (empty with TE, or when already done). CompatError when
+    ``moe_utils`` lacks its ``HAVE_TE`` switch, i.e. is not the module these names were read from.
+    """
+    module = importlib.import_module(_MOE_UTILS)
+    if not hasattr(module, "HAVE_TE"):
+        raise CompatError(
+            f"{_MOE_UTILS}.HAVE_TE is missing (megatron-core {'.'.join(map(str, mcore_version()))}): the "
+            "Transformer-Engine-less MoE shim was read from 0.16; update megatron_mugrpo/training/mcore_compat.py"
+        )
+    if module.HAVE_TE:
+        return []
+    missing = [name for name in MOE_TE_NAMES if not hasattr(module, name)]
+    for name in missing:
+        setattr(module, name, None)
+    return missing

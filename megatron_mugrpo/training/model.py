@@ -1,9 +1,13 @@
 """Model provider: a Megatron-core ``GPTModel`` built from a Hugging Face ``config.json`` dict.
 
 Supported architectures (``model_type``): ``qwen2`` (Qwen2 / Qwen2.5: QKV bias), ``llama`` (Llama 3.x,
-including ``rope_scaling`` of type ``llama3``) and ``qwen3`` (q/k RMSNorm, explicit ``head_dim``).
-All three are pre-norm decoders with RMSNorm, RoPE, grouped-query attention and a SwiGLU MLP
+including ``rope_scaling`` of type ``llama3``), ``qwen3`` (q/k RMSNorm, explicit ``head_dim``) and
+``qwen3_moe`` (Qwen3 attention with mixture-of-experts MLPs, see ``training.moe``).
+All are pre-norm decoders with RMSNorm, RoPE, grouped-query attention and SwiGLU MLPs (or experts)
 without biases, which is what the Megatron config below expresses.
+
+MoE models may also split their experts over ``expert_parallel`` ranks (``groups.ep``); without TE
+each rank runs its experts one after another (``SequentialMLP``), with TE as one grouped GEMM.
 
 The model is built inside an already initialised Megatron parallel state (see
 ``training.parallel.initialize_parallel``); its TP/PP sizes come from the caller's
@@ -31,8 +35,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.kernels.fp8 import megatron_fp8_kwargs
+from megatron_mugrpo.training import cpu_compat, mcore_compat
+from megatron_mugrpo.training.moe import (
+    MoeConfig,
+    check_moe,
+    install_expert_load_hooks,
+    is_moe,
+    moe_layer_pattern,
+    moe_transformer_fields,
+)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 VOCAB_DIVISIBLE_BY = 128
 """Megatron pads the vocabulary to a multiple of this × TP so every TP shard is GEMM-friendly."""
 
@@ -62,7 +76,7 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISI
 
 
 def model_type(hf_config: dict[str, Any]) -> str:
-    """The architecture key of ``hf_config`` ('qwen2', 'llama' or 'qwen3'); raises for anything else."""
+    """The architecture key of ``hf_config`` (one of ``SUPPORTED_MODEL_TYPES``); raises for anything else."""
     name = hf_config.get("model_type")
     if name not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(
@@ -113,7 +127,7 @@ def check_supported(hf_config: dict[str, Any]) -> str:
         raise ModelConfigError(f"hidden_act={hf_config['hidden_act']!r}: only SwiGLU ('silu') is supported")
     if hf_config.get("use_sliding_window"):
         raise ModelConfigError("use_sliding_window=true is not supported; set it to false in config.json")
-    if arch in ("llama", "qwen3") and hf_config.get("attention_bias"):
+    if arch in ("llama", *_QK_NORM_TYPES) and hf_config.get("attention_bias"):
         raise ModelConfigError(f"{arch} with attention_bias=true is not supported")
     if hf_config.get("mlp_bias"):
         raise ModelConfigError("mlp_bias=true is not supported")
@@ -134,7 +148,8 @@ def check_divisibility(hf_config: dict[str, Any], tp: int, pp: int) -> None:
             f"tensor parallel size {tp} must divide num_attention_heads={heads} and "
             f"num_key_value_heads={groups}; choose a TP among the common divisors"
         )
-    if hf_config["intermediate_size"] % tp:
+    dense_layers = not is_moe(hf_config) or not all(moe_layer_pattern(hf_config))
+    if dense_layers and hf_config["intermediate_size"] % tp:
         raise ModelConfigError(
             f"tensor parallel size {tp} must divide intermediate_size={hf_config['intermediate_size']}"
         )
@@ -148,18 +163,23 @@ def transformer_config_from_hf(
     dtype: torch.dtype,
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
+    expert_parallel: int = 1,
+    moe: MoeConfig | None = None,
     fp8: str = "none",
     **overrides: Any,
 ) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` equivalent to a Qwen2 / Llama / Qwen3 ``config.json``.
+    """Megatron ``TransformerConfig`` equivalent to a Qwen2 / Llama / Qwen3 / Qwen3-MoE ``config.json``.
 
-    ``tensor_parallel`` / ``pipeline_parallel``: the TP/PP sizes the model is split over (the
-    caller's ``groups.tp`` / ``groups.pp``; 1 for a config outside any parallel state).
+    ``tensor_parallel`` / ``pipeline_parallel`` / ``expert_parallel``: the TP/PP/EP sizes the model is
+    split over (the caller's ``groups.tp`` / ``groups.pp`` / ``groups.ep``; 1 outside any parallel
+    state). ``moe``: router losses and dispatcher of a MoE model (``MoeConfig()`` when None).
     ``overrides`` are extra ``TransformerConfig`` fields (e.g. recompute settings) applied last.
     """
     arch = check_supported(hf_config)
     tp, pp = tensor_parallel, pipeline_parallel
     check_divisibility(hf_config, tp, pp)
+    if expert_parallel != 1 and not is_moe(hf_config):
+        raise ModelConfigError(f"expert parallel size {expert_parallel} needs a mixture-of-experts model, not {arch}")
     on_cpu = not torch.cuda.is_available()
     fields: dict[str, Any] = dict(
         num_layers=hf_config["num_hidden_layers"],
@@ -174,7 +194,7 @@ def transformer_config_from_hf(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch == "qwen2",
-        qk_layernorm=arch == "qwen3",
+        qk_layernorm=arch in _QK_NORM_TYPES,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -193,25 +213,64 @@ def transformer_config_from_hf(
         gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
     )
+    if is_moe(hf_config):
+        check_moe(hf_config, tensor_parallel=tp, expert_parallel=expert_parallel)
+        fields.update(
+            moe_transformer_fields(
+                hf_config, moe or MoeConfig(), expert_parallel=expert_parallel, grouped_gemm=have_transformer_engine()
+            )
+        )
     fields.update(megatron_fp8_kwargs(fp8))  # checks TE and the GPU; clear error otherwise
     fields.update(overrides)
     return TransformerConfig(**fields)
 
 
-def layer_spec(config: TransformerConfig) -> ModuleSpec:
+def layer_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
     """Transformer Engine layer spec when TE imports, Megatron's local spec otherwise.
 
     Both specs share checkpoint keys: the local spec maps ``input_layernorm.`` to
     ``self_attention.linear_qkv.layer_norm_`` in its sharded state dict, as TE fuses them.
+    A MoE model gets a block spec instead (this stage's layers, each dense or sparse).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    if config.num_moe_experts:
+        return moe_block_spec(config, vp_stage)
     if have_transformer_engine():
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+
+
+def moe_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
+    """This pipeline stage's layer specs, sparse where ``config.moe_layer_freq`` says so.
+
+    TE's MoE layer has a real ``pre_mlp_layernorm`` (its experts cannot fuse the norm), whereas the
+    local spec still aliases it to ``mlp.linear_fc1.layer_norm_`` in the sharded state dict. The
+    alias is dropped from sparse local layers so that checkpoints keep one key with either spec.
+    """
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=have_transformer_engine(), normalization="RMSNorm", vp_stage=vp_stage
+    )
+    for i, spec in enumerate(block.layer_specs):
+        keys = dict(getattr(spec.submodules, "sharded_state_dict_keys_map", None) or {})
+        if _is_sparse_spec(spec) and keys.pop("pre_mlp_layernorm.", None) is not None:
+            submodules = dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys)
+            block.layer_specs[i] = dataclasses.replace(spec, submodules=submodules)
+    return block
+
+
+def _is_sparse_spec(spec: ModuleSpec) -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    mlp = getattr(spec.submodules, "mlp", None)
+    return getattr(mlp, "module", None) is MoELayer
 
 
 def llama3_inv_freq(
@@ -278,6 +337,8 @@ def build_gpt_model(
     config_overrides: dict[str, Any] | None = None,
     tensor_parallel: int,
     pipeline_parallel: int,
+    expert_parallel: int | None = None,
+    moe: MoeConfig | None = None,
 ) -> GPTModel:
     """The local TP/PP shard of the ``GPTModel`` described by ``hf_config``.
 
@@ -287,12 +348,23 @@ def build_gpt_model(
     ``groups.tp`` / ``groups.pp``. The last stage
     returns logits [B, S, V_pad / tp] per TP rank (``parallel_output=True``); other stages hidden
     states [S, B, H].
+
+    ``expert_parallel`` (``groups.ep``): None takes the initialised parallel state's EP size, so that
+    callers written for dense models build a MoE model at the EP the process groups were set up with.
+    A MoE model counts its routed tokens per expert (``training.moe.moe_step_metrics``).
     """
+    if expert_parallel is None:
+        expert_parallel = initialised_expert_parallel() if is_moe(hf_config) else 1
+    if is_moe(hf_config):
+        mcore_compat.define_moe_te_names()  # megatron-core 0.16's MoE router needs them without TE
+        cpu_compat.activate_moe()  # gloo all-to-all split sizes (no-op unless the CPU layer is active)
     config = transformer_config_from_hf(
         hf_config,
         dtype=dtype,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel,
+        expert_parallel=expert_parallel,
+        moe=moe,
         fp8=fp8,
         **(config_overrides or {}),
     )
@@ -300,7 +372,7 @@ def build_gpt_model(
     llama3 = rope["rope_type"] == "llama3"
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, vp_stage),
         vocab_size=padded_vocab_size(hf_config["vocab_size"], config.tensor_model_parallel_size),
         max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
         pre_process=pre_process,
@@ -318,7 +390,18 @@ def build_gpt_model(
     # The local spec's torch norms ignore params_dtype (Megatron-LM relies on its Float16Module
     # wrapper to cast); cast here so every parameter has ``dtype`` with either spec, as with TE.
     model.to(dtype=dtype)
+    if config.num_moe_experts:
+        install_expert_load_hooks(model)
     return model
+
+
+def initialised_expert_parallel() -> int:
+    """The expert-parallel size of Megatron's parallel state (1 when it is not initialised)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_expert_model_parallel_world_size()
 
 
 _TINY_BASE: dict[str, Any] = {
@@ -364,11 +447,26 @@ _TINY_ARCH: dict[str, dict[str, Any]] = {
         # Deliberately not hidden_size / num_attention_heads (16): exercises kv_channels.
         "head_dim": 24,
     },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "head_dim": 24,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+    },
 }
 
 
 def tiny_hf_config(arch: str, **overrides: Any) -> dict[str, Any]:
-    """A small Hugging Face ``config.json`` dict for ``arch`` in ('qwen2', 'llama', 'qwen3').
+    """A small Hugging Face ``config.json`` dict for ``arch`` in ('qwen2', 'llama', 'qwen3', 'qwen3_moe').
 
     The shapes (hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 256) build and run in well under a
     second on CPU. Keys use the released-checkpoint format (``rope_theta`` / ``rope_scaling``), which

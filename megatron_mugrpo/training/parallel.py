@@ -3,6 +3,11 @@
 Data parallelism is what the world size leaves: DP = world / (TP × PP). Functions elsewhere take
 the groups from the returned ``ParallelGroups`` explicitly instead of reaching for globals.
 
+Expert parallelism (mixture-of-experts models) splits the experts of each MoE layer over EP ranks
+taken from the DP × TP ranks of one pipeline stage: attention stays data-parallel, tokens travel to
+their experts and back. EP must divide world / PP (expert TP is TP), and each expert is replicated
+over the world / (PP × TP × EP) expert-data-parallel ranks.
+
     groups = initialize_parallel(tp=2, pp=1, seed=0)   # under torchrun, or inside a spawned rank
     ...
     destroy_parallel()
@@ -47,9 +52,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations outside attention/MLP split along the sequence over
     the TP group (less activation memory). Needs CUDA and tensor_parallel > 1."""
+    expert_parallel: int = 1
+    """EP degree of a mixture-of-experts model: ranks (within one pipeline stage) that split each MoE
+    layer's experts; must divide the number of experts. 1 for dense models."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size"):
+        for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "expert_parallel"):
             require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         require(
             not self.sequence_parallel or self.tensor_parallel > 1,
@@ -76,6 +84,11 @@ def check_hf_model_parallelism(hf_dir: str | Path, parallel: ParallelConfig) -> 
     hf = json.loads(path.read_text())
     heads = hf["num_attention_heads"]
     check_model_parallelism(heads, hf.get("num_key_value_heads", heads), hf["num_hidden_layers"], parallel)
+    ep, experts = parallel.expert_parallel, hf.get("num_experts") or 0
+    require(ep == 1 or experts > 0, f"parallel.expert_parallel={ep} needs a mixture-of-experts model ({path})")
+    require(
+        ep == 1 or experts % ep == 0, f"parallel.expert_parallel={ep} does not divide the {experts} experts ({path})"
+    )
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,11 @@ class ParallelGroups:
     world_group: Any = field(default=None, compare=False)
     """Every trainer rank (torch.distributed's default group: async mode's rollout workers are not in
     it); None only in one process, where the object collectives are no-ops."""
+    ep: int = 1
+    """Expert-parallel size (1 for dense models)."""
+    ep_rank: int = 0
+    ep_group: Any = field(default=None, compare=False)
+    """Ranks exchanging tokens for one MoE layer's experts (None in one process)."""
 
     @classmethod
     def local(cls, device: torch.device | None = None) -> ParallelGroups:
@@ -199,13 +217,13 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def initialize_parallel(tp: int, pp: int, seed: int, *, world_size: int | None = None) -> ParallelGroups:
-    """Initialise torch.distributed (NCCL with CUDA, gloo without) and Megatron's TP/PP/DP state.
+def initialize_parallel(tp: int, pp: int, seed: int, *, ep: int = 1, world_size: int | None = None) -> ParallelGroups:
+    """Initialise torch.distributed (NCCL with CUDA, gloo without) and Megatron's TP/PP/DP/EP state.
 
     Activates the CPU compatibility layer when CUDA is absent. Re-initialising with the same sizes
     is allowed (the existing groups are reused); different sizes need ``destroy_parallel()`` first.
     ``world_size``: the ranks that train, when fewer than the launch's (async mode's rollout workers
-    are the launch's last ranks and stay outside).
+    are the launch's last ranks and stay outside). ``ep``: expert-parallel size (MoE models only).
     """
     from megatron.core import parallel_state
 
@@ -217,20 +235,33 @@ def initialize_parallel(tp: int, pp: int, seed: int, *, world_size: int | None =
             f"world size {world} is not a multiple of tensor_parallel × pipeline_parallel = {tp} × {pp}; "
             "change parallel.tensor_parallel / parallel.pipeline_parallel or the number of processes"
         )
+    check_expert_parallel(world, tp, pp, ep)
     if parallel_state.model_parallel_is_initialized():
         current = (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
         )
-        if current != (tp, pp):
+        if current != (tp, pp, ep):
             raise RuntimeError(
-                f"Megatron parallel state is already initialised with (tp, pp) = {current}, not {(tp, pp)}; "
-                "call destroy_parallel() first"
+                f"Megatron parallel state is already initialised with (tp, pp, ep) = {current}, not "
+                f"{(tp, pp, ep)}; call destroy_parallel() first"
             )
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        )
     seed_everything(seed)
     return current_groups()
+
+
+def check_expert_parallel(world: int, tp: int, pp: int, ep: int) -> None:
+    """ValueError unless EP × TP (expert TP = TP) divides the ranks of one pipeline stage."""
+    if ep < 1 or (world // pp) % (ep * tp) != 0:
+        raise ValueError(
+            f"expert_parallel={ep} × tensor_parallel={tp} must divide the {world // pp} ranks of a pipeline "
+            f"stage (world size {world} / pipeline_parallel {pp}); change parallel.expert_parallel"
+        )
 
 
 def current_groups() -> ParallelGroups:
@@ -256,6 +287,9 @@ def current_groups() -> ParallelGroups:
         device=device,
         # The default group is the trainers only (see _init_process_group's world_size).
         world_group=dist.group.WORLD,
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_group=parallel_state.get_expert_model_parallel_group(),
     )
 
 

@@ -47,6 +47,7 @@ from megatron_mugrpo.training.logprobs import (
     logprobs_from_hidden,
     logprobs_from_logits,
 )
+from megatron_mugrpo.training.moe import moe_step_metrics, reset_moe_metrics
 from megatron_mugrpo.training.optimizer import current_lr
 from megatron_mugrpo.training.parallel import ParallelGroups
 from megatron_mugrpo.training.setup import Policy
@@ -91,6 +92,10 @@ def local_micro_batches(
     per_rank = padded.num_sequences // groups.dp
     mine = padded.slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank).to(groups.device)
     return [mine.slice(i, i + micro_batch_size) for i in range(0, per_rank, micro_batch_size)]
+
+
+def _is_moe(policy: Policy) -> bool:
+    return bool(getattr(_bare(policy.model_chunks[0]).config, "num_moe_experts", None))
 
 
 def _sequence_parallel(policy: Policy) -> bool:
@@ -260,7 +265,9 @@ def train_step(
     Returns (on every rank) ``train/loss`` (Σ loss_sum / Σ normaliser), ``train/grad_norm`` (before
     clipping), ``train/lr``, ``train/update_successful``, the registry loss metrics prefixed
     ``train/`` (exact over micro-batches and DP ranks: counts summed, fractions Σ num / Σ den), and
-    ``train/rollout_logprob_abs_diff_{mean,max}`` = |log π_θ − b| over response tokens.
+    ``train/rollout_logprob_abs_diff_{mean,max}`` = |log π_θ − b| over response tokens. A
+    mixture-of-experts policy adds ``train/moe_load_{min,max}`` and, when their coefficients are
+    on, ``train/moe_aux_loss`` / ``train/moe_z_loss`` (``training.moe``).
 
     A loss with an update pass (M2PO) first scores the whole update without gradients
     (``forward_logprobs``, one extra forward) so that its mask or bound covers every token of the
@@ -298,6 +305,9 @@ def train_step(
         _policy_loss_fn(loss_name, loss_options, caps),
         logits_budget_mib,
     )
+    moe = _is_moe(policy)
+    if moe:
+        reset_moe_metrics(policy.model_chunks)
     records = _run_schedule(policy, micro_batches, forward_step, forward_only=False)
     update_successful, grad_norm, _ = policy.optimizer.step()
     policy.scheduler.step(increment=1)
@@ -305,6 +315,8 @@ def train_step(
     metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["train/lr"] = current_lr(policy.optimizer)
     metrics["train/update_successful"] = float(bool(update_successful))
+    if moe:
+        metrics.update(moe_step_metrics(policy.model_chunks, groups, len(micro_batches)))
     return metrics
 
 

@@ -1,0 +1,226 @@
+"""Mixture-of-experts models: Qwen3-MoE config → Megatron MoE fields, expert-load and aux-loss metrics.
+
+A Hugging Face ``config.json`` with ``model_type: qwen3_moe`` describes a decoder whose MLPs are
+sparse: every token goes to the top ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts of width
+``moe_intermediate_size``. Layers listed in ``mlp_only_layers`` (or not on the ``decoder_sparse_step``
+grid) keep a dense MLP of width ``intermediate_size``. There is no shared expert.
+
+Routing follows the model: softmax scores; with ``norm_topk_prob`` the top-k probabilities are
+renormalised, which Megatron expresses as softmax *after* the top-k (``moe_router_pre_softmax=False``);
+without it, softmax over all experts *before* the top-k. The load-balancing auxiliary loss and the
+router z-loss are off unless ``moe.*`` sets their coefficients: for RL fine-tuning the policy loss is
+the objective, and the routing of a pretrained model is already balanced.
+
+    fields = moe_transformer_fields(hf_config, MoeConfig(aux_loss_coeff=1e-3), expert_parallel=2)
+    metrics = moe_step_metrics(model_chunks, groups, num_micro_batches=4)   # after the schedule
+
+Metrics (``train/``): ``moe_load_min`` / ``moe_load_max``, the smallest and largest share of routed
+token slots any expert of any MoE layer received during the update (1/E when perfectly balanced;
+padding tokens are routed too and are counted), and, when their coefficients are on,
+``moe_aux_loss`` / ``moe_z_loss`` from megatron-core's aux-loss tracker (mean over MoE layers and
+micro-batches, unscaled by the coefficient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_mugrpo.errors import InputError, require
+
+MOE_MODEL_TYPES = ("qwen3_moe",)
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
+_LOAD_ATTR = "_mugrpo_tokens_per_expert"
+"""Router attribute holding this update's routed-token counts per expert (set by the forward hook)."""
+_TRACKER_NAMES = {"load_balancing_loss": "train/moe_aux_loss", "z_loss": "train/moe_z_loss"}
+
+
+class MoeConfigError(InputError, ValueError):
+    """A mixture-of-experts config.json or ``moe.*`` setting that cannot be built; says why."""
+
+
+@dataclass(kw_only=True)
+class MoeConfig:
+    """``moe.*``: router losses and token dispatch of mixture-of-experts models (ignored for dense ones)."""
+
+    aux_loss_coeff: float = 0.0
+    """Coefficient of the Switch-style load-balancing loss (Qwen3-MoE pretraining used 1e-3); 0: off."""
+    z_loss_coeff: float = 0.0
+    """Coefficient of the router z-loss (mean squared logsumexp of the router logits); 0: off."""
+    token_dispatcher: str = "alltoall"
+    """How tokens reach experts on other expert-parallel ranks: 'alltoall' (sends each token only
+    where its experts live) or 'allgather' (every rank sees every token; simpler, more traffic)."""
+
+    def __post_init__(self) -> None:
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
+            require(getattr(self, name) >= 0, f"moe.{name} must be >= 0, got {getattr(self, name)}")
+        require(
+            self.token_dispatcher in TOKEN_DISPATCHERS,
+            f"moe.token_dispatcher={self.token_dispatcher!r} is not one of {TOKEN_DISPATCHERS}",
+        )
+
+
+def is_moe(hf_config: dict[str, Any]) -> bool:
+    """True for a mixture-of-experts architecture (``model_type`` in ``MOE_MODEL_TYPES``)."""
+    return hf_config.get("model_type") in MOE_MODEL_TYPES
+
+
+def num_experts(hf_config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer (``num_experts``)."""
+    return int(hf_config["num_experts"])
+
+
+def moe_layer_pattern(hf_config: dict[str, Any]) -> list[int]:
+    """1 for each layer whose MLP is sparse, 0 for a dense one, as transformers' Qwen3-MoE decides:
+    layer i is sparse unless listed in ``mlp_only_layers`` or (i + 1) is off the ``decoder_sparse_step`` grid."""
+    step = int(hf_config.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf_config.get("mlp_only_layers") or [])
+    return [
+        int(i not in dense and (i + 1) % step == 0 and num_experts(hf_config) > 0)
+        for i in range(hf_config["num_hidden_layers"])
+    ]
+
+
+def check_moe(hf_config: dict[str, Any], *, tensor_parallel: int, expert_parallel: int) -> None:
+    """MoeConfigError naming the key when the experts cannot be built or split as asked."""
+    experts, topk = num_experts(hf_config), int(hf_config["num_experts_per_tok"])
+    if not 1 <= topk <= experts:
+        raise MoeConfigError(f"num_experts_per_tok={topk} must be between 1 and num_experts={experts}")
+    if hf_config.get("shared_expert_intermediate_size"):
+        raise MoeConfigError("shared experts (shared_expert_intermediate_size) are not supported yet")
+    if experts % expert_parallel:
+        raise MoeConfigError(
+            f"expert parallel size {expert_parallel} must divide num_experts={experts}; "
+            "choose parallel.expert_parallel among its divisors"
+        )
+    width = int(hf_config["moe_intermediate_size"])
+    if width % tensor_parallel:
+        raise MoeConfigError(f"tensor parallel size {tensor_parallel} must divide moe_intermediate_size={width}")
+    if not any(moe_layer_pattern(hf_config)):
+        raise MoeConfigError("no layer is sparse (decoder_sparse_step / mlp_only_layers leave every MLP dense)")
+
+
+def moe_transformer_fields(
+    hf_config: dict[str, Any], moe: MoeConfig, *, expert_parallel: int, grouped_gemm: bool
+) -> dict[str, Any]:
+    """``TransformerConfig`` fields of the MoE layers; ``grouped_gemm`` only with Transformer Engine
+    (on CPU the experts run one after another: ``SequentialMLP``)."""
+    return dict(
+        num_moe_experts=num_experts(hf_config),
+        moe_router_topk=int(hf_config["num_experts_per_tok"]),
+        moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
+        moe_layer_freq=moe_layer_pattern(hf_config),
+        moe_router_score_function="softmax",
+        # norm_topk_prob: softmax over the chosen k logits == renormalised top-k of the full softmax.
+        moe_router_pre_softmax=not bool(hf_config.get("norm_topk_prob", True)),
+        moe_router_dtype="fp32",  # transformers computes the router softmax in float32
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=float(moe.aux_loss_coeff),
+        moe_z_loss_coeff=float(moe.z_loss_coeff) if moe.z_loss_coeff > 0 else None,
+        moe_token_dispatcher_type=moe.token_dispatcher,
+        moe_grouped_gemm=grouped_gemm,
+        expert_model_parallel_size=expert_parallel,
+    )
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+def _bare(module: torch.nn.Module) -> torch.nn.Module:
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module
+    return module
+
+
+def _routers(model_chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
+def _count_routed(router: torch.nn.Module, _inputs: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Forward hook: add this micro-batch's routed tokens per expert (routing_map [tokens, E])."""
+    counts = output[1].detach().sum(dim=0, dtype=torch.float64)
+    setattr(router, _LOAD_ATTR, getattr(router, _LOAD_ATTR) + counts)
+
+
+def install_expert_load_hooks(model: torch.nn.Module) -> int:
+    """Count routed tokens per expert in every router of ``model``; returns the number of routers."""
+    routers = _routers([model])
+    for router in routers:
+        setattr(router, _LOAD_ATTR, torch.zeros(router.config.num_moe_experts, dtype=torch.float64))
+        router.register_forward_hook(_count_routed)
+    return len(routers)
+
+
+def reset_moe_metrics(model_chunks: list[torch.nn.Module]) -> None:
+    """Zero the expert counts and megatron's aux-loss tracker (call before an update's schedule)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    for router in _routers(model_chunks):
+        getattr(router, _LOAD_ATTR).zero_()
+    clear_aux_losses_tracker()
+
+
+def expert_load(model_chunks: list[torch.nn.Module], dp_group: Any) -> torch.Tensor:
+    """[local MoE layers, E] share of routed token slots per expert since the last reset, summed
+    over the data-parallel ranks (which route different tokens; TP ranks route the same ones)."""
+    routers = _routers(model_chunks)
+    if not routers:
+        return torch.zeros(0, 0, dtype=torch.float64)
+    counts = torch.stack([getattr(r, _LOAD_ATTR) for r in routers])
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(counts, group=dp_group)
+    return counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
+
+
+def _tracked_losses(config: Any, groups: Any, num_micro_batches: int) -> dict[str, float]:
+    """Mean aux / z loss per MoE layer and micro-batch from megatron's tracker, equal on every rank.
+
+    Per layer the tracker holds the sum over micro-batches of each micro-batch's loss over this
+    rank's tokens. Layers are summed over PP stages (each holds its own), over the router's reduce
+    group when it has one (partial losses of split tokens), then averaged over DP (other tokens).
+    Entries are created when absent so that every rank runs the same collectives.
+    """
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    enabled = {"load_balancing_loss": config.moe_aux_loss_coeff > 0, "z_loss": config.moe_z_loss_coeff is not None}
+    tracker = get_moe_layer_wise_logging_tracker()
+    out = {}
+    for name, on in enabled.items():
+        if not on:
+            continue
+        entry = tracker.setdefault(name, {"values": torch.zeros(config.num_layers)})
+        values = entry["values"].to(groups.device, torch.float64)
+        if groups.pp > 1:
+            dist.all_reduce(values, group=groups.pp_group)
+        if entry.get("reduce_group") is not None and dist.get_world_size(entry["reduce_group"]) > 1:
+            dist.all_reduce(values, group=entry["reduce_group"])
+        if groups.dp > 1:
+            dist.all_reduce(values, group=groups.dp_group)
+            values /= groups.dp
+        layers = max(sum(config.moe_layer_freq), 1)
+        out[_TRACKER_NAMES[name]] = float(values.sum()) / layers / max(num_micro_batches, 1)
+    return out
+
+
+def moe_step_metrics(model_chunks: list[torch.nn.Module], groups: Any, num_micro_batches: int) -> dict[str, float]:
+    """``train/moe_*`` of the update that just ran, identical on every rank (see the module docstring).
+
+    Collective over the DP and PP groups: every rank must call it.
+    """
+    load = expert_load(model_chunks, groups.dp_group)
+    bounds = torch.tensor(
+        [float(load.min()) if load.numel() else 1.0, -float(load.max()) if load.numel() else 0.0],
+        dtype=torch.float64,
+        device=groups.device,
+    )
+    if groups.pp > 1:  # each stage holds other layers
+        dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=groups.pp_group)
+    metrics = {"train/moe_load_min": float(bounds[0]), "train/moe_load_max": -float(bounds[1])}
+    config = _bare(model_chunks[0]).config
+    metrics.update(_tracked_losses(config, groups, num_micro_batches))
+    return metrics

@@ -1,0 +1,267 @@
+"""Mixture-of-experts training: a Qwen3-MoE config builds Megatron MoE layers, and EP=2 reproduces EP=1.
+
+A tiny Qwen3-MoE (2 layers, hidden 32, 4 experts top-2, vocab 100) with the load-balancing and
+z-losses on. One single-rank reference run (EP=1) saves its initial weights, logits, log-probs, one
+update's gradients and metrics, and the weights after that update. One 2-rank spawn loads those
+weights at EP=2 (each rank holds 2 experts; attention is data-parallel) and repeats the run with
+the all-to-all and then the all-gather dispatcher.
+
+Measured (2 cores, torch 2.13, megatron-core 0.16.1, float32), both dispatchers alike: logits and
+log-probs bit-identical (|Δ| = 0), |Δgrad| ≤ 2.3e-8, loss, aux loss and expert load identical,
+relative |Δgrad_norm| 4e-8, |Δz_loss| 3e-8, |Δw| after one AdamW step at lr 1e-3 ≤ 2.6e-7 (Adam's
+first step is lr · g / (|g| + ε): a gradient within a few ε of zero turns its 2e-8 difference into
+weight differences of that order). Bounds: 1e-6 on logits, 1e-5 on gradients, 5e-6 on weights (as
+in test_parallel_equivalence), 1e-6 relative on the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.training import model as model_module
+from megatron_mugrpo.training import setup
+from megatron_mugrpo.training.model import ModelConfigError, build_gpt_model, transformer_config_from_hf
+from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError, moe_layer_pattern
+from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
+from megatron_mugrpo.training.setup import Policy, build_policy
+from megatron_mugrpo.training.train_step import forward_logprobs, train_step
+
+from .common import hf_config, make_batch
+
+LOGIT_ATOL = 1e-6
+GRAD_ATOL = 1e-5
+WEIGHT_ATOL = 5e-6
+METRIC_RTOL = 1e-6
+LR = 1e-3
+MICRO_BATCH = 2
+EXPERTS = 4
+CONFIG = hf_config("qwen3_moe", num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_LOSSES = {"aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}
+DISPATCHERS = ("alltoall", "allgather")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+@contextlib.contextmanager
+def _building_with(moe: MoeConfig) -> Iterator[None]:
+    """build_policy builds its model with ``moe`` (setup.py does not take a MoeConfig yet)."""
+    original = setup.build_gpt_model
+    setup.build_gpt_model = partial(model_module.build_gpt_model, moe=moe)
+    try:
+        yield
+    finally:
+        setup.build_gpt_model = original
+
+
+def _policy(ep: int, seed: int, dispatcher: str) -> Policy:
+    groups = initialize_parallel(1, 1, seed=seed, ep=ep)
+    with _building_with(MoeConfig(token_dispatcher=dispatcher, **MOE_LOSSES)):
+        return build_policy(CONFIG, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR))
+
+
+def _global_name(name: str, ep_rank: int, ep: int) -> str:
+    """The EP=1 name of a parameter: local expert j of EP rank r is global expert r × E/EP + j."""
+    local = EXPERTS // ep
+    return _EXPERT.sub(lambda m: f".local_experts.{ep_rank * local + int(m.group(1))}.", name)
+
+
+def _full(policy: Policy, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``values`` keyed by EP=1 names, with every EP rank's experts (gathered over the EP group)."""
+    groups = policy.groups
+    mine = {_global_name(name, groups.ep_rank, groups.ep): value.detach().clone() for name, value in values.items()}
+    if groups.ep == 1:
+        return mine
+    parts: list[Any] = [None] * groups.ep
+    dist.all_gather_object(parts, mine, group=groups.ep_group)
+    return {name: value for part in parts for name, value in part.items()}
+
+
+def _params(policy: Policy) -> dict[str, torch.Tensor]:
+    return _full(policy, dict(policy.unwrapped()[0].named_parameters()))
+
+
+def _grads(policy: Policy) -> dict[str, torch.Tensor]:
+    return _full(policy, {n: p.main_grad for n, p in policy.unwrapped()[0].named_parameters()})
+
+
+def _run(policy: Policy) -> dict[str, Any]:
+    """Logits and log-probs of the initial weights, then one update: its metrics, gradients, new weights."""
+    batch = make_batch(10, groups=2, group_size=4)
+    bare = policy.unwrapped()[0]
+    bare.eval()
+    with torch.no_grad():
+        positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
+        logits = bare(batch.tokens, positions, None)[..., : CONFIG["vocab_size"]].clone()
+    bare.train()
+    logprobs = forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=MICRO_BATCH)
+    metrics = train_step(
+        policy,
+        batch,
+        loss_name="mu_grpo",
+        loss_options=AlgoConfig().loss_options(),
+        temperature=1.0,
+        micro_batch_size=MICRO_BATCH,
+    )
+    return {"logits": logits, "logprobs": logprobs, "metrics": metrics, "grads": _grads(policy)} | {
+        "params": _params(policy)
+    }
+
+
+def _reference(rank: int, world_size: int, root: str) -> None:
+    policy = _policy(1, seed=0, dispatcher="alltoall")
+    torch.save(_params(policy), Path(root) / "init.pt")
+    torch.save(_run(policy), Path(root) / "ep1.pt")
+
+
+def _load_init(policy: Policy, root: str) -> None:
+    init = torch.load(Path(root) / "init.pt")
+    groups = policy.groups
+    with torch.no_grad():
+        for name, param in policy.unwrapped()[0].named_parameters():
+            param.copy_(init[_global_name(name, groups.ep_rank, groups.ep)])
+    policy.weights_loaded()
+
+
+def _ep2(rank: int, world_size: int, root: str) -> None:
+    torch.use_deterministic_algorithms(True)
+    for dispatcher in DISPATCHERS:
+        policy = _policy(2, seed=1234, dispatcher=dispatcher)  # other seed: weights must come from init
+        assert policy.groups.ep == 2 and policy.groups.dp == 2
+        _load_init(policy, root)
+        result = _run(policy)
+        if rank == 0:
+            torch.save(result, Path(root) / f"ep2_{dispatcher}.pt")
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("moe")
+    run_distributed(_reference, 1, str(root))
+    run_distributed(_ep2, 2, str(root))
+    return {name: torch.load(root / f"{name}.pt") for name in ("ep1", *(f"ep2_{d}" for d in DISPATCHERS))}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_ep2_logits_and_logprobs_match_ep1(runs, dispatcher):
+    ours, ref = runs[f"ep2_{dispatcher}"], runs["ep1"]
+    torch.testing.assert_close(ours["logits"], ref["logits"], atol=LOGIT_ATOL, rtol=0)
+    torch.testing.assert_close(ours["logprobs"], ref["logprobs"], atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_ep2_gradients_and_optimizer_step_match_ep1(runs, dispatcher):
+    ours, ref = runs[f"ep2_{dispatcher}"], runs["ep1"]
+    expert_grads = [name for name in ref["grads"] if ".local_experts." in name]
+    assert len(expert_grads) == 2 * EXPERTS * 2  # 2 layers × 4 experts × (fc1, fc2), all gathered
+    assert min(float(ref["grads"][n].abs().max()) for n in expert_grads) > 1e-4  # every expert learns
+    grad_diff = _max_diff(ours["grads"], ref["grads"])
+    assert grad_diff < GRAD_ATOL, f"max |Δgrad| EP=2 vs EP=1 = {grad_diff:.3g}"
+    weight_diff = _max_diff(ours["params"], ref["params"])
+    assert weight_diff < WEIGHT_ATOL, f"max |Δw| after one step = {weight_diff:.3g}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_ep2_update_metrics_match_ep1(runs, dispatcher):
+    ours, ref = runs[f"ep2_{dispatcher}"]["metrics"], runs["ep1"]["metrics"]
+    for key in ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_z_loss"):
+        assert ours[key] == pytest.approx(ref[key], rel=METRIC_RTOL), key
+    for key in ("train/moe_load_min", "train/moe_load_max"):
+        assert ours[key] == pytest.approx(ref[key], abs=1e-12), key
+
+
+def test_moe_metrics_are_plausible(runs):
+    metrics = runs["ep1"]["metrics"]
+    # 4 experts: shares around 1/4, the smallest below and the largest above it.
+    assert 0.0 < metrics["train/moe_load_min"] <= 0.25 <= metrics["train/moe_load_max"] < 1.0
+    # Switch aux loss is 1 for a perfectly balanced router and grows with imbalance.
+    assert 0.99 < metrics["train/moe_aux_loss"] < 1.5
+    assert metrics["train/moe_z_loss"] > 0.0
+
+
+# ------------------------------------------------------------------------ config and routing
+
+
+def test_layer_pattern_follows_sparse_step_and_mlp_only_layers():
+    assert moe_layer_pattern(hf_config("qwen3_moe", num_hidden_layers=4)) == [1, 1, 1, 1]
+    assert moe_layer_pattern(hf_config("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2)) == [0, 1, 0, 1]
+    assert moe_layer_pattern(hf_config("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[0, 3])) == [0, 1, 1, 0]
+
+
+def test_transformer_config_carries_the_router_and_losses():
+    cfg = transformer_config_from_hf(
+        CONFIG, dtype=torch.float32, expert_parallel=2, moe=MoeConfig(aux_loss_coeff=1e-3, z_loss_coeff=0.0)
+    )
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (4, 2, 32)
+    assert cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax  # norm_topk_prob
+    assert cfg.moe_aux_loss_coeff == 1e-3 and cfg.moe_z_loss_coeff is None
+    assert cfg.expert_model_parallel_size == 2 and cfg.qk_layernorm and not cfg.moe_grouped_gemm
+    unnormalised = transformer_config_from_hf({**CONFIG, "norm_topk_prob": False}, dtype=torch.float32)
+    assert unnormalised.moe_router_pre_softmax
+
+
+def test_impossible_splits_name_the_key():
+    with pytest.raises(MoeConfigError, match="num_experts=4"):
+        transformer_config_from_hf(CONFIG, dtype=torch.float32, expert_parallel=3)
+    with pytest.raises(ModelConfigError, match="mixture-of-experts"):
+        transformer_config_from_hf(hf_config("qwen3"), dtype=torch.float32, expert_parallel=2)
+    with pytest.raises(MoeConfigError, match="moe_intermediate_size=31"):
+        transformer_config_from_hf({**CONFIG, "moe_intermediate_size": 31}, dtype=torch.float32, tensor_parallel=2)
+
+
+def _hf_routing(logits: torch.Tensor, k: int, normalise: bool) -> torch.Tensor:
+    """transformers' Qwen3-MoE router: softmax in float32, top-k, optionally renormalised; dense [T, E]."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, idx = probs.topk(k, dim=-1)
+    if normalise:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter(1, idx, top)
+
+
+def _routing_and_layout(rank: int, world_size: int, out: str) -> None:
+    initialize_parallel(1, 1, seed=0)
+    results = {}
+    for normalise in (True, False):
+        cfg = {**CONFIG, "norm_topk_prob": normalise, "mlp_only_layers": [0]}
+        model = build_gpt_model(cfg, dtype=torch.float32, pre_process=True, post_process=True, **_TP1)
+        router = model.decoder.layers[1].mlp.router
+        hidden = torch.randn(5, 3, cfg["hidden_size"])
+        with torch.no_grad():
+            probs, routing_map = router(hidden)
+            expected = _hf_routing(hidden.reshape(15, -1) @ router.weight.T, 2, normalise)
+        results[normalise] = float((probs - expected).abs().max())
+        assert routing_map.sum(dim=1).eq(2).all()
+    keys = {getattr(item, "key", None) for item in model.sharded_state_dict().values()}  # checkpoint keys
+    torch.save({"routing": results, "keys": keys, "dense_mlp": type(model.decoder.layers[0].mlp).__name__}, out)
+
+
+_TP1 = {"tensor_parallel": 1, "pipeline_parallel": 1}
+
+
+def test_router_matches_transformers_routing_and_mixed_layers_keep_one_norm_key(tmp_path):
+    out = tmp_path / "routing.pt"
+    run_distributed(_routing_and_layout, 1, str(out))
+    result = torch.load(out)
+    assert result["routing"][True] < 1e-6 and result["routing"][False] < 1e-6, result["routing"]
+    assert result["dense_mlp"] == "MLP"  # mlp_only_layers=[0]
+    # The sparse layer's norm keeps its own key (as with Transformer Engine); the dense one fuses into fc1.
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in result["keys"]
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in result["keys"]
