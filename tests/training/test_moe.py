@@ -4,14 +4,15 @@ A tiny Qwen3-MoE (2 layers, hidden 32, 4 experts top-2, vocab 100) with the load
 z-losses on. One single-rank reference run (EP=1) saves its initial weights, logits, log-probs, one
 update's gradients and metrics, and the weights after that update. One 2-rank spawn loads those
 weights at EP=2 (each rank holds 2 experts; attention is data-parallel) and repeats the run with
-the all-to-all and then the all-gather dispatcher.
+the all-to-all and then the all-gather dispatcher, then at PP=2 (one MoE layer per stage).
 
 Measured (2 cores, torch 2.13, megatron-core 0.16.1, float32), both dispatchers alike: logits and
 log-probs bit-identical (|Δ| = 0), |Δgrad| ≤ 2.3e-8, loss, aux loss and expert load identical,
 relative |Δgrad_norm| 4e-8, |Δz_loss| 3e-8, |Δw| after one AdamW step at lr 1e-3 ≤ 2.6e-7 (Adam's
 first step is lr · g / (|g| + ε): a gradient within a few ε of zero turns its 2e-8 difference into
-weight differences of that order). Bounds: 1e-6 on logits, 1e-5 on gradients, 5e-6 on weights (as
-in test_parallel_equivalence), 1e-6 relative on the metrics.
+weight differences of that order). PP=2: log-probs bit-identical, |Δgrad| ≤ 2.3e-8, |Δw| ≤ 1.4e-7,
+relative |Δgrad_norm| 4e-8, the other metrics identical. Bounds: 1e-6 on logits, 1e-5 on gradients,
+5e-6 on weights (as in test_parallel_equivalence), 1e-6 relative on the metrics.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist_utils import run_distributed
 
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
@@ -50,6 +50,9 @@ CONFIG = hf_config("qwen3_moe", num_experts=EXPERTS, num_experts_per_tok=2, moe_
 MOE_LOSSES = {"aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}
 DISPATCHERS = ("alltoall", "allgather")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+LAYOUTS = {"ep2_alltoall": (1, 2, "alltoall"), "ep2_allgather": (1, 2, "allgather"), "pp2": (2, 1, "alltoall")}
+"""name: (pp, ep, token dispatcher) on 2 ranks."""
 
 
 @contextlib.contextmanager
@@ -63,27 +66,25 @@ def _building_with(moe: MoeConfig) -> Iterator[None]:
         setup.build_gpt_model = original
 
 
-def _policy(ep: int, seed: int, dispatcher: str) -> Policy:
-    groups = initialize_parallel(1, 1, seed=seed, ep=ep)
+def _policy(pp: int, ep: int, seed: int, dispatcher: str) -> Policy:
+    groups = initialize_parallel(1, pp, seed=seed, ep=ep)
     with _building_with(MoeConfig(token_dispatcher=dispatcher, **MOE_LOSSES)):
         return build_policy(CONFIG, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR))
 
 
-def _global_name(name: str, ep_rank: int, ep: int) -> str:
-    """The EP=1 name of a parameter: local expert j of EP rank r is global expert r × E/EP + j."""
-    local = EXPERTS // ep
-    return _EXPERT.sub(lambda m: f".local_experts.{ep_rank * local + int(m.group(1))}.", name)
+def _global_name(name: str, groups: Any) -> str:
+    """The single-rank name of a parameter: local expert j of EP rank r is global expert r × E/EP + j,
+    local layer i of pipeline stage p is layer p × L/PP + i."""
+    local_experts, local_layers = EXPERTS // groups.ep, CONFIG["num_hidden_layers"] // groups.pp
+    name = _EXPERT.sub(lambda m: f".local_experts.{groups.ep_rank * local_experts + int(m.group(1))}.", name)
+    return _LAYER.sub(lambda m: f"decoder.layers.{groups.pp_rank * local_layers + int(m.group(1))}.", name)
 
 
 def _full(policy: Policy, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``values`` keyed by EP=1 names, with every EP rank's experts (gathered over the EP group)."""
+    """``values`` keyed by single-rank names, every rank's experts and layers (gathered over all ranks)."""
     groups = policy.groups
-    mine = {_global_name(name, groups.ep_rank, groups.ep): value.detach().clone() for name, value in values.items()}
-    if groups.ep == 1:
-        return mine
-    parts: list[Any] = [None] * groups.ep
-    dist.all_gather_object(parts, mine, group=groups.ep_group)
-    return {name: value for part in parts for name, value in part.items()}
+    mine = {_global_name(name, groups): value.detach().clone() for name, value in values.items()}
+    return {name: value for part in groups.all_gather_object(mine) for name, value in part.items()}
 
 
 def _params(policy: Policy) -> dict[str, torch.Tensor]:
@@ -98,11 +99,13 @@ def _run(policy: Policy) -> dict[str, Any]:
     """Logits and log-probs of the initial weights, then one update: its metrics, gradients, new weights."""
     batch = make_batch(10, groups=2, group_size=4)
     bare = policy.unwrapped()[0]
-    bare.eval()
-    with torch.no_grad():
-        positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
-        logits = bare(batch.tokens, positions, None)[..., : CONFIG["vocab_size"]].clone()
-    bare.train()
+    logits = None
+    if policy.groups.pp == 1:  # a pipeline stage alone has no logits
+        bare.eval()
+        with torch.no_grad():
+            positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
+            logits = bare(batch.tokens, positions, None)[..., : CONFIG["vocab_size"]].clone()
+        bare.train()
     logprobs = forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=MICRO_BATCH)
     metrics = train_step(
         policy,
@@ -118,7 +121,7 @@ def _run(policy: Policy) -> dict[str, Any]:
 
 
 def _reference(rank: int, world_size: int, root: str) -> None:
-    policy = _policy(1, seed=0, dispatcher="alltoall")
+    policy = _policy(1, 1, seed=0, dispatcher="alltoall")
     torch.save(_params(policy), Path(root) / "init.pt")
     torch.save(_run(policy), Path(root) / "ep1.pt")
 
@@ -128,19 +131,19 @@ def _load_init(policy: Policy, root: str) -> None:
     groups = policy.groups
     with torch.no_grad():
         for name, param in policy.unwrapped()[0].named_parameters():
-            param.copy_(init[_global_name(name, groups.ep_rank, groups.ep)])
+            param.copy_(init[_global_name(name, groups)])
     policy.weights_loaded()
 
 
-def _ep2(rank: int, world_size: int, root: str) -> None:
+def _layouts(rank: int, world_size: int, root: str) -> None:
     torch.use_deterministic_algorithms(True)
-    for dispatcher in DISPATCHERS:
-        policy = _policy(2, seed=1234, dispatcher=dispatcher)  # other seed: weights must come from init
-        assert policy.groups.ep == 2 and policy.groups.dp == 2
+    for name, (pp, ep, dispatcher) in LAYOUTS.items():
+        policy = _policy(pp, ep, seed=1234, dispatcher=dispatcher)  # other seed: weights must come from init
+        assert (policy.groups.pp, policy.groups.ep, policy.groups.dp) == (pp, ep, 2 // pp)
         _load_init(policy, root)
         result = _run(policy)
         if rank == 0:
-            torch.save(result, Path(root) / f"ep2_{dispatcher}.pt")
+            torch.save(result, Path(root) / f"{name}.pt")
         destroy_parallel()
 
 
@@ -148,8 +151,8 @@ def _ep2(rank: int, world_size: int, root: str) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     root = tmp_path_factory.mktemp("moe")
     run_distributed(_reference, 1, str(root))
-    run_distributed(_ep2, 2, str(root))
-    return {name: torch.load(root / f"{name}.pt") for name in ("ep1", *(f"ep2_{d}" for d in DISPATCHERS))}
+    run_distributed(_layouts, 2, str(root))
+    return {name: torch.load(root / f"{name}.pt") for name in ("ep1", *LAYOUTS)}
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -166,28 +169,34 @@ def test_ep2_logits_and_logprobs_match_ep1(runs, dispatcher):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("dispatcher", DISPATCHERS)
-def test_ep2_gradients_and_optimizer_step_match_ep1(runs, dispatcher):
-    ours, ref = runs[f"ep2_{dispatcher}"], runs["ep1"]
+def test_pp2_logprobs_match_single_rank(runs):
+    torch.testing.assert_close(runs["pp2"]["logprobs"], runs["ep1"]["logprobs"], atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["ep2_alltoall", "ep2_allgather", "pp2"])
+def test_gradients_and_optimizer_step_match_single_rank(runs, layout):
+    ours, ref = runs[layout], runs["ep1"]
     expert_grads = [name for name in ref["grads"] if ".local_experts." in name]
     assert len(expert_grads) == 2 * EXPERTS * 2  # 2 layers × 4 experts × (fc1, fc2), all gathered
     assert min(float(ref["grads"][n].abs().max()) for n in expert_grads) > 1e-4  # every expert learns
     grad_diff = _max_diff(ours["grads"], ref["grads"])
-    assert grad_diff < GRAD_ATOL, f"max |Δgrad| EP=2 vs EP=1 = {grad_diff:.3g}"
+    assert grad_diff < GRAD_ATOL, f"max |Δgrad| {layout} vs one rank = {grad_diff:.3g}"
     weight_diff = _max_diff(ours["params"], ref["params"])
     assert weight_diff < WEIGHT_ATOL, f"max |Δw| after one step = {weight_diff:.3g}"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("dispatcher", DISPATCHERS)
-def test_ep2_update_metrics_match_ep1(runs, dispatcher):
-    ours, ref = runs[f"ep2_{dispatcher}"]["metrics"], runs["ep1"]["metrics"]
+@pytest.mark.parametrize("layout", ["ep2_alltoall", "ep2_allgather", "pp2"])
+def test_update_metrics_match_single_rank(runs, layout):
+    ours, ref = runs[layout]["metrics"], runs["ep1"]["metrics"]
     for key in ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_z_loss"):
         assert ours[key] == pytest.approx(ref[key], rel=METRIC_RTOL), key
     for key in ("train/moe_load_min", "train/moe_load_max"):
         assert ours[key] == pytest.approx(ref[key], abs=1e-12), key
 
 
+@pytest.mark.multiprocess
 def test_moe_metrics_are_plausible(runs):
     metrics = runs["ep1"]["metrics"]
     # 4 experts: shares around 1/4, the smallest below and the largest above it.
