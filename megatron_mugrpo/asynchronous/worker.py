@@ -219,8 +219,8 @@ def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
 
 def _pause_for_lag(worker: Worker, batch: int) -> tuple[float, float] | None:
     """Wait while batch ``batch`` would be dropped for its lag (``batches.lag_pause``), loading newer
-    weights as they are published. Returns (seconds paused, of which loading weights), or None once the
-    trainer is done."""
+    weights as they are published. Returns (seconds paused, seconds loading weights meanwhile), or None
+    once the trainer is done."""
     cfg = worker.cfg
     groups = len(prompt_range(cfg.async_, batch, worker.index))
     load_s = [0.0]
@@ -242,7 +242,7 @@ def _pause_for_lag(worker: Worker, batch: int) -> tuple[float, float] | None:
         return 0.0, load_s[0]
     log.debug("%s: pausing before batch %d: its groups would be too old when trained on", worker.role.describe(), batch)
     waited = _wait(worker, fresh, f"pausing before batch {batch}: its groups would be dropped for their lag")
-    return None if waited is None else (waited[1], load_s[0])
+    return None if waited is None else (max(waited[1] - load_s[0], 0.0), load_s[0])
 
 
 def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:

@@ -3,7 +3,8 @@
 Runs go through torchrun with two processes (rank 0 trains, rank 1 generates), as a user launches
 them; the resume test SIGKILLs either side at named points ($MUGRPO_CRASH_AT) and continues with
 `--resume`; the dead-worker test launches the two ranks by hand, as separate nodes would be, so that
-nothing but the trainer itself notices that the worker is gone.
+nothing but the trainer itself notices that the worker is gone. One run has two rollout workers
+(three processes), one of them SIGKILLed and the run resumed.
 """
 
 from __future__ import annotations
@@ -59,20 +60,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
-    """`mugrpo train ARGS` on 2 processes: rank 0 trains, rank 1 is the rollout worker."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+def torchrun(*args: str, crash_at: str | None = None, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`mugrpo train ARGS` on ``nproc`` processes: rank 0 trains, the others are rollout workers."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_port", str(_free_port())]
     cmd += ["-m", "megatron_mugrpo.cli", "train", *args]
     return subprocess.run(cmd, cwd=ROOT, env=_env(crash_at), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def start(run_dir: Path, base: Path, *extra: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
+def start(
+    run_dir: Path, base: Path, *extra: str, crash_at: str | None = None, nproc: int = 2
+) -> subprocess.CompletedProcess:
     args = ["--config", str(CONFIG), "--run-dir", str(run_dir), f"model.hf_dir={base}", *SMALL, *extra]
-    return torchrun(*args, crash_at=crash_at)
+    return torchrun(*args, crash_at=crash_at, nproc=nproc)
 
 
-def resume(run_dir: Path, crash_at: str | None = None) -> subprocess.CompletedProcess:
-    return torchrun("--resume", str(run_dir), crash_at=crash_at)
+def resume(run_dir: Path, crash_at: str | None = None, nproc: int = 2) -> subprocess.CompletedProcess:
+    return torchrun("--resume", str(run_dir), crash_at=crash_at, nproc=nproc)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -95,9 +99,10 @@ def final_cursor(run_dir: Path) -> dict:
     return meta["trainer_state"]["queue"]
 
 
-def check_exactly_once(run_dir: Path) -> list[dict]:
+def check_exactly_once(run_dir: Path, unread: int = 2 * 4) -> list[dict]:
     """Every update logged once; each consumed B_mini groups plus what it dropped, from where the last
-    one stopped; everything written is consumed or still in the queue, no shard twice."""
+    one stopped; everything written is consumed or still in the queue, no shard twice. ``unread``:
+    admitted groups the trainer may have left unconsumed at the end."""
     updates = [r for r in records(run_dir) if "train/loss" in r]
     assert [r["step"] for r in updates] == list(range(1, UPDATES + 1))
     position = 0
@@ -108,7 +113,7 @@ def check_exactly_once(run_dir: Path) -> list[dict]:
     assert cursor["position"] == position
     assert len(set(cursor["shards"])) == len(cursor["shards"]) and set(cursor["shards"]) <= set(written)
     consumed_shards = sum(written[name]["groups"] for name in cursor["shards"])
-    assert cursor["position"] <= consumed_shards <= cursor["position"] + 2 * 4  # only the last may be partial
+    assert cursor["position"] <= consumed_shards <= cursor["position"] + unread
     assert cursor["dropped"] == sum(r["rollout/dropped_groups"] for r in updates)
     return updates
 
@@ -214,6 +219,43 @@ def test_a_dead_worker_stops_the_trainer_with_its_name(tmp_path: Path, base_mode
     last = trainer.stderr.strip().splitlines()[-1]
     assert last.startswith("error: rollout worker 0 (rank 1) has sent no heartbeat for"), last
     assert "Traceback" not in trainer.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_workers_feed_one_trainer_exactly_once_across_a_sigkill(tmp_path: Path, base_model: Path):
+    """Three processes: the trainer and rollout workers 0 and 1 (async.rollout_ranks=2). Worker 1 is
+    SIGKILLed with its second shard half-written; resumed, the run consumes every group once, in
+    arrival order, from both workers; each worker picked up several publications (the weights it
+    sampled with hashed and checked); every prompt was generated once, by one worker."""
+    from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
+
+    run_dir = tmp_path / "two"
+    extra = ["async.rollout_ranks=2", "async.sync_every=2", "async.max_lag=4", "async.verify_weights=true"]
+    proc = start(run_dir, base_model, *extra, "eval.benchmarks=[]", crash_at="worker:1:shard:2", nproc=3)
+    assert proc.returncode != 0 and "exitcode  : -9" in proc.stderr, proc.stderr[-3000:]
+    ok(resume(run_dir, nproc=3))
+
+    # Each worker may have a batch admitted beyond the queue bound when the run ends.
+    check_exactly_once(run_dir, unread=8 + 2 * 4)
+    queue = run_dir / "rollouts" / "queue"
+    assert not [p for p in queue.glob("w*.arrow") if not p.with_suffix(".json").exists()]
+    written = queue_records(run_dir).values()
+    digests = {}
+    for line in (run_dir / "async" / "weights" / "publications.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        digests[entry["name"]] = entry["digest"]
+    consumed = set(final_cursor(run_dir)["shards"])
+    for worker in (0, 1):
+        mine = [r for r in written if r["worker"] == worker]
+        assert sorted(r["batch"] for r in mine) == list(range(len(mine))), f"worker {worker} skipped a batch"
+        assert any(r["name"] in consumed for r in mine), f"nothing of worker {worker} was trained on"
+        assert len({r["policy_version"] for r in mine}) > 1, f"worker {worker} never picked up new weights"
+        assert all(r["weights_digest"] == digests[r["publication"]] for r in mine)
+    index = RecordIndex(queue)
+    index.refresh()
+    prompts = [g.prompt_id for record in index.records.values() for g in read_shard(queue, record)]
+    assert len(prompts) == len(set(prompts)), "a prompt was generated twice"
 
 
 def test_async_on_a_single_process_is_a_clear_error(tmp_path: Path):
