@@ -63,16 +63,28 @@ def _layer_numbers(model: torch.nn.Module) -> dict[int, int]:
     return {i: layer.layer_number - 1 for i, layer in enumerate(decoder.layers)}
 
 
+def _expert_indices(model: torch.nn.Module) -> dict[int, list[int]]:
+    """Local layer index -> global indices of the experts this rank holds, for each sparse layer."""
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        return {}
+    return {
+        i: [int(e) for e in layer.mlp.local_expert_indices]
+        for i, layer in enumerate(decoder.layers)
+        if hasattr(layer.mlp, "local_expert_indices")
+    }
+
+
 def live_parameters(
     model: torch.nn.Module, hf_config: dict[str, Any]
 ) -> Iterator[tuple[TensorMap, torch.nn.Parameter]]:
-    """(map entry, parameter) for every parameter of one model chunk, with global layer indices.
+    """(map entry, parameter) for every parameter of one model chunk, with global layer (and expert) indices.
 
     Cross-checks the declarative map against Megatron's own TP metadata (``partition_dim``).
     """
-    layer_numbers = _layer_numbers(model)
+    layer_numbers, expert_indices = _layer_numbers(model), _expert_indices(model)
     for local_name, param in model.named_parameters():
-        entry = entry_for(canonical_megatron_name(local_name, layer_numbers), hf_config)
+        entry = entry_for(canonical_megatron_name(local_name, layer_numbers, expert_indices), hf_config)
         if getattr(param, "tensor_model_parallel", False) and param.partition_dim != TP_AXIS[entry.kind]:
             raise ConversionError(
                 f"{entry.megatron}: the map splits it on axis {TP_AXIS[entry.kind]} but Megatron on axis "
@@ -165,6 +177,11 @@ def export_hf(
     A yielded tensor may share memory with a live parameter (no copy is made where none is needed):
     read or copy it before the parameters change, and never write to it.
     """
+    if groups.ep > 1:
+        raise ConversionError(
+            f"export_hf: exporting at expert_parallel={groups.ep} is not supported yet (each rank holds only its "
+            "experts); load the checkpoint at expert_parallel=1 to export it"
+        )
     chunks = as_chunks(model_chunks)
     local = {entry.megatron: (entry, param) for model in chunks for entry, param in live_parameters(model, hf_config)}
     if not local:

@@ -11,6 +11,12 @@ TE names (``canonical_megatron_name``), as in megatron-core's own ``sharded_stat
     fill_megatron_shard(param, entry, hf_tensors, dims, tp=2, rank=1)   # the same, into a live tensor
     hf_tensors = to_hf(entry, shards, dims)
 
+Mixture-of-experts layers (Qwen3-MoE) are more entries of the same kind: an expert's weights map with
+``{expert}`` standing for its global index (``mlp.experts.{expert}.gate_proj`` etc. in HF, Megatron's
+``mlp.experts.local_experts.{expert}.linear_fc1``), the router is replicated, and the sparse layer's
+``pre_mlp_layernorm`` is a norm of its own (TE cannot fuse it into the experts), so it keeps its name.
+Which layers are sparse is the config's (``training.moe.moe_layer_pattern``).
+
 Export works per rank: ``hf_pieces`` cuts this rank's part of each HF tensor out of its shard
 (views where the layout allows), and the HF tensor is the concatenation of every rank's piece
 along ``TP_AXIS[kind]`` (``hf_from_pieces``; vocabulary padding dropped).
@@ -18,6 +24,7 @@ along ``TP_AXIS[kind]`` (``hf_from_pieces``; vocabulary padding dropped).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +35,10 @@ from megatron_mugrpo.conversion.errors import ConversionError
 from torch import Tensor
 
 from megatron_mugrpo.training import model as model_provider
+from megatron_mugrpo.training import moe as moe_provider
 
 LAYER = "{layer}"
+EXPERT = "{expert}"
 
 
 @dataclass(frozen=True)
@@ -47,13 +56,20 @@ class TensorMap:
     def per_layer(self) -> bool:
         return LAYER in self.megatron
 
-    def at(self, layer: int | None) -> TensorMap:
-        """This entry with ``{layer}`` filled in (unchanged for non-layer entries)."""
+    @property
+    def per_expert(self) -> bool:
+        return EXPERT in self.megatron
+
+    def at(self, layer: int | None, expert: int | None = None) -> TensorMap:
+        """This entry with ``{layer}`` (and ``{expert}``) filled in (unchanged for non-layer entries)."""
         if layer is None or not self.per_layer:
             return self
-        return TensorMap(
-            self.megatron.replace(LAYER, str(layer)), tuple(n.replace(LAYER, str(layer)) for n in self.hf), self.kind
-        )
+
+        def fill(name: str) -> str:
+            name = name.replace(LAYER, str(layer))
+            return name if expert is None else name.replace(EXPERT, str(expert))
+
+        return TensorMap(fill(self.megatron), tuple(fill(n) for n in self.hf), self.kind)
 
 
 @dataclass(frozen=True)
@@ -80,12 +96,14 @@ _HF_LAYER = "model.layers.{layer}."
 _MG_LAYER = "decoder.layers.{layer}."
 _ATTN_QKV = (_HF_LAYER + "self_attn.q_proj", _HF_LAYER + "self_attn.k_proj", _HF_LAYER + "self_attn.v_proj")
 
-_DECODER_LAYER = (
+_ATTENTION = (
     TensorMap(
         _MG_LAYER + "self_attention.linear_qkv.layer_norm_weight", (_HF_LAYER + "input_layernorm.weight",), "replicated"
     ),
     TensorMap(_MG_LAYER + "self_attention.linear_qkv.weight", tuple(p + ".weight" for p in _ATTN_QKV), "qkv"),
     TensorMap(_MG_LAYER + "self_attention.linear_proj.weight", (_HF_LAYER + "self_attn.o_proj.weight",), "row"),
+)
+_DENSE_MLP = (
     TensorMap(
         _MG_LAYER + "mlp.linear_fc1.layer_norm_weight", (_HF_LAYER + "post_attention_layernorm.weight",), "replicated"
     ),
@@ -96,10 +114,21 @@ _DECODER_LAYER = (
     ),
     TensorMap(_MG_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",), "row"),
 )
+_DECODER_LAYER = _ATTENTION + _DENSE_MLP
 _QKV_BIAS = (TensorMap(_MG_LAYER + "self_attention.linear_qkv.bias", tuple(p + ".bias" for p in _ATTN_QKV), "qkv"),)
 _QK_NORM = (
     TensorMap(_MG_LAYER + "self_attention.q_layernorm.weight", (_HF_LAYER + "self_attn.q_norm.weight",), "replicated"),
     TensorMap(_MG_LAYER + "self_attention.k_layernorm.weight", (_HF_LAYER + "self_attn.k_norm.weight",), "replicated"),
+)
+_MG_EXPERT = _MG_LAYER + "mlp.experts.local_experts.{expert}."
+_HF_EXPERT = _HF_LAYER + "mlp.experts.{expert}."
+_SPARSE_MLP = (
+    TensorMap(_MG_LAYER + "pre_mlp_layernorm.weight", (_HF_LAYER + "post_attention_layernorm.weight",), "replicated"),
+    TensorMap(_MG_LAYER + "mlp.router.weight", (_HF_LAYER + "mlp.gate.weight",), "replicated"),
+    TensorMap(
+        _MG_EXPERT + "linear_fc1.weight", (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"), "gated_fc1"
+    ),
+    TensorMap(_MG_EXPERT + "linear_fc2.weight", (_HF_EXPERT + "down_proj.weight",), "row"),
 )
 _EMBEDDING = TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
 _FINAL_NORM = TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
@@ -110,8 +139,12 @@ ARCHITECTURES: dict[str, tuple[TensorMap, ...]] = {
     "qwen2": _DECODER_LAYER + _QKV_BIAS,
     "llama": _DECODER_LAYER,
     "qwen3": _DECODER_LAYER + _QK_NORM,
+    "qwen3_moe": _DECODER_LAYER + _QK_NORM,  # its dense layers (mlp_only_layers)
 }
 """Per-layer maps by HF ``model_type``; the embedding, final norm and LM head are shared by all."""
+SPARSE_ARCHITECTURES: dict[str, tuple[TensorMap, ...]] = {"qwen3_moe": _ATTENTION + _QK_NORM + _SPARSE_MLP}
+"""Per-layer maps of the mixture-of-experts layers, by HF ``model_type``."""
+_EXPERT_INDEX = re.compile(r"\.local_experts\.(\d+)\.")
 
 # Tensors some HF checkpoints carry that hold no weights (old RoPE caches).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -123,15 +156,30 @@ _LOCAL_ALIASES = {
 }
 
 
-def layer_maps(hf_config: dict[str, Any]) -> tuple[TensorMap, ...]:
-    """Per-layer entries (with ``{layer}``) for the architecture of ``hf_config``."""
+_SPARSE_LOCAL_ALIASES = {k: v for k, v in _LOCAL_ALIASES.items() if not k.startswith("pre_mlp_layernorm.")}
+"""A sparse layer's pre-MLP norm is its own module in TE too: only the attention norm is aliased."""
+
+
+def layer_maps(hf_config: dict[str, Any], layer: int | None = None) -> tuple[TensorMap, ...]:
+    """Per-layer entries (with ``{layer}``, ``{expert}``) of ``hf_config``'s architecture; a MoE model's
+    sparse layers get the sparse entries (``layer`` None: the dense layers')."""
     arch = hf_config.get("model_type")
     if arch not in ARCHITECTURES:
         raise ConversionError(
             f"unknown architecture model_type={arch!r} (architectures={hf_config.get('architectures')}); "
             f"the converter supports {tuple(ARCHITECTURES)}"
         )
+    sparse = arch in SPARSE_ARCHITECTURES and layer is not None and layer < hf_config["num_hidden_layers"]
+    if sparse and moe_provider.moe_layer_pattern(hf_config)[layer]:
+        return SPARSE_ARCHITECTURES[arch]
     return ARCHITECTURES[arch]
+
+
+def _filled(entry: TensorMap, layer: int, hf_config: dict[str, Any]) -> list[TensorMap]:
+    """``entry`` at ``layer``, once per expert for an expert's weights."""
+    if not entry.per_expert:
+        return [entry.at(layer)]
+    return [entry.at(layer, expert) for expert in range(moe_provider.num_experts(hf_config))]
 
 
 def global_maps(hf_config: dict[str, Any]) -> tuple[TensorMap, ...]:
@@ -143,7 +191,12 @@ def global_maps(hf_config: dict[str, Any]) -> tuple[TensorMap, ...]:
 def architecture_maps(hf_config: dict[str, Any]) -> list[TensorMap]:
     """Every entry of the model, layers filled in, in export order (embedding, layers, norm, head)."""
     embedding, final_norm, output = global_maps(hf_config)
-    layers = [entry.at(i) for i in range(hf_config["num_hidden_layers"]) for entry in layer_maps(hf_config)]
+    layers = [
+        filled
+        for i in range(hf_config["num_hidden_layers"])
+        for entry in layer_maps(hf_config, i)
+        for filled in _filled(entry, i, hf_config)
+    ]
     return [embedding, *layers, final_norm, output]
 
 
@@ -152,15 +205,25 @@ def expected_hf_tensors(hf_config: dict[str, Any]) -> set[str]:
     return {name for entry in architecture_maps(hf_config) for name in entry.hf}
 
 
-def canonical_megatron_name(local_name: str, layer_numbers: dict[int, int]) -> str:
+def canonical_megatron_name(
+    local_name: str, layer_numbers: dict[int, int], expert_indices: dict[int, list[int]] | None = None
+) -> str:
     """Canonical Megatron name of a live parameter: global layer index, TE-style norm names.
 
     ``layer_numbers`` maps the local layer index of a pipeline stage to its global index.
+    ``expert_indices`` maps a sparse layer's local index to the global indices of the experts this
+    rank holds (``MoELayer.local_expert_indices``: expert parallelism splits them); a sparse layer's
+    ``pre_mlp_layernorm`` keeps its name.
     """
     if not local_name.startswith("decoder.layers."):
         return local_name
     _, _, index, rest = local_name.split(".", 3)
-    rest = _LOCAL_ALIASES.get(rest, rest)
+    experts = (expert_indices or {}).get(int(index))
+    if experts is None:
+        rest = _LOCAL_ALIASES.get(rest, rest)
+    else:
+        rest = _SPARSE_LOCAL_ALIASES.get(rest, rest)
+        rest = _EXPERT_INDEX.sub(lambda m: f".local_experts.{experts[int(m.group(1))]}.", rest)
     return f"decoder.layers.{layer_numbers[int(index)]}.{rest}"
 
 
@@ -168,9 +231,11 @@ def entry_for(megatron_name: str, hf_config: dict[str, Any]) -> TensorMap:
     """The filled-in entry for a canonical Megatron name; raises ConversionError for unmapped names."""
     if megatron_name.startswith("decoder.layers."):
         _, _, index, rest = megatron_name.split(".", 3)
-        for entry in layer_maps(hf_config):
-            if entry.megatron == _MG_LAYER + rest:
-                return entry.at(int(index))
+        expert = _EXPERT_INDEX.search("." + rest)
+        pattern = _EXPERT_INDEX.sub(f".local_experts.{EXPERT}.", "." + rest)[1:]
+        for entry in layer_maps(hf_config, int(index)):
+            if entry.megatron == _MG_LAYER + pattern:
+                return entry.at(int(index), int(expert.group(1)) if expert else None)
     for entry in global_maps(hf_config):
         if entry.megatron == megatron_name:
             return entry
@@ -268,6 +333,8 @@ def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Shape of every HF tensor this config implies (used to reject mismatched checkpoints early)."""
     dims = ModelDims.from_hf(hf_config)
     hidden, ffn = hf_config["hidden_size"], hf_config["intermediate_size"]
+    experts = moe_provider.num_experts(hf_config) if moe_provider.is_moe(hf_config) else 0
+    expert_ffn = int(hf_config.get("moe_intermediate_size") or 0)
     q_rows, kv_rows = dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
     by_suffix = {
         "embed_tokens.weight": (dims.vocab_size, hidden),
@@ -286,9 +353,16 @@ def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "gate_proj.weight": (ffn, hidden),
         "up_proj.weight": (ffn, hidden),
         "down_proj.weight": (hidden, ffn),
+        "mlp.gate.weight": (experts, hidden),
+    }
+    by_expert_suffix = {
+        "gate_proj.weight": (expert_ffn, hidden),
+        "up_proj.weight": (expert_ffn, hidden),
+        "down_proj.weight": (hidden, expert_ffn),
     }
     shapes = {}
     for name in expected_hf_tensors(hf_config):
-        suffix = next(s for s in by_suffix if name.endswith(s))
-        shapes[name] = by_suffix[suffix]
+        table = by_expert_suffix if ".mlp.experts." in name else by_suffix
+        suffix = next(s for s in table if name.endswith(s))
+        shapes[name] = table[suffix]
     return shapes

@@ -69,8 +69,9 @@ def is_moe(hf_config: dict[str, Any]) -> bool:
 
 
 def num_experts(hf_config: dict[str, Any]) -> int:
-    """Routed experts per MoE layer (``num_experts``)."""
-    return int(hf_config["num_experts"])
+    """Routed experts per MoE layer: ``num_experts`` in released Qwen3-MoE configs, ``num_local_experts``
+    in those transformers 5 writes; 0 when neither is there."""
+    return int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
 
 
 def moe_layer_pattern(hf_config: dict[str, Any]) -> list[int]:

@@ -84,7 +84,7 @@ def check_hf_model_parallelism(hf_dir: str | Path, parallel: ParallelConfig) -> 
     hf = json.loads(path.read_text())
     heads = hf["num_attention_heads"]
     check_model_parallelism(heads, hf.get("num_key_value_heads", heads), hf["num_hidden_layers"], parallel)
-    ep, experts = parallel.expert_parallel, hf.get("num_experts") or 0
+    ep, experts = parallel.expert_parallel, hf.get("num_experts") or hf.get("num_local_experts") or 0
     require(ep == 1 or experts > 0, f"parallel.expert_parallel={ep} needs a mixture-of-experts model ({path})")
     require(
         ep == 1 or experts % ep == 0, f"parallel.expert_parallel={ep} does not divide the {experts} experts ({path})"
