@@ -4,7 +4,8 @@ A tiny Qwen3-MoE (2 layers, hidden 32, 4 experts top-2, vocab 100) with the load
 z-losses on. One single-rank reference run (EP=1) saves its initial weights, logits, log-probs, one
 update's gradients and metrics, and the weights after that update. One 2-rank spawn loads those
 weights at EP=2 (each rank holds 2 experts; attention is data-parallel) and repeats the run with
-the all-to-all and then the all-gather dispatcher, then at PP=2 (one MoE layer per stage).
+the all-to-all and then the all-gather dispatcher, then at PP=2 (one MoE layer per stage). The
+EP=2 weights after the update go through a distributed checkpoint and load at EP=1 unchanged.
 
 Measured (2 cores, torch 2.13, megatron-core 0.16.1, float32), both dispatchers alike: logits and
 log-probs bit-identical (|Δ| = 0), |Δgrad| ≤ 2.3e-8, loss, aux loss and expert load identical,
@@ -29,8 +30,8 @@ import torch
 from dist_utils import run_distributed
 
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.training import checkpoint, setup
 from megatron_mugrpo.training import model as model_module
-from megatron_mugrpo.training import setup
 from megatron_mugrpo.training.model import ModelConfigError, build_gpt_model, transformer_config_from_hf
 from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError, moe_layer_pattern
 from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
@@ -53,6 +54,8 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 LAYOUTS = {"ep2_alltoall": (1, 2, "alltoall"), "ep2_allgather": (1, 2, "allgather"), "pp2": (2, 1, "alltoall")}
 """name: (pp, ep, token dispatcher) on 2 ranks."""
+CHECKPOINT_LAYOUT = "ep2_alltoall"
+"""Its weights after the update are saved with the trainer's checkpoint code and loaded at EP=1."""
 
 
 @contextlib.contextmanager
@@ -144,7 +147,18 @@ def _layouts(rank: int, world_size: int, root: str) -> None:
         result = _run(policy)
         if rank == 0:
             torch.save(result, Path(root) / f"{name}.pt")
+        if name == CHECKPOINT_LAYOUT:
+            checkpoint.save_checkpoint(
+                Path(root) / name, 1, policy.model_chunks, groups=policy.groups, hf_config=CONFIG, save_rng=False
+            )
         destroy_parallel()
+
+
+def _load_at_ep1(rank: int, world_size: int, root: str) -> None:
+    policy = _policy(1, 1, seed=99, dispatcher="alltoall")
+    step_dir = checkpoint.latest_checkpoint(Path(root) / CHECKPOINT_LAYOUT)
+    checkpoint.load_checkpoint(step_dir, policy.model_chunks, groups=policy.groups, load_rng=False)
+    torch.save(_params(policy), Path(root) / f"{CHECKPOINT_LAYOUT}_at_ep1.pt")
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +166,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     root = tmp_path_factory.mktemp("moe")
     run_distributed(_reference, 1, str(root))
     run_distributed(_layouts, 2, str(root))
-    return {name: torch.load(root / f"{name}.pt") for name in ("ep1", *LAYOUTS)}
+    run_distributed(_load_at_ep1, 1, str(root))
+    out = {name: torch.load(root / f"{name}.pt") for name in ("ep1", *LAYOUTS)}
+    out["at_ep1"] = torch.load(root / f"{CHECKPOINT_LAYOUT}_at_ep1.pt")
+    return out
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -194,6 +211,14 @@ def test_update_metrics_match_single_rank(runs, layout):
         assert ours[key] == pytest.approx(ref[key], rel=METRIC_RTOL), key
     for key in ("train/moe_load_min", "train/moe_load_max"):
         assert ours[key] == pytest.approx(ref[key], abs=1e-12), key
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_saved_at_ep2_loads_at_ep1_bit_for_bit(runs):
+    saved, loaded = runs[CHECKPOINT_LAYOUT]["params"], runs["at_ep1"]
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
 
 
 @pytest.mark.multiprocess
