@@ -299,3 +299,40 @@ def test_router_matches_transformers_routing_and_mixed_layers_keep_one_norm_key(
     # The sparse layer's norm keeps its own key (as with Transformer Engine); the dense one fuses into fc1.
     assert "decoder.layers.1.pre_mlp_layernorm.weight" in result["keys"]
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in result["keys"]
+
+
+# ------------------------------------------------------------------------------- CPU shims
+
+
+class _AllocatesOnCudaInBackward(torch.autograd.Function):
+    """Like megatron's all-to-all: the backward allocates with device=torch.cuda.current_device()."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return 3.0 * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return 3.0 * grad + torch.zeros(grad.shape, device=torch.cuda.current_device())
+
+
+def test_cpu_shims_keep_backward_mapped_and_give_gloo_numpy_split_sizes():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from megatron_mugrpo.training import cpu_compat
+
+    activated_here = not cpu_compat.is_active()
+    try:
+        cpu_compat.activate()
+        x = torch.ones(4, requires_grad=True)
+        _AllocatesOnCudaInBackward.apply(x).sum().backward()
+        torch.autograd.backward([_AllocatesOnCudaInBackward.apply(x)], [torch.full((4,), 2.0)])
+        assert x.grad.tolist() == [9.0] * 4  # 3 from Tensor.backward + 3 × 2 from autograd.backward
+        assert cpu_compat.activate_moe()["moe_dispatch"] == 1
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
+        assert splits.tolist() == [3, 5] and not torch.is_tensor(splits)
+    finally:
+        if activated_here:
+            cpu_compat.deactivate()
+    if activated_here:  # deactivate() restores megatron's helper, which leaves CPU tensors as they are
+        assert torch.is_tensor(token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([1]), as_numpy=True))
