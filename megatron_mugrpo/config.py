@@ -18,6 +18,7 @@ YAML and overrides, and saves:
     algo                 algorithms/config.py, with algo.<loss>.* from the loss registry
                          (algorithms/losses.py) and algo.rollout_correction.*
     replay               algorithms/replay.py          kernels     kernels/config.py
+    moe                  training/moe.py (router losses and token dispatch of mixture-of-experts models)
     async                asynchronous/config.py        stages      here (the loop's schedule)
 
     cfg = load_config("configs/demo_cpu.yaml", ["algo.mu_grpo.clip_high=5", "stages.num_stages=2"])
@@ -50,6 +51,7 @@ from megatron_mugrpo.rewards.registry import RewardConfig
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.prompts import DataConfig, format_reward_kind
 from megatron_mugrpo.training.checkpoint_config import CheckpointConfig
+from megatron_mugrpo.training.moe import MoeConfig
 from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.parallel import ParallelConfig, check_hf_model_parallelism, check_model_parallelism
 from megatron_mugrpo.warmstart import DTYPES, ModelConfig, TinyModelConfig, WarmStartConfig
@@ -69,6 +71,7 @@ __all__ = [
     "KernelConfig",
     "LoggingConfig",
     "ModelConfig",
+    "MoeConfig",
     "OptimConfig",
     "ParallelConfig",
     "ReplayConfig",
@@ -133,6 +136,7 @@ class RunConfig:
     stages: StagesConfig = field(default_factory=StagesConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

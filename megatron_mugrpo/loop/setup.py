@@ -174,7 +174,11 @@ def open_run(
         inputs = read_inputs(cfg)  # seconds: bad data fails here, on every rank alike, before any model exists
         parallel = cfg.parallel
         groups = initialize_parallel(
-            parallel.tensor_parallel, parallel.pipeline_parallel, cfg.seed, world_size=world_size
+            parallel.tensor_parallel,
+            parallel.pipeline_parallel,
+            cfg.seed,
+            world_size=world_size,
+            ep=parallel.expert_parallel,
         )
         if claimed is None and groups.rank == 0:
             claimed = claim(run_dir, replace_failed_start=replace_failed_start)
@@ -276,6 +280,7 @@ def _set_up(
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         fp8=cfg.kernels.fp8,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        moe=cfg.moe,
     )
     state, resumed_from = _initial_weights(policy, hf_dir, run_dir, resume=resume, checkpoint=checkpoint)
     checkpoints = CheckpointSaver(

@@ -30,6 +30,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.training.model import build_gpt_model
+from megatron_mugrpo.training.moe import MoeConfig
 from megatron_mugrpo.training.optimizer import OptimConfig, build_optimizer
 from megatron_mugrpo.training.parallel import ParallelGroups
 from megatron_mugrpo.warmstart import DTYPES as DTYPE_NAMES
@@ -86,6 +87,7 @@ def build_model_chunks(
     use_distributed_optimizer: bool,
     fp8: str = "none",
     sequence_parallel: bool = False,
+    moe: MoeConfig | None = None,
 ) -> list[DistributedDataParallel]:
     """This rank's GPTModel stage on its device, wrapped in Megatron DDP.
 
@@ -102,6 +104,8 @@ def build_model_chunks(
         post_process=groups.is_last_stage,
         fp8=fp8,
         config_overrides={"calculate_per_token_loss": True, "sequence_parallel": sequence_parallel},
+        expert_parallel=groups.ep,
+        moe=moe,
     )
     model.to(groups.device)
     ddp_config = DistributedDataParallelConfig(
@@ -132,12 +136,14 @@ def build_policy(
     use_distributed_optimizer: bool = False,
     fp8: str = "none",
     sequence_parallel: bool = False,
+    moe: MoeConfig | None = None,
 ) -> Policy:
     """Model (+ optimizer and schedule hooks when ``optim`` is given) for this rank.
 
     Weights are freshly initialised (seeded by ``initialize_parallel``); load real ones with
     ``conversion.load_hf_into_model(policy.unwrapped(), hf_dir, groups)`` or
     ``checkpoint.load_checkpoint(step_dir, policy.model_chunks, ..., groups=groups)``.
+    ``moe``: router losses and token dispatch of a mixture-of-experts model (``moe.*``; None: defaults).
     """
     if sequence_parallel and groups.device.type != "cuda":
         raise ConfigError(
@@ -151,6 +157,7 @@ def build_policy(
         use_distributed_optimizer=use_distributed_optimizer,
         fp8=fp8,
         sequence_parallel=sequence_parallel,
+        moe=moe,
     )
     optimizer = scheduler = None
     if optim is not None:

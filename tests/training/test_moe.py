@@ -18,10 +18,7 @@ relative |Δgrad_norm| 4e-8, the other metrics identical. Bounds: 1e-6 on logits
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +27,7 @@ import torch
 from dist_utils import run_distributed
 
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
-from megatron_mugrpo.training import checkpoint, setup
-from megatron_mugrpo.training import model as model_module
+from megatron_mugrpo.training import checkpoint
 from megatron_mugrpo.training.model import ModelConfigError, build_gpt_model, transformer_config_from_hf
 from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError, moe_layer_pattern
 from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
@@ -58,21 +54,10 @@ CHECKPOINT_LAYOUT = "ep2_alltoall"
 """Its weights after the update are saved with the trainer's checkpoint code and loaded at EP=1."""
 
 
-@contextlib.contextmanager
-def _building_with(moe: MoeConfig) -> Iterator[None]:
-    """build_policy builds its model with ``moe`` (setup.py does not take a MoeConfig yet)."""
-    original = setup.build_gpt_model
-    setup.build_gpt_model = partial(model_module.build_gpt_model, moe=moe)
-    try:
-        yield
-    finally:
-        setup.build_gpt_model = original
-
-
 def _policy(pp: int, ep: int, seed: int, dispatcher: str) -> Policy:
     groups = initialize_parallel(1, pp, seed=seed, ep=ep)
-    with _building_with(MoeConfig(token_dispatcher=dispatcher, **MOE_LOSSES)):
-        return build_policy(CONFIG, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR))
+    moe = MoeConfig(token_dispatcher=dispatcher, **MOE_LOSSES)
+    return build_policy(CONFIG, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR), moe=moe)
 
 
 def _global_name(name: str, groups: Any) -> str:
