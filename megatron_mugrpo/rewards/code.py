@@ -307,6 +307,8 @@ class CodeRewardPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        while not self._slots.empty():
+            self._slots.get().close()  # give the slots' host uids back
 
 
 class CodeReward:

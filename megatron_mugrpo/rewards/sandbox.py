@@ -159,17 +159,31 @@ class Sandbox:
     """Runs programs of one worker slot, one fresh bubblewrap tree each.
 
     Args:
-        slot: the worker slot; as root its programs run under host uid ``UID_BASE + slot``, so
-            parallel slots have separate process budgets.
+        slot: the worker slot; as root its programs run under a host uid of its own, the first free
+            one from ``UID_BASE + slot`` on (``claim_uid``), so parallel slots, in this process or in
+            another run on the same machine, have separate process budgets and never kill each
+            other's programs when they clean up.
     """
 
     def __init__(self, *, slot: int = 0) -> None:
         self.bwrap = bwrap_path()
         self.prlimit = _tool("prlimit", "util-linux")
         self.python = interpreter()
-        self.uid = UID_BASE + slot if os.geteuid() == 0 else None
-        if self.uid is not None:
+        self.uid: int | None = None
+        self._uid_lock: int | None = None
+        if os.geteuid() == 0:
+            self.uid, self._uid_lock = claim_uid(UID_BASE + slot)
             _become_subreaper()
+
+    def close(self) -> None:
+        """Give the slot's host uid back (also done when the process ends)."""
+        if self._uid_lock is not None:
+            os.close(self._uid_lock)
+            self._uid_lock = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def run(
         self,
@@ -273,8 +287,9 @@ class Unsandboxed(Sandbox):
     def __init__(self, *, slot: int = 0) -> None:
         self.prlimit = _tool("prlimit", "util-linux")
         self.python = interpreter()
-        self.uid = UID_BASE + slot if os.geteuid() == 0 else None
-        if self.uid is not None:
+        self.uid, self._uid_lock = None, None
+        if os.geteuid() == 0:
+            self.uid, self._uid_lock = claim_uid(UID_BASE + slot)
             _become_subreaper()
 
     def _command(self, code: str, argv: list[str], limits: Limits) -> list[str]:
@@ -363,6 +378,37 @@ def _signal(returncode: int | None) -> int | None:
     if returncode < 0:
         return -returncode
     return returncode - 128 if returncode > 128 else None
+
+
+UID_LOCK_DIR = Path(tempfile.gettempdir()) / "mugrpo-sandbox-uids"
+"""One lock file per host uid in use by a sandbox of this machine."""
+UID_RANGE = 4096
+"""Host uids a sandbox may claim: ``UID_BASE`` .. ``UID_BASE + UID_RANGE - 1``."""
+
+
+def claim_uid(first: int) -> tuple[int, int]:
+    """The first host uid from ``first`` on that no other sandbox of this machine holds, and the file
+    descriptor of its lock (an exclusive ``flock``, released with the descriptor or the process).
+
+    A slot's clean-up kills every process of its uid, so two sandboxes must never share one: two runs
+    (or a run and a test) whose slots shared uid 61000 + k used to kill each other's programs, which
+    then scored as timeouts.
+    """
+    import fcntl
+
+    UID_LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
+    for uid in range(first, UID_BASE + UID_RANGE):
+        fd = os.open(UID_LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return uid, fd
+    raise SandboxUnavailableError(
+        f"every sandbox uid from {first} to {UID_BASE + UID_RANGE - 1} is in use on this machine "
+        f"(locks in {UID_LOCK_DIR}); stop other runs or lower reward.workers"
+    )
 
 
 def _become_subreaper() -> None:

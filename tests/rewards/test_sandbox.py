@@ -154,3 +154,27 @@ def test_it_fails_closed_when_bubblewrap_cannot_start(monkeypatch, tmp_path):
 def test_limits_are_checked():
     with pytest.raises(Exception, match="wall_s=0 must be > 0"):
         Limits(wall_s=0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="separate host uids per slot are taken only as root")
+def test_two_sandboxes_of_the_same_slot_never_share_a_uid(box):
+    """Two runs on one machine (or a run and these tests) used to give slot k the same uid, and one's
+    clean-up (kill every process of the uid) killed the other's programs, scored as timeouts."""
+    other = Sandbox(slot=7)  # the same slot number as ``box``, as a second process would ask for
+    try:
+        assert other.uid != box.uid
+        slow = "import time\ntime.sleep(1.5)\nprint('survived')\n"
+        import threading
+
+        results = {}
+        thread = threading.Thread(target=lambda: results.setdefault("slow", run(box, slow)))
+        thread.start()
+        time.sleep(0.5)
+        assert run(other, "print(1)\n").stdout == b"1\n"  # its clean-up kills its own uid only
+        thread.join()
+        assert results["slow"].stdout == b"survived\n"
+    finally:
+        other.close()
+    again = Sandbox(slot=7)
+    assert again.uid == other.uid  # a closed sandbox's uid is free again
+    again.close()
