@@ -1,4 +1,5 @@
-"""The CPU demo's starting policy: a tiny Qwen2-architecture model built locally, then warm-started.
+"""The CPU demo's starting policy: a tiny Qwen2-architecture model (or a Qwen3-MoE one, ``model.tiny.arch``)
+built locally, then warm-started.
 
 Nothing can be downloaded at run time, so the demo builds its own tokenizer (character level) and
 a small randomly initialised Qwen2 model, then teaches it the answer format with a short supervised
@@ -45,12 +46,18 @@ INIT_STD = 0.02
 """Initialiser std of the tiny model (transformers' default for Qwen2)."""
 DTYPES = ("float32", "bfloat16", "float16")
 """model.dtype choices (training.setup maps them to torch dtypes)."""
+TINY_ARCHS = ("qwen2", "qwen3_moe")
+"""model.tiny.arch choices: dense Qwen2, or Qwen3-MoE (every layer sparse, no shared expert)."""
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 @dataclass(kw_only=True)
 class TinyModelConfig:
-    """``model.tiny.*``: shape of the small Qwen2-architecture model built locally for the CPU demo and tests."""
+    """``model.tiny.*``: shape of the small model built locally for the CPU demo and tests (Qwen2 by default)."""
 
+    arch: str = "qwen2"
+    """Architecture: ``qwen2`` (dense) or ``qwen3_moe`` (a mixture of experts in every layer, built from
+    ``num_experts`` / ``num_experts_per_tok`` / ``moe_intermediate_size``; ``intermediate_size`` unused)."""
     hidden_size: int = 64
     """Width of the residual stream; a multiple of num_attention_heads."""
     num_layers: int = 2
@@ -67,8 +74,24 @@ class TinyModelConfig:
     """Share the input embedding and the output layer."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    num_experts: int = 4
+    """qwen3_moe only: experts per layer (parallel.expert_parallel must divide it)."""
+    num_experts_per_tok: int = 2
+    """qwen3_moe only: experts each token is routed to (top-k, probabilities renormalised over them)."""
+    moe_intermediate_size: int = 32
+    """qwen3_moe only: width of each expert's gated MLP."""
 
     def __post_init__(self) -> None:
+        require(self.arch in TINY_ARCHS, f"model.tiny.arch={self.arch!r} is not one of {TINY_ARCHS}")
+        require(
+            1 <= self.num_experts_per_tok <= self.num_experts,
+            f"model.tiny.num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+            f"model.tiny.num_experts={self.num_experts}]",
+        )
+        require(
+            self.moe_intermediate_size >= 1,
+            f"model.tiny.moe_intermediate_size={self.moe_intermediate_size} must be >= 1",
+        )
         require(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"model.tiny.num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -148,7 +171,11 @@ def base_model_dir(model: ModelConfig, warmstart: WarmStartConfig, out_dir: Path
 
 def base_model_spec(tiny: TinyModelConfig, warmstart: WarmStartConfig, *, task: str, seed: int) -> dict[str, Any]:
     """Everything the built base model depends on: runs with equal specs can share one base model."""
-    return {"tiny": dict(tiny.__dict__), "warmstart": dict(warmstart.__dict__), "seed": seed, "task": task}
+    shape = dict(tiny.__dict__)
+    if tiny.arch == "qwen2":  # the dense model's spec as before the MoE option: its cached base models stay valid
+        for key in ("arch", *_MOE_FIELDS):
+            shape.pop(key)
+    return {"tiny": shape, "warmstart": dict(warmstart.__dict__), "seed": seed, "task": task}
 
 
 class _DataSection(Protocol):
@@ -176,13 +203,24 @@ def warmstart_spec(cfg: RunSections) -> dict[str, Any]:
 
 
 def build_tiny_model(tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> torch.nn.Module:
-    """A randomly initialised Qwen2ForCausalLM of the configured shape, in float32."""
+    """A randomly initialised Qwen2ForCausalLM (or Qwen3MoeForCausalLM, ``tiny.arch``) of the configured
+    shape, in float32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_mugrpo.training.model import tiny_hf_config
 
+    moe = (
+        {
+            "num_experts": tiny.num_experts,
+            "num_experts_per_tok": tiny.num_experts_per_tok,
+            "moe_intermediate_size": tiny.moe_intermediate_size,
+            "head_dim": tiny.hidden_size // tiny.num_attention_heads,
+        }
+        if tiny.arch == "qwen3_moe"
+        else {}
+    )
     hf = tiny_hf_config(
-        "qwen2",
+        tiny.arch,
         vocab_size=len(tokenizer),
         hidden_size=tiny.hidden_size,
         num_hidden_layers=tiny.num_layers,
@@ -197,6 +235,7 @@ def build_tiny_model(tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
+        **moe,
     )
     config = AutoConfig.for_model(**hf)
     torch.manual_seed(seed)

@@ -106,3 +106,29 @@ def test_prepare_base_model_is_cached(tmp_path: Path):
     changed = load_config(Path(__file__).parents[1] / "configs" / "demo_cpu.yaml", ["warmstart.steps=3"])
     prepare_base_model(changed, tmp_path / "base")
     assert json.loads((out / WARMSTART_FILE).read_text())["spec"]["warmstart"]["steps"] == 3
+
+
+def test_tiny_moe_arch_builds_a_qwen3_moe_and_leaves_the_dense_spec_alone(tmp_path: Path):
+    from megatron_mugrpo.warmstart import TinyModelConfig, WarmStartConfig, base_model_spec, build_tiny_model
+
+    tokenizer = build_char_tokenizer(tmp_path)
+    dense = TinyModelConfig()
+    # The dense spec keeps the keys it had before model.tiny.arch existed: cached demo models stay valid.
+    assert set(base_model_spec(dense, WarmStartConfig(), task="addition", seed=0)["tiny"]) == {
+        "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+        "max_position_embeddings", "tie_word_embeddings", "rope_theta",
+    }  # fmt: skip
+    moe_cfg = TinyModelConfig(arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    spec = base_model_spec(moe_cfg, WarmStartConfig(), task="addition", seed=0)["tiny"]
+    assert spec["arch"] == "qwen3_moe" and spec["num_experts"] == 4
+    moe = build_tiny_model(moe_cfg, tokenizer, seed=0)
+    assert type(moe).__name__ == "Qwen3MoeForCausalLM"
+    assert moe.config.num_experts_per_tok == 2 and moe.config.moe_intermediate_size == 16
+    assert moe.config.head_dim == 16  # hidden 64 / 4 heads, as the dense model
+    with torch.no_grad():
+        logits = moe(torch.tensor([[1, 5, 7, 9]])).logits
+    assert logits.shape == (1, 4, len(tokenizer)) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        TinyModelConfig(arch="qwen3_moe", num_experts=2, num_experts_per_tok=3)
+    with pytest.raises(ValueError, match=r"model\.tiny\.arch"):
+        TinyModelConfig(arch="mixtral")

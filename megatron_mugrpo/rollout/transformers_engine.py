@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,25 +262,75 @@ class TransformersEngine:
 
 
 def copy_weights(model: PreTrainedModel, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into ``model``'s parameters; every parameter must receive one."""
+    """Copy HF-named tensors into ``model``'s parameters; every parameter must receive one.
+
+    Names are those of a released checkpoint. Where the model stores a mixture-of-experts layer's
+    experts fused (transformers 5: ``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, and
+    ``mlp.experts.down_proj`` [E, H, I]), each expert's ``experts.{e}.{gate,up,down}_proj.weight`` goes
+    into its slice, as transformers' own loader puts it; a fused parameter counts as received once
+    every slice has arrived.
+    """
     targets = model.state_dict(keep_vars=True)
-    received: set[int] = set()
+    received: dict[int, set[int]] = {}
     with torch.no_grad():
         for name, tensor in named_tensors:
-            if name not in targets:
+            resolved = _copy_target(targets, name)
+            if resolved is None:
                 kind = type(model).__name__
                 raise KeyError(f"load_weights: {name!r} is not a parameter of the rollout model ({kind})")
-            target = targets[name]
+            param, target, piece = resolved
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the rollout model expects "
                     f"{tuple(target.shape)}"
                 )
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            received.add(target.data_ptr())
-    missing = [n for n, p in model.named_parameters() if p.data_ptr() not in received]
+            received.setdefault(param.data_ptr(), set()).add(piece)
+    missing = []
+    for name, param in model.named_parameters():
+        pieces = received.get(param.data_ptr(), set())
+        if _WHOLE not in pieces and len(pieces) < _slices(name, param):
+            missing.append(name)
     if missing:
         raise ValueError(f"load_weights: no tensor for {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+_WHOLE = -1
+_EXPERT_WEIGHT = re.compile(
+    r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+"""One expert's projection as a released MoE checkpoint names it (Qwen2-MoE, Qwen3-MoE, Mixtral-style)."""
+
+
+def _copy_target(targets: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(parameter, the tensor or slice ``name`` is copied into, piece), or None when ``name`` has no home.
+
+    ``piece`` is ``_WHOLE`` for a whole parameter, else the slice's index in a fused expert parameter:
+    ``2 * expert + (0 gate, 1 up)`` in ``gate_up_proj``, ``expert`` in ``down_proj``."""
+    if name in targets:
+        return targets[name], targets[name], _WHOLE
+    match = _EXPERT_WEIGHT.match(name)
+    if match is None:
+        return None
+    expert, proj = int(match["index"]), match["proj"]
+    fused = targets.get(f"{match['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    if fused is None or fused.dim() != 3 or expert >= fused.shape[0]:
+        return None
+    if proj == "down_proj":
+        return fused, fused[expert], expert
+    half = fused.shape[1] // 2
+    if proj == "gate_proj":
+        return fused, fused[expert, :half], 2 * expert
+    return fused, fused[expert, half:], 2 * expert + 1
+
+
+def _slices(name: str, param: torch.Tensor) -> int:
+    """Pieces that make up ``param`` when it arrives in slices (fused experts), else 1."""
+    if name.endswith(".experts.gate_up_proj"):
+        return 2 * param.shape[0]
+    if name.endswith(".experts.down_proj"):
+        return param.shape[0]
+    return 1
 
 
 def _eos_ids(model: PreTrainedModel) -> list[int]:
