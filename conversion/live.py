@@ -158,6 +158,19 @@ def _owner_stages(local_names: set[str], groups: ParallelGroups) -> dict[str, in
     return owners
 
 
+def _expert_owners(local_names: set[str], groups: ParallelGroups) -> dict[str, int]:
+    """Canonical name of every expert weight of this pipeline stage -> the EP rank that holds it.
+
+    One all_gather_object over the EP group; names every EP rank holds (attention, router, norms) are
+    left out: each rank exports its own copy of those."""
+    if groups.ep == 1:
+        return {}
+    per_rank: list[Any] = [None] * groups.ep
+    experts = sorted(n for n in local_names if ".local_experts." in n)
+    dist.all_gather_object(per_rank, experts, group=groups.ep_group)
+    return {name: ep_rank for ep_rank, names in enumerate(per_rank) for name in names}
+
+
 def _skip_on_export(entry: TensorMap, hf_config: dict[str, Any]) -> bool:
     """The tied output layer is a copy of the embedding: HF stores it once, as embed_tokens."""
     return entry.megatron == "output_layer.weight" and model_provider.tie_word_embeddings(hf_config)
@@ -172,21 +185,23 @@ def export_hf(
     Every rank yields every tensor (full HF shape, unpadded vocabulary, the parameters' dtype and
     device): TP pieces are all-gathered within the owning stage, then broadcast over the PP group.
     All ranks of the model-parallel group must iterate the generator to the end, in step, because
-    each tensor involves collectives.
+    each tensor involves collectives. With expert parallelism (at TP = 1) an expert's weights are
+    broadcast over the EP group from the rank that holds that expert.
 
     A yielded tensor may share memory with a live parameter (no copy is made where none is needed):
     read or copy it before the parameters change, and never write to it.
     """
-    if groups.ep > 1:
+    if groups.ep > 1 and groups.tp > 1:
         raise ConversionError(
-            f"export_hf: exporting at expert_parallel={groups.ep} is not supported yet (each rank holds only its "
-            "experts); load the checkpoint at expert_parallel=1 to export it"
+            f"export_hf: exporting at expert_parallel={groups.ep} with tensor_parallel={groups.tp} is not supported "
+            "yet (only EP > 1 at TP = 1); load the checkpoint at tensor_parallel=1 to export it"
         )
     chunks = as_chunks(model_chunks)
     local = {entry.megatron: (entry, param) for model in chunks for entry, param in live_parameters(model, hf_config)}
     if not local:
         raise ConversionError("export_hf: the model chunks hold no parameters")
-    owners = _owner_stages(set(local), groups)
+    expert_owners = _expert_owners(set(local), groups)  # EP: each rank holds E / EP experts of each layer
+    owners = _owner_stages(set(local) | set(expert_owners), groups)
     dims = ModelDims.from_hf(hf_config)
     shapes = expected_hf_shapes(hf_config)
     sample = next(iter(local.values()))[1]
@@ -196,12 +211,16 @@ def export_hf(
         if entry.megatron not in owners:
             raise ConversionError(f"export_hf: no pipeline stage holds {entry.megatron}; model and config disagree")
         owner = owners[entry.megatron]
-        if owner == groups.pp_rank:
+        if owner == groups.pp_rank and entry.megatron in local:
             param = local[entry.megatron][1].detach()
             pieces = hf_pieces(entry, param, dims, tp=groups.tp)
             tensors = [hf_from_pieces(entry, [_gather_tp(entry, piece, groups)], dims) for piece in pieces]
         else:
             tensors = [torch.empty(shapes[n], dtype=sample.dtype, device=sample.device) for n in entry.hf]
+        if owner == groups.pp_rank and entry.megatron in expert_owners:  # from the EP rank holding the expert
+            src = dist.get_global_rank(groups.ep_group, expert_owners[entry.megatron])
+            for tensor in tensors:
+                dist.broadcast(tensor, src=src, group=groups.ep_group)
         if groups.pp > 1:
             src = dist.get_global_rank(groups.pp_group, owner)
             for tensor in tensors:

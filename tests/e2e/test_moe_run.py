@@ -70,3 +70,34 @@ def test_moe_run_trains_syncs_and_evaluates(tmp_path: Path, moe_dir: Path):
     assert set(after) == set(before)
     for name in ("model.layers.0.mlp.experts.1.down_proj.weight", "model.layers.1.mlp.gate.weight"):
         assert not torch.equal(after[name], before[name]), name
+
+
+def _export_at_ep2(rank: int, world_size: int, hf_dir: str, out: str) -> None:
+    import json
+
+    from megatron_mugrpo.conversion import export_hf, load_hf_into_model
+
+    from megatron_mugrpo.training.parallel import initialize_parallel
+    from megatron_mugrpo.training.setup import build_policy
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    groups = initialize_parallel(1, 1, seed=0, ep=2)
+    policy = build_policy(config, groups=groups, dtype=torch.float32, optim=None)
+    experts = policy.unwrapped()[0].decoder.layers[0].mlp.local_expert_indices
+    assert len(experts) == 2  # each rank holds half of the 4 experts
+    load_hf_into_model(policy.unwrapped(), hf_dir, groups)
+    exported = {name: tensor.clone() for name, tensor in export_hf(policy.unwrapped(), config, groups)}
+    torch.save(exported, Path(out) / f"rank{rank}.pt")
+
+
+def test_export_at_expert_parallel_2_gives_every_expert_on_every_rank(moe_dir: Path, tmp_path: Path):
+    """The engine sync at EP > 1: each rank exports the whole model, other ranks' experts broadcast to it."""
+    from dist_utils import run_distributed
+
+    run_distributed(_export_at_ep2, 2, str(moe_dir), str(tmp_path))
+    saved = load_file(str(moe_dir / "model.safetensors"))
+    for rank in range(2):
+        exported = torch.load(tmp_path / f"rank{rank}.pt")
+        assert set(exported) == set(saved)
+        for name, tensor in saved.items():
+            assert torch.equal(exported[name], tensor), (rank, name)
