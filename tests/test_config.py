@@ -38,6 +38,18 @@ PAPER_MODELS = {
     "qwen3_8b_base": _dims(32, 8, 36),
 }
 PAPER_METHODS = ("mu_grpo", "grpo", "high_staleness_grpo", "m2po")
+MOE_PAPER_MODELS = {
+    # model file stem: the real config.json fields that decide TP / PP / EP (released Qwen3-MoE spelling).
+    "qwen3_30b_a3b": {
+        "model_type": "qwen3_moe",
+        **_dims(32, 4, 48),
+        "hidden_size": 2048,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+    },
+}
+MOE_PAPER_METHODS = ("mu_grpo", "grpo")
 PAPER_TOTAL_UPDATES = 4096
 
 
@@ -73,7 +85,7 @@ def _path_overrides(path: Path, tmp_path: Path, hf_fields: dict | None = None) -
 
 def _hf_fields_for(path: Path) -> dict | None:
     stem = path.stem.split("__")[0]
-    return PAPER_MODELS.get(stem)
+    return PAPER_MODELS.get(stem) or MOE_PAPER_MODELS.get(stem)
 
 
 @pytest.mark.parametrize("path", NON_PAPER_YAMLS, ids=[str(p.relative_to(CONFIGS)) for p in NON_PAPER_YAMLS])
@@ -92,6 +104,7 @@ def test_grid_covers_every_paper_file() -> None:
     # Table 2's asynchronous runs (tests/asynchronous/test_async_config.py checks them).
     grid |= {CONFIGS / "paper" / f"qwen2.5_math_7b__{method}.yaml" for method in ("async_grpo", "async_mu_grpo")}
     grid |= {CONFIGS / "paper" / f"qwen2.5_coder_7b__{method}.yaml" for method in ("mu_grpo", "grpo")}  # coding
+    grid |= {CONFIGS / "paper" / f"{m}__{method}.yaml" for m in MOE_PAPER_MODELS for method in MOE_PAPER_METHODS}
     assert set(YAMLS) - set(NON_PAPER_YAMLS) == grid
 
 
@@ -154,6 +167,28 @@ def test_paper_grid_settings(model: str, method: str, tmp_path: Path) -> None:
     aggregation = "token_mean" if method == "m2po" else "seq_mean_token_mean"  # as the released M2PO code
     assert cfg.algo.loss_options() == {"aggregation": aggregation, **expected[2]}
     assert cfg.eval.every_updates == 200  # the paper's evaluation interval
+
+
+@pytest.mark.parametrize("model", sorted(MOE_PAPER_MODELS))
+@pytest.mark.parametrize("method", MOE_PAPER_METHODS)
+def test_moe_paper_settings(model: str, method: str, tmp_path: Path) -> None:
+    """The MoE paper runs: the paper's shared settings and method, expert parallelism over one node's
+    8 GPUs dividing the real expert count, and rollout engines that split the model over 2 GPUs."""
+    path = CONFIGS / "paper" / f"{model}__{method}.yaml"
+    fields = MOE_PAPER_MODELS[model]
+    cfg = load_config(path, _path_overrides(path, tmp_path, fields))
+    check_hf_model_parallelism(cfg.model.hf_dir, cfg.parallel)  # heads, layers and experts split
+    assert cfg.parallel.expert_parallel == 8 and fields["num_experts"] % cfg.parallel.expert_parallel == 0
+    assert cfg.parallel.expert_parallel * cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel == 8
+    assert (cfg.rollout.engine, cfg.rollout.tensor_parallel, cfg.model.dtype) == ("sglang", 2, "bfloat16")
+    assert cfg.stages.total_updates == PAPER_TOTAL_UPDATES
+    assert (cfg.stages.mini_groups, cfg.rollout.group_size, cfg.optim.lr) == (32, 8, 1e-6)
+    assert cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens == 8192
+    assert cfg.algo.loss == method and cfg.stages.updates_per_stage == {"mu_grpo": 1024, "grpo": 4}[method]
+    # A model whose expert count EP does not divide is refused, naming the key.
+    (Path(cfg.model.hf_dir) / "config.json").write_text(json.dumps({**fields, "num_experts": 60}))
+    with pytest.raises(ConfigError, match=r"parallel\.expert_parallel=8 does not divide the 60 experts"):
+        check_hf_model_parallelism(cfg.model.hf_dir, cfg.parallel)
 
 
 def test_demo_grpo_matches_demo_updates() -> None:
