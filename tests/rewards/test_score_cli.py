@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from megatron_mugrpo.cli import main
-from megatron_mugrpo.rewards.sandbox import UID_BASE
 
 SECRET = "mugrpo-fake-secret-9d2e"
 PROJECT = Path(__file__).resolve().parents[2]
@@ -50,14 +49,19 @@ def _score(capsys, config: Path, data: Path, responses: Path) -> tuple[int, list
     return code, [json.loads(line) for line in out.splitlines() if line.startswith("{")], err
 
 
-def _slot_processes() -> list[int]:
-    """Live processes of any sandbox slot's host uid."""
+DAEMON_MARKER = "mugrpo-daemon-7c41"
+"""In the command line of the daemon the hostile program starts, so the test can look for it by name
+(other runs' sandboxed programs may be alive on a shared machine; this one must not be)."""
+
+
+def _marked_processes() -> list[int]:
+    """Live processes whose command line carries ``DAEMON_MARKER``."""
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                uid = os.stat(entry.path).st_uid
-                if UID_BASE <= uid < UID_BASE + 64 and " Z " not in Path(entry.path, "stat").read_text():
+                cmdline = Path(entry.path, "cmdline").read_bytes()
+                if DAEMON_MARKER.encode() in cmdline and " Z " not in Path(entry.path, "stat").read_text():
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -99,7 +103,9 @@ def test_hostile_programs_are_contained_when_scored_from_the_command_line(tmp_pa
         "read_environment": ("import os\nprint(os.environ.get('MUGRPO_FAKE_TOKEN'))\n", SECRET, "wrong_answer"),
         "kill_parent": ("import os\nos.kill(os.getppid(), 9)\nprint('done')\n", "killed", None),
         "daemon": (
-            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(120)\nprint('done')\n",
+            "import os, sys\nif os.fork() == 0:\n    os.setsid()\n"
+            f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(120)', {DAEMON_MARKER!r}])\n"
+            "print('done')\n",
             "outlived",
             "wrong_answer",
         ),
@@ -127,7 +133,7 @@ def test_hostile_programs_are_contained_when_scored_from_the_command_line(tmp_pa
     listener.close()
     assert run_file.read_text() == SECRET and not injected.exists()
     assert os.environ["MUGRPO_FAKE_TOKEN"] == SECRET
-    assert _slot_processes() == []  # no program outlived its test
+    assert _marked_processes() == []  # the daemon did not outlive its test
 
     # The next batch runs normally.
     data = _write_jsonl(tmp_path / "sum.jsonl", [_problem("sum", "5\n", stdin="2 3\n")])
