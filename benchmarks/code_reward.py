@@ -50,7 +50,9 @@ def main() -> int:
     parser.add_argument("--looping", type=int, default=4)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
-    responses = [CORRECT] * args.correct + [WRONG] * args.wrong + [LOOPING] * args.looping
+    programs = [CORRECT] * args.correct + [WRONG] * args.wrong + [LOOPING] * args.looping
+    # Each copy made distinct by a comment: the pool runs a repeated program only once per call.
+    responses = [f"{text[:-3]}# copy {i}\n```" for i, text in enumerate(programs)]
     plain_rate, plain_rewards = measure("none", responses, args.workers)
     boxed_rate, boxed_rewards = measure("bwrap", responses, args.workers)
     if boxed_rewards != plain_rewards:

@@ -19,6 +19,7 @@ first failure's (``CODE_REASONS``), or ``correct``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -293,15 +294,33 @@ class CodeRewardPool:
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="code-reward")
 
     def score(self, responses: Sequence[str], problems: Sequence[CodeProblem]) -> list[CodeScore]:
-        """Scores in input order."""
+        """Scores in input order. A program that occurs more than once for the same problem in one call
+        (a group's samples often agree) runs once; its copies get the same verdict with 0 seconds. "The
+        same problem" is the same object: ``CodeReward.score`` parses each distinct answer once."""
         if len(responses) != len(problems):
             raise ValueError(f"{len(responses)} responses for {len(problems)} problems")
-        return list(self._executor.map(self._score_one, responses, problems))
+        programs = [extract_program(response, self.cfg.language) for response in responses]
+        first: dict[tuple[str, int], int] = {}
+        to_run: list[int] = []
+        for index, (program, problem) in enumerate(zip(programs, problems)):
+            if program is not None and first.setdefault((program, id(problem)), index) == index:
+                to_run.append(index)
+        run = self._executor.map(self._score_one, [programs[i] for i in to_run], [problems[i] for i in to_run])
+        scored = dict(zip(to_run, run))
+        scores = []
+        for index, (program, problem) in enumerate(zip(programs, problems)):
+            if program is None:
+                scores.append(CodeScore(0.0, "no_code", 0, len(problem.inputs), 0.0))
+            elif index in scored:
+                scores.append(scored[index])
+            else:
+                scores.append(dataclasses.replace(scored[first[(program, id(problem))]], seconds=0.0))
+        return scores
 
-    def _score_one(self, response: str, problem: CodeProblem) -> CodeScore:
+    def _score_one(self, program: str, problem: CodeProblem) -> CodeScore:
         box = self._slots.get()
         try:
-            return score_response(box, response, problem, self.cfg)
+            return score_program(box, program, problem, self.cfg)
         finally:
             self._slots.put(box)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -130,3 +131,20 @@ def test_pool_scores_in_order_and_plain_processes_agree():
         assert [s.reason for s in scores] == ["correct", "no_code", "wrong_answer"] * 2
     with pytest.raises(InputError, match="sandbox='docker'"):
         CodeRewardConfig(sandbox="docker")
+
+
+def test_a_program_repeated_for_one_problem_runs_once():
+    """A group's identical samples share one run (the copies report 0 seconds); the same program for
+    another problem, or a different program, runs on its own and gets its own verdict."""
+    add, other = fenced("print(sum(map(int, input().split())))\n"), fenced("print(1)\n")
+    product = CodeProblem(inputs=("2 3\n",), outputs=("6\n",))
+    responses = [add, add, other, add, add]
+    problems = [SUM, SUM, SUM, product, SUM]
+    pool = CodeRewardPool(CodeRewardConfig(max_cpu_s=1.0), workers=2)
+    try:
+        scores = pool.score(responses, problems)
+    finally:
+        pool.close()
+    assert [s.reason for s in scores] == ["correct", "correct", "wrong_answer", "wrong_answer", "correct"]
+    assert [s.seconds > 0 for s in scores] == [True, False, True, True, False]
+    assert scores[1] == dataclasses.replace(scores[0], seconds=0.0)
