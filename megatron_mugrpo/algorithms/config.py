@@ -27,7 +27,7 @@ class _AlgoSettings:
     """
 
     loss: str = "mu_grpo"
-    """Loss registry entry: grpo | mu_grpo | m2po | m2po_clip."""
+    """Loss registry entry: grpo | mu_grpo | m2po | m2po_clip | opsm | icepop | gspo (algorithms.losses)."""
     aggregation: str = "seq_mean_token_mean"
     """seq_mean_token_mean (paper Eq. 2: token mean per response, then mean over responses) or token_mean."""
     adv_eps: float = 1e-6

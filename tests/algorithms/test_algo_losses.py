@@ -22,7 +22,7 @@ from megatron_mugrpo.algorithms.losses import (
 from megatron_mugrpo.algorithms.veto import veto_mask
 
 F64 = torch.float64
-LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip")
+LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip", "opsm", "icepop", "gspo")
 
 
 def _two_responses() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,28 +139,40 @@ OPTIONS = {
     "mu_grpo": {"clip_low": 0.0, "clip_high": 5.0, "veto_scope": "seq", "veto_threshold": 1e-4},
     "m2po": {"m2_threshold": 0.04},
     "m2po_clip": {"m2_threshold": 0.04},
+    "opsm": {"clip_eps": 0.2, "delta": 0.05},
+    "icepop": {"clip_eps": 0.2, "band_low": 0.5, "band_high": 5.0},
+    "gspo": {"clip_eps_low": 0.05, "clip_eps_high": 0.05},
 }
 
 
 def _analytic_grad(name: str, lp, bl, adv, mask, aggregation: str) -> torch.Tensor:
-    """d(Σ loss_sum / Σ normaliser)/d logprobs from the formula: −w_y · kept · unclipped · ρ_t A_t."""
+    """d(Σ loss_sum / Σ normaliser)/d logprobs from the formula: −w_y · kept · unclipped · ρ_t A_t
+    (GSPO: ρ_t is the response's s_y and the clip decision is s_y's)."""
     log_ratio = torch.where(mask.bool(), lp - bl, 0.0)
     rho, a, m = log_ratio.exp(), adv[:, None].expand_as(lp), mask.bool()
     kept, low, high = m, 0.0, math.inf
-    if name == "grpo":
+    lengths = mask.sum(-1, keepdim=True)
+    if name in ("grpo", "opsm", "icepop"):
         low, high = 0.8, 1.2
+    if name == "opsm":  # drop negative-advantage responses whose mean log(β/π_θ) exceeds δ = 0.05
+        divergence = -log_ratio.sum(-1, keepdim=True) / lengths.clamp_min(1)
+        kept = m & ~((a < 0) & (divergence > 0.05))
+    elif name == "icepop":
+        kept = m & (rho >= 0.5) & (rho <= 5.0)
+    elif name == "gspo":
+        rho = (log_ratio.sum(-1, keepdim=True) / lengths.clamp_min(1)).exp().expand_as(lp)
+        low, high = 0.95, 1.05
     elif name == "mu_grpo":
         low, high = 0.0, 5.0
         kept = veto_mask(log_ratio, adv, mask, scope="seq", threshold=1e-4)[0]
     elif name == "m2po":
         kept = m & ~m2po_mask_greedy(log_ratio, adv, mask, 0.04)
-    else:
+    elif name == "m2po_clip":
         # Same float64 ops as the loss, so the breakpoint token (|log ρ| = τ) compares identically.
         tau = torch.tensor(_brute_force_tau_sq(log_ratio, adv, mask, 0.04), dtype=F64).sqrt()
         tau = tau.clamp(max=LOG_RATIO_CLAMP)
         low, high = torch.exp(-tau), torch.exp(tau)
     unclipped = ~(((a < 0) & (rho < low)) | ((a > 0) & (rho > high)))
-    lengths = mask.sum(-1, keepdim=True)
     if aggregation == "seq_mean_token_mean":
         weight = 1.0 / (lengths.clamp_min(1) * (lengths > 0).sum())
     else:
