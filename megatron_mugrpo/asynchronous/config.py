@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from megatron_mugrpo.errors import require
 
+PUBLISH_MODES = ("memory", "disk")
+
 
 @dataclass(kw_only=True)
 class AsyncConfig:
@@ -44,6 +46,19 @@ class AsyncConfig:
     startup_timeout_s: float = 900.0
     """How long a rank waits for the other side's first heartbeat (ranks on other nodes may start
     later; a trainer loads its model before it watches the workers)."""
+    publish: str = "memory"
+    """How weights reach the workers. memory: broadcast in buckets over a process group of the trainer's
+    writer rank and the workers (gloo on CPU, NCCL on GPU; ``asynchronous.transport``), received while
+    the workers generate and applied between batches. disk: a Hugging Face directory in the run
+    directory that each worker reads (for workers without a network path to the trainer, and the
+    reference). Either way the first publication of a launch is a directory: a worker builds its
+    engine, tokenizer and prompts from it."""
+    bucket_mib: float = 256.0
+    """Bytes per broadcast in memory publication (MiB): the trainer's only buffer. Larger buckets mean
+    fewer round trips; a tensor larger than a bucket goes alone."""
+    publish_timeout_s: float = 600.0
+    """A memory publication (workers joining the group included) that takes longer stops the run with an
+    error naming the worker that fell behind."""
     verify_weights: bool = False
     """Workers hash the weights they loaded and the trainer checks the hash against the publication's
     (costs one pass over all weights per sync; the tests switch it on)."""
@@ -58,7 +73,12 @@ class AsyncConfig:
             "in every interval would be dropped as too old. Set async.max_lag >= async.sync_every (equal: no "
             "staleness beyond the sync interval, as async GRPO)",
         )
-        for name in ("worker_timeout_s", "startup_timeout_s"):
+        require(
+            self.publish in PUBLISH_MODES,
+            f"async.publish={self.publish!r} is not one of {PUBLISH_MODES} (memory: broadcast to the workers; "
+            "disk: a directory in the run directory)",
+        )
+        for name in ("worker_timeout_s", "startup_timeout_s", "bucket_mib", "publish_timeout_s"):
             require(getattr(self, name) > 0, f"async.{name}={getattr(self, name)} must be > 0")
         require(
             self.progress_timeout_s is None or self.progress_timeout_s > 0,

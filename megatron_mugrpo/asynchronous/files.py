@@ -32,6 +32,8 @@ class AsyncPaths:
     RUN_DIR/rollouts/queue/       the rollout queue (``rollout.queue``)
     RUN_DIR/async/weights/        published policies (``asynchronous.publish``)
     RUN_DIR/async/heartbeat/      trainer.json and worker_NNN.json (``asynchronous.liveness``)
+    RUN_DIR/async/acks/           worker_NNN.json: the publication each worker serves (``asynchronous.publish``)
+    RUN_DIR/async/publish_group.json   where memory publication's group meets (``asynchronous.transport``)
     """
 
     def __init__(self, run_dir: Path):
@@ -39,6 +41,7 @@ class AsyncPaths:
         self.queue = run_dir / "rollouts" / "queue"
         self.weights = run_dir / "async" / "weights"
         self.heartbeats = run_dir / "async" / "heartbeat"
+        self.acks = run_dir / "async" / "acks"
 
     @property
     def trainer_heartbeat(self) -> Path:
@@ -47,6 +50,9 @@ class AsyncPaths:
     def worker_heartbeat(self, index: int) -> Path:
         return self.heartbeats / f"worker_{index:03d}.json"
 
+    def ack(self, index: int) -> Path:
+        return self.acks / f"worker_{index:03d}.json"
+
     def make(self) -> None:
-        for path in (self.queue, self.weights, self.heartbeats):
+        for path in (self.queue, self.weights, self.heartbeats, self.acks):
             path.mkdir(parents=True, exist_ok=True)

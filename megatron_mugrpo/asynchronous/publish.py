@@ -1,22 +1,29 @@
-"""Weight publication in async mode: the trainer exports its policy every ``async.sync_every`` updates as a
-Hugging Face directory; rollout workers load it between generation batches.
+"""Weight publication in async mode: the trainer publishes its policy every ``async.sync_every`` updates;
+rollout workers pick it up between generation batches. Two ways (``async.publish``):
 
-Layout (``RUN_DIR/async/weights``)::
+- **memory** (default): the trainer's writer rank broadcasts the exported tensors in buckets to every
+  worker over the publication group (``transport``); each worker receives them into a staging area
+  in a background thread while it keeps generating (``Staging``), and applies the newest complete
+  publication at its next safe point (``Worker.refresh``: between batches). The trainer is blocked
+  only while it sends. The first publication of every launch still goes to disk (below): a worker
+  builds its engine, tokenizer and prompts from that directory, and a resumed launch starts there.
+- **disk**: a Hugging Face directory per publication that each worker reads (``update_weights_from_disk``
+  with SGLang, a reload with transformers): for workers that share no network with the trainer, and
+  the reference of ``benchmarks/weight_publication.py``. For a 7B model in bf16 that is 15 GB written
+  and read per sync.
+
+Disk layout (``RUN_DIR/async/weights``)::
 
     v00000012-3f2a9c1e/    the policy after 12 updates: safetensors, config.json, tokenizer files.
                            Written under a temporary name and renamed whole (``conversion.save_hf_dir``)
     latest                 JSON {name, version, digest}, replaced atomically after the directory exists
-    publications.jsonl     one line per publication (name, version, digest): what workers are checked against
+    publications.jsonl     one line per publication, both ways (name, version, digest): what the
+                           workers' reports are checked against (async.verify_weights)
 
-Every publication gets a fresh directory (the suffix is random), so a resumed trainer that publishes
-version 12 again never rewrites files a worker may be reading; the newest ``KEEP_PUBLICATIONS`` are
-kept. A worker (``Subscription``) compares ``latest`` with what it loaded and, when it changed, loads
-the directory into its engine with ``load_hf_dir``: SGLang's ``update_weights_from_disk``, a reload for
-the transformers engine. Workers do that only between batches, never mid-sequence.
-
-On GPUs the exported directory costs one write and one read of the weights per sync (15 GB for a 7B
-model in bf16, a few seconds on local NVMe per 4 updates). SGLang's ``update_weights_from_distributed``
-(NCCL broadcast from the trainer) would avoid the disk; it is not implemented here.
+Every publication gets a fresh name (the suffix is random), so a resumed trainer that publishes
+version 12 again never rewrites files a worker may be reading; the newest ``KEEP_PUBLICATIONS``
+directories are kept. Each worker acknowledges what it applied in ``RUN_DIR/async/acks/worker_NNN.json``
+(name, version, digest, wall-clock time).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -35,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_mugrpo.asynchronous.files import read_json, write_json
+from megatron_mugrpo.asynchronous.transport import PublicationGroup, Received, Receiver, Sender, SendStats, join_group
 from megatron_mugrpo.loop.export import NamedTensors, export_policy
 
 if TYPE_CHECKING:
@@ -64,18 +73,38 @@ class Publication:
     """``weights_digest`` of the published tensors (async.verify_weights), else ''."""
 
 
+class Digest:
+    """``weights_digest`` computed while the tensors stream by (``add`` each, then ``hexdigest``):
+    nothing is kept but one hash per tensor."""
+
+    def __init__(self) -> None:
+        self.per_tensor: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        values = tensor.detach().to("cpu", torch.float32).contiguous()
+        digest = hashlib.sha256(f"{name}:{tuple(values.shape)}:".encode())
+        digest.update(values.numpy().tobytes())
+        self.per_tensor[name] = digest.hexdigest()
+
+    def watch(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in stream:
+            self.add(name, tensor)
+            yield name, tensor
+
+    def hexdigest(self) -> str:
+        per = self.per_tensor
+        return hashlib.sha256("".join(f"{n}={per[n]}\n" for n in sorted(per)).encode()).hexdigest()
+
+
 def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """sha256 over every tensor's name, shape and float32 values, in name order.
 
     Equal digests mean equal weights (compared in float32, so a bf16 engine and a bf16 export agree).
     """
-    per_tensor = {}
+    digest = Digest()
     for name, tensor in named_tensors:
-        values = tensor.detach().to("cpu", torch.float32).contiguous()
-        digest = hashlib.sha256(f"{name}:{tuple(values.shape)}:".encode())
-        digest.update(values.numpy().tobytes())
-        per_tensor[name] = digest.hexdigest()
-    return hashlib.sha256("".join(f"{n}={per_tensor[n]}\n" for n in sorted(per_tensor)).encode()).hexdigest()
+        digest.add(name, tensor)
+    return digest.hexdigest()
 
 
 def publish_policy(run: Run, root: Path, *, version: int, digest: bool) -> Publication | None:
@@ -90,28 +119,44 @@ def publish_policy(run: Run, root: Path, *, version: int, digest: bool) -> Publi
     name = f"v{version:08d}-{uuid.uuid4().hex[:8]}"
 
     def write(tensors: NamedTensors) -> Publication:
-        kept: list[tuple[str, torch.Tensor]] = []
         stream: Iterator[tuple[str, torch.Tensor]] = ((n, t.cpu()) for n, t in tensors)
-        if digest:  # keep the tensors for the hash (only when verifying: it costs a copy of the weights)
-            stream = _keeping(stream, kept)
+        hashed = Digest()
+        if digest:
+            stream = hashed.watch(stream)
         save_hf_dir(stream, root / name, run.hf_config, run.hf_dir, fsync=True)  # durable before the pointer names it
-        return Publication(name=name, version=version, digest=weights_digest(kept) if digest else "")
+        return Publication(name=name, version=version, digest=hashed.hexdigest() if digest else "")
 
     publication = export_policy(run.policy, run.hf_config, run.groups, consume=run.is_writer, use=write)
     if publication is None:
         return None
-    record = dataclasses.asdict(publication)
-    write_json(root / POINTER, record)
-    with open(root / LOG, "a") as log:
-        log.write(json.dumps(record) + "\n")
+    write_json(root / POINTER, dataclasses.asdict(publication))
+    log_publication(root, publication)
     _prune(root, keep=KEEP_PUBLICATIONS)
     return publication
 
 
-def _keeping(stream: Iterator[tuple[str, torch.Tensor]], into: list) -> Iterator[tuple[str, torch.Tensor]]:
-    for item in stream:
-        into.append(item)
-        yield item
+def send_policy(
+    run: Run, sender: Sender, root: Path, *, version: int, digest: bool
+) -> tuple[Publication, SendStats] | None:
+    """Broadcast the trainer's policy to the workers (collective over the trainer ranks: all export, the
+    writer sends); the log gets its line. Returns (publication, what it cost) on the writer, else None."""
+    name = f"v{version:08d}-m{uuid.uuid4().hex[:7]}"
+
+    def send(tensors: NamedTensors) -> tuple[Publication, SendStats]:
+        hashed = Digest()
+        stream = hashed.watch(tensors) if digest else tensors
+        stats = sender.send(stream, name=name, version=version, digest=hashed.hexdigest if digest else lambda: "")
+        return Publication(name=name, version=version, digest=hashed.hexdigest() if digest else ""), stats
+
+    sent = export_policy(run.policy, run.hf_config, run.groups, consume=run.is_writer, use=send)
+    if sent is not None:
+        log_publication(root, sent[0])
+    return sent
+
+
+def log_publication(root: Path, publication: Publication) -> None:
+    with open(root / LOG, "a") as log:
+        log.write(json.dumps(dataclasses.asdict(publication)) + "\n")
 
 
 def _prune(root: Path, *, keep: int) -> None:
@@ -192,7 +237,65 @@ def published_names(path: Path) -> list[str]:
     return names
 
 
-def engine_digest(engine: Any, path: Path) -> str:
-    """``weights_digest`` of the tensors a transformers engine holds, over the names published in ``path``."""
+def engine_digest(engine: Any, names: Iterable[str]) -> str:
+    """``weights_digest`` of the tensors a transformers engine holds, over the published ``names``."""
     held = engine.weights()
-    return weights_digest((name, held[name]) for name in published_names(path))
+    return weights_digest((name, held[name]) for name in names)
+
+
+class Staging:
+    """A worker's receiving end of memory publication: a background thread joins the publication group
+    and receives every publication into memory while the main loop generates; ``take()`` hands the
+    newest complete one to the main loop at its safe point.
+
+    A publication received while an older one still waits replaces it (the older is never applied):
+    besides the engine's weights a worker holds at most the staged publication and the one arriving.
+    The thread's failure is raised by the next ``take()``.
+    """
+
+    def __init__(self, root: Path, *, rank: int, timeout_s: float, device: torch.device):
+        self.root, self.rank, self.timeout_s, self.device = root, rank, timeout_s, device
+        self._ready: Received | None = None
+        self._error: BaseException | None = None
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"staging:{rank}", daemon=True)
+        self.group: PublicationGroup | None = None
+        self.received = 0
+        """Publications received so far (applied or replaced)."""
+
+    def start(self) -> Staging:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _alive(self) -> None:
+        if self._stop.is_set():
+            raise _StoppedError
+
+    def _run(self) -> None:
+        try:
+            self.group = join_group(self.root, self.rank, timeout_s=self.timeout_s, alive=self._alive)
+            receiver = Receiver(self.group, device=self.device, alive=self._alive)
+            while (received := receiver.next()) is not None:
+                with self._lock:
+                    self._ready, self.received = received, self.received + 1
+        except _StoppedError:
+            pass
+        except BaseException as exc:  # handed to the main loop, which names the trainer if it is the cause
+            self._error = exc
+
+    def take(self) -> Received | None:
+        """The newest publication received and not yet taken, or None. Raises the thread's failure."""
+        if self._error is not None:
+            raise RuntimeError(
+                f"receiving weight publications failed: {type(self._error).__name__}: {self._error}"
+            ) from self._error
+        with self._lock:
+            ready, self._ready = self._ready, None
+        return ready
+
+
+class _StoppedError(Exception):
+    """The worker stops: the staging thread leaves its wait."""

@@ -36,10 +36,11 @@ import torch
 from megatron_mugrpo.algorithms.advantages import assign_advantages
 from megatron_mugrpo.asynchronous.batches import lag_pause, prompt_range
 from megatron_mugrpo.asynchronous.config import AsyncConfig
-from megatron_mugrpo.asynchronous.files import AsyncPaths
+from megatron_mugrpo.asynchronous.files import AsyncPaths, write_json
 from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer, advance
-from megatron_mugrpo.asynchronous.publish import Subscription, engine_digest
+from megatron_mugrpo.asynchronous.publish import Publication, Staging, Subscription, engine_digest, published_names
 from megatron_mugrpo.asynchronous.roles import ProcessRole
+from megatron_mugrpo.asynchronous.transport import Received
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rewards.registry import RewardFn, RewardSet
 from megatron_mugrpo.rollout.config import RolloutConfig
@@ -96,10 +97,55 @@ class Worker:
     queue: QueueWriter | None = None
     digest: str = ""
     """``publish.weights_digest`` of the loaded weights (async.verify_weights), else ''."""
+    staging: Staging | None = None
+    """Memory publication (async.publish=memory): what the background thread has received."""
+    applied: Publication | None = None
+    """The last publication applied from memory (None: the engine holds the subscription's)."""
 
     @property
     def index(self) -> int:
         return self.role.worker_index
+
+    @property
+    def holds(self) -> Publication:
+        """The publication the engine holds now."""
+        return self.applied if self.applied is not None else self.subscription.current
+
+    def refresh(self) -> float:
+        """Apply newer weights, if any: the newest disk publication, then the newest staged in memory.
+        Called only at safe points (between batches). Returns the seconds it took."""
+        before = self.subscription.current
+        seconds = self.subscription.refresh(self.load)
+        if self.subscription.current != before:
+            self.applied = None  # a directory published after the memory ones (a resumed trainer)
+            self._acknowledge()
+        if self.staging is None:
+            return seconds
+        try:
+            received = self.staging.take()
+        except RuntimeError:
+            self.trainer.check()  # the trainer failed: its own message says why, not the broken connection
+            if self.trainer.done:
+                return seconds
+            raise
+        return seconds + (self.apply(received) if received is not None else 0.0)
+
+    def apply(self, received: Received) -> float:
+        """Load a staged publication into the engine (the second phase of a memory publication)."""
+        started = time.perf_counter()
+        advance(f"applying the weights of publication {received.name}")
+        self.engine.load_weights(iter(received.tensors))
+        if self.cfg.async_.verify_weights:
+            self.digest = engine_digest(self.engine, [name for name, _ in received.tensors])
+        self.applied = Publication(name=received.name, version=received.version, digest=received.digest)
+        self._acknowledge()
+        return time.perf_counter() - started
+
+    def _acknowledge(self) -> None:
+        """What this worker now serves, for the trainer and the benchmarks (``AsyncPaths.ack``)."""
+        held = self.holds
+        record = {"name": held.name, "version": held.version, "digest": self.digest, "applied_at": time.time()}
+        write_json(self.paths.ack(self.index), record)
 
     def load(self, path: str) -> None:
         """Build the engine on the first publication (unless ``warm_up`` did); later ones replace its weights."""
@@ -109,7 +155,7 @@ class Worker:
         else:
             self.engine.load_hf_dir(path)
         if self.cfg.async_.verify_weights:
-            self.digest = engine_digest(self.engine, Path(path))
+            self.digest = engine_digest(self.engine, published_names(Path(path)))
 
     def warm_up(self) -> None:
         """Start the verifier, build the engine and read the prompts from ``model.hf_dir`` while the trainer sets up.
@@ -148,8 +194,18 @@ class Worker:
 
     def first_weights(self) -> bool | None:
         """Load the first publication if there is one yet (True), else None."""
-        self.subscription.refresh(self.load)
+        self.refresh()
         return True if self.subscription.current is not None else None
+
+    def start_staging(self) -> None:
+        """Receive memory publications from now on (async.publish=memory): publication rank 1 + w,
+        staged on this worker's GPU when it has one."""
+        device = torch.device("cpu")
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        root = self.paths.weights
+        self.staging = Staging(root, rank=1 + self.index, timeout_s=self.cfg.async_.publish_timeout_s, device=device)
+        self.staging.start()
 
 
 def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
@@ -173,8 +229,12 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
             if first is None:
                 return  # the trainer finished before this worker got weights: nothing left to do
             _setup(worker)
+            if cfg.async_.publish == "memory":
+                worker.start_staging()
             worker_loop(worker, idle_s=first[1])
         finally:
+            if worker.staging is not None:
+                worker.staging.stop()
             if worker.reward_fn is not None:  # first: SGLang's engine shutdown kills every child process
                 worker.reward_fn.close()
             if worker.engine is not None:
@@ -195,12 +255,12 @@ def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
         waited = _wait(worker, lambda: worker.queue.unconsumed() < cfg.queue_groups or None, room)
         if waited is None:
             return
-        load_s = worker.subscription.refresh(worker.load)  # new weights only here, between batches
+        load_s = worker.refresh()  # new weights only here, between batches
         paused = _pause_for_lag(worker, batch)
         if paused is None:
             return
         paused_s, paused_load_s = paused
-        advance(f"generating batch {batch} with publication {worker.subscription.current.name}")
+        advance(f"generating batch {batch} with publication {worker.holds.name}")
         started = time.perf_counter()
         groups = generate_batch(worker, batch)
         advance(f"writing batch {batch}")
@@ -211,7 +271,7 @@ def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
             paused_s=paused_s,
             load_s=load_s + paused_load_s,
             generate_s=time.perf_counter() - started,
-            publication=worker.subscription.current.name,
+            publication=worker.holds.name,
             weights_digest=worker.digest,
         )
         batch, idle_s = batch + 1, 0.0
@@ -226,14 +286,14 @@ def _pause_for_lag(worker: Worker, batch: int) -> tuple[float, float] | None:
     load_s = [0.0]
 
     def fresh() -> bool | None:
-        load_s[0] += worker.subscription.refresh(worker.load)
+        load_s[0] += worker.refresh()
         unconsumed, update = worker.queue.backlog()
         stale = lag_pause(
             cfg.async_,
             groups=groups,
             unconsumed=unconsumed,
             trainer_update=update,
-            version=worker.subscription.current.version,
+            version=worker.holds.version,
             mini_groups=cfg.stages.mini_groups,
         )
         return None if stale else True
@@ -247,7 +307,7 @@ def _pause_for_lag(worker: Worker, batch: int) -> tuple[float, float] | None:
 
 def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
     """Batch ``batch`` of this worker, sampled and scored by the policy it holds now."""
-    cfg, publication = worker.cfg, worker.subscription.current
+    cfg, publication = worker.cfg, worker.holds
     positions = prompt_range(cfg.async_, batch, worker.index)
     records = prompt_slice(worker.prompts, positions.start, len(positions), cfg.data.seed)
 

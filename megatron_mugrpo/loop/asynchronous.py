@@ -19,10 +19,12 @@ import copy
 import time
 from dataclasses import dataclass, field
 
+from megatron_mugrpo.asynchronous.config import AsyncConfig
 from megatron_mugrpo.asynchronous.files import AsyncPaths
 from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError, advance
-from megatron_mugrpo.asynchronous.publish import Publication, publication_digests, publish_policy
+from megatron_mugrpo.asynchronous.publish import Publication, publication_digests, publish_policy, send_policy
 from megatron_mugrpo.asynchronous.roles import ProcessRole
+from megatron_mugrpo.asynchronous.transport import Sender, host_group
 from megatron_mugrpo.evaluation import AVG_KEY
 from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.loop.actions import (
@@ -64,6 +66,7 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
         run.logger.log(metrics | feed.update_metrics(taken, started), step=run.state.global_update)
         crash_point(f"update:{run.state.global_update}")
         end_of_update(run, feed)  # stage end: rollout summary, evaluation; checkpoint when due
+    feed.close()  # the workers' receivers stop waiting for publications
     export_final(run)
     return summary(run) | feed.summary()
 
@@ -106,12 +109,18 @@ class Feed:
     workers: list[Peer] = field(default_factory=list)
     max_lag: int = 0
     verify_weights: bool = False
+    memory: bool = False
+    """async.publish=memory."""
     digests: dict[str, str] = field(default_factory=dict)
     """Publication name → digest, to check what workers report they loaded (async.verify_weights)."""
     admitted: list[ShardRecord] = field(default_factory=list)
     """Shards admitted during the current update (their workers' idle time is logged with it)."""
     wait_s: float = 0.0
     sync_s: float = 0.0
+    sender: Sender | None = None
+    """Memory publication (async.publish=memory, rank 0): the trainer's end of the publication group."""
+    published: int = 0
+    """Publications made by this launch (its first always goes to disk: workers build engines from it)."""
 
     @classmethod
     def open(cls, run: Run, role: ProcessRole) -> Feed:
@@ -133,21 +142,37 @@ class Feed:
             feed.reader = QueueReader(feed.paths.queue, run.state.queue)
             feed.reader.publish_cursor(run.state.global_update)  # the workers' queue bound, as of this checkpoint
             feed.digests = publication_digests(feed.paths.weights)
+            if cfg.publish == "memory":  # the store listens now; the group forms at the first memory publication
+                feed.sender = _sender(feed.paths, role, cfg)
+        feed.memory = cfg.publish == "memory"
         return feed
 
     # ------------------------------------------------------------------------------ weights
 
     def publish(self, run: Run) -> dict[str, float]:
-        """Publish the current policy for the workers (collective over the trainer ranks)."""
+        """Publish the current policy for the workers (collective over the trainer ranks): to disk the
+        first time in a launch and with async.publish=disk, else broadcast from memory. The time is
+        what the trainer is blocked: export and send (memory) or export and write (disk)."""
         started = time.perf_counter()
-        advance(f"publishing its weights after {run.state.global_update} updates")
-        publication = publish_policy(
-            run, self.paths.weights, version=run.state.global_update, digest=self.verify_weights
-        )
+        version = run.state.global_update
+        advance(f"publishing its weights after {version} updates")
+        metrics = {}
+        if self.memory and self.published > 0:
+            sent = send_policy(run, self.sender, self.paths.weights, version=version, digest=self.verify_weights)
+            if sent is not None:
+                publication, stats = sent
+                metrics["perf/weight_sync_mib"] = stats.nbytes / 2**20
+        else:
+            publication = publish_policy(run, self.paths.weights, version=version, digest=self.verify_weights)
         if isinstance(publication, Publication):
             self.digests[publication.name] = publication.digest
+        self.published += 1
         self.sync_s = time.perf_counter() - started
-        return {"perf/weight_sync_s": self.sync_s}
+        return metrics | {"perf/weight_sync_s": self.sync_s}
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
 
     # ------------------------------------------------------------------------------ groups
 
@@ -262,6 +287,21 @@ class _Summed:
 
 def _summed(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {key: a.get(key, 0.0) + b.get(key, 0.0) for key in a.keys() | b.keys()}
+
+
+def _sender(paths: AsyncPaths, role: ProcessRole, cfg: AsyncConfig) -> Sender:
+    """Rank 0's end of memory publication: the group's store up now, the weights' bytes over NCCL from
+    this rank's GPU when it has one, else over gloo."""
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    group = host_group(
+        paths.weights,
+        world_size=1 + role.num_workers,
+        timeout_s=cfg.publish_timeout_s,
+        data_backend="nccl" if device.type == "cuda" else "gloo",
+    )
+    return Sender(group, bucket_bytes=max(1, int(cfg.bucket_mib * 2**20)), device=device)
 
 
 def _worker_name(role: ProcessRole, index: int) -> str:

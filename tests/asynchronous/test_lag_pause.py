@@ -102,6 +102,17 @@ class _Trainer:
         pass
 
 
+class _FakeWorker(SimpleNamespace):
+    """What ``_pause_for_lag`` reads of a ``worker.Worker`` (disk publications only)."""
+
+    @property
+    def holds(self):
+        return self.subscription.current
+
+    def refresh(self) -> float:
+        return self.subscription.refresh(self.load)
+
+
 def test_a_paused_worker_resumes_with_newer_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_mugrpo.asynchronous import worker as worker_module
 
@@ -113,7 +124,7 @@ def test_a_paused_worker_resumes_with_newer_weights(tmp_path: Path, monkeypatch:
         stages=SimpleNamespace(mini_groups=4),
     )
     writer, loaded = QueueWriter(queue, worker=0, vocab_size=VOCAB), []
-    worker = SimpleNamespace(
+    worker = _FakeWorker(
         cfg=cfg,
         index=0,
         role=SimpleNamespace(describe=lambda: "rollout worker 0 (rank 1)"),

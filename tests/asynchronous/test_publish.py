@@ -24,6 +24,7 @@ from megatron_mugrpo.asynchronous.publish import (
     latest_publication,
     publication_digests,
     publish_policy,
+    published_names,
     weights_digest,
 )
 
@@ -76,7 +77,7 @@ def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
         held = worker.engine.weights()
         for name, tensor in expected.items():
             assert torch.equal(held[name], tensor), f"{name} differs from publication {version}"
-        assert engine_digest(worker.engine, root / publication.name) == publication.digest
+        assert engine_digest(worker.engine, published_names(root / publication.name)) == publication.digest
     assert len({p.digest for p in published}) == 3
     assert subscription.refresh(load) < 1.0 and subscription.current == published[-1]  # no new one: no reload
 
@@ -113,7 +114,7 @@ def test_worker_warms_up_from_the_base_model_then_serves_the_publication(tmp_pat
     for name, tensor in expected.items():
         assert torch.equal(served[name], tensor), name
     assert any(not torch.equal(served[name], base_weights[name]) for name in expected)
-    assert warm.digest == engine_digest(warm.engine, dirs["publication"])
+    assert warm.digest == engine_digest(warm.engine, published_names(dirs["publication"]))
     for nothing_to_build_from in ("", str(tmp_path / "missing")):  # demo base built by the trainer; a bad path
         idle = _worker(nothing_to_build_from)
         idle.warm_up()
