@@ -47,12 +47,35 @@ def test_off_by_default_and_validated():
         assert isinstance(info.value, InputError) and "algo.rollout_correction." in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algo.rollout_correction.level=seq", "algo.rollout_correction.tis_cap=2"], r"level='seq' is unknown"),
+        (["algo.rollout_correction.level=sequence"], r"level='sequence' corrects nothing by itself: set .*tis_cap"),
+        (["algo.rollout_correction.mask_mode=drop", "algo.rollout_correction.mask_bound=8"], r"mask_mode='drop'"),
+        (["algo.rollout_correction.mask_mode=reject"], r"mask_mode='reject' needs a mask: set .*mask_bound"),
+    ],
+)
+def test_level_and_mask_mode_are_validated(overrides, message):
+    with pytest.raises(ConfigError, match=r"algo\.rollout_correction\." + message):
+        load_config(None, overrides)
+    cfg = load_config(
+        None,
+        [
+            "algo.rollout_correction.level=sequence",
+            "algo.rollout_correction.mask_bound=8",
+            "algo.rollout_correction.mask_mode=reject",
+        ],
+    ).algo.rollout_correction
+    assert cfg.loss_options() == {"tis_cap": 0.0, "mask_bound": 8.0, "mask_mode": "reject", "level": "sequence"}
+
+
 def test_truncated_weights_by_hand():
     # w = π_old / β = [3, 0.5, 1, 1.5]; cap 2 → [2, 0.5, 1, 1.5]; the last position is padding.
     old = _t([LOG(3.0), LOG(0.5), 0.0, LOG(1.5), 9.0])
     behaviour = torch.zeros_like(old)
     mask = torch.tensor([[1, 1, 1, 1, 0]])
-    weights, metrics = correction_weights(old, behaviour, mask, tis_cap=2.0)
+    weights, _, metrics = correction_weights(old, behaviour, mask, tis_cap=2.0)
     torch.testing.assert_close(weights, _t([2.0, 0.5, 1.0, 1.5, 0.0]))
     assert _ratio(metrics["rollout_corr_truncated_frac"]) == pytest.approx(0.25)
     assert _ratio(metrics["rollout_corr_masked_frac"]) == 0.0
@@ -62,7 +85,7 @@ def test_truncated_weights_by_hand():
 def test_mask_by_hand():
     # c = 2 keeps w in [0.5, 2]: w = [3, 0.4, 1, 1.5, 0.5] → [0, 0, 1, 1.5, 0.5] (the factor itself where kept).
     old = _t([LOG(3.0), LOG(0.4), 0.0, LOG(1.5), LOG(0.5)])
-    weights, metrics = correction_weights(old, torch.zeros_like(old), torch.ones_like(old), mask_bound=2.0)
+    weights, _, metrics = correction_weights(old, torch.zeros_like(old), torch.ones_like(old), mask_bound=2.0)
     torch.testing.assert_close(weights, _t([0.0, 0.0, 1.0, 1.5, 0.5]))
     assert _ratio(metrics["rollout_corr_masked_frac"]) == pytest.approx(0.4)
 
@@ -70,8 +93,72 @@ def test_mask_by_hand():
 def test_truncation_and_mask_together_by_hand():
     # cap 1.2, c = 2: w = [3 → masked, 1.5 → 1.2, 1, 0.6]
     old = _t([LOG(3.0), LOG(1.5), 0.0, LOG(0.6)])
-    weights, _ = correction_weights(old, torch.zeros_like(old), torch.ones_like(old), tis_cap=1.2, mask_bound=2.0)
+    weights, _, _ = correction_weights(old, torch.zeros_like(old), torch.ones_like(old), tis_cap=1.2, mask_bound=2.0)
     torch.testing.assert_close(weights, _t([0.0, 1.2, 1.0, 0.6]))
+
+
+def test_sequence_level_weights_by_hand():
+    """Row 0: w = [4, 1], geometric mean 2; row 1: w = [1/2, 1/8] + padding, geometric mean 1/4.
+    Cap 1.5 and bound 3 act on the response's factor: row 0 → 1.5 on both tokens, row 1 (1/4 < 1/3)
+    masked as a whole. At token level the same bound would instead mask w = 4 and w = 1/8."""
+    old = _t([LOG(4.0), 0.0, 0.0], [LOG(0.5), LOG(0.125), 5.0])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    seq = correction_weights(old, torch.zeros_like(old), mask, tis_cap=1.5, mask_bound=3.0, level="sequence")
+    torch.testing.assert_close(seq.weights, _t([1.5, 1.5, 0.0], [0.0, 0.0, 0.0]))
+    assert seq.kept.tolist() == [[True, True, False], [False, False, False]]
+    assert _ratio(seq.stats["rollout_corr_truncated_frac"]) == pytest.approx(0.5)
+    assert _ratio(seq.stats["rollout_corr_masked_frac"]) == pytest.approx(0.5)
+    exact = correction_weights(old, torch.zeros_like(old), mask, mask_bound=3.0, level="sequence")
+    torch.testing.assert_close(exact.weights, _t([2.0, 2.0, 0.0], [0.0, 0.0, 0.0]))  # the factor w_y where kept
+    token = correction_weights(old, torch.zeros_like(old), mask, mask_bound=3.0)
+    torch.testing.assert_close(token.weights, _t([0.0, 1.0, 0.0], [0.5, 0.0, 0.0]))
+
+
+def test_sequence_level_corrected_grpo_by_hand():
+    """One response, A = 1, π_old = 1, β = [1/4, 1]: w = [4, 1], w_y = 2, capped at 1.5 on both tokens.
+    π_θ / π_old = [1.1, 1.3], clip [0.8, 1.2]: objectives 1.5 · 1.1 = 1.65 and 1.5 · 1.2 = 1.8;
+    loss_sum = −(1.65 + 1.8) / 2 = −1.725; d/dlogπ_1 = −1.65 / 2, token 2 clipped (0).
+    At token level the weights would be [1.5, 1]: −(1.65 + 1.2) / 2 = −1.425."""
+    logprobs = _t([LOG(1.1), LOG(1.3)]).requires_grad_()
+    behaviour, old, adv, mask = _t([LOG(0.25), 0.0]), _t([0.0, 0.0]), torch.tensor([1.0], dtype=D), torch.ones(1, 2)
+    out = corrected_policy_loss("grpo", logprobs, behaviour, adv, mask, old_logprobs=old, tis_cap=1.5, level="sequence")
+    assert float(out.loss_sum) == pytest.approx(-1.725)
+    out.loss_sum.backward()
+    torch.testing.assert_close(logprobs.grad, _t([-0.825, 0.0]))
+    assert out.metrics["rollout_corr_truncated_frac"] == 1.0
+    token = corrected_policy_loss("grpo", logprobs, behaviour, adv, mask, old_logprobs=old, tis_cap=1.5)
+    assert float(token.loss_sum) == pytest.approx(-1.425)
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "mode", "loss_sum", "normaliser"),
+    [
+        # Row 0 (A = 1, w = [3, 1], ratio 1.1): the first token is masked; row 1 (A = −1, w = [5, 5]) entirely.
+        ("seq_mean_token_mean", "zero_weight", -(0 + 1.1) / 2, 2.0),  # T_0 = 2, |B| = 2
+        ("seq_mean_token_mean", "reject", -1.1 / 1, 1.0),  # T_0 = 1, row 1 left |B|
+        ("token_mean", "zero_weight", -1.1, 4.0),
+        ("token_mean", "reject", -1.1, 1.0),
+    ],
+)
+def test_zero_weight_keeps_the_normaliser_and_reject_removes_from_it(aggregation, mode, loss_sum, normaliser):
+    logprobs = _t([LOG(1.1), LOG(1.1)], [LOG(0.9), LOG(0.9)])
+    old = torch.zeros(2, 2, dtype=D)
+    behaviour = _t([LOG(1 / 3), 0.0], [LOG(0.2), LOG(0.2)])  # w = π_old / β = [3, 1], [5, 5]
+    adv, mask = torch.tensor([1.0, -1.0], dtype=D), torch.ones(2, 2)
+    out = corrected_policy_loss(
+        "grpo",
+        logprobs,
+        behaviour,
+        adv,
+        mask,
+        old_logprobs=old,
+        mask_bound=2.0,
+        mask_mode=mode,
+        aggregation=aggregation,
+    )
+    assert float(out.loss_sum) == pytest.approx(loss_sum)
+    assert float(out.normaliser) == normaliser
+    assert out.metrics["rollout_corr_masked_frac"] == pytest.approx(3 / 4)
 
 
 def test_corrected_grpo_loss_and_gradient_by_hand():
