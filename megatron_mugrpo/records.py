@@ -92,6 +92,10 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None
     """[B, L] float32 log π_train(θ_old) aligned with targets, 0 outside the response; present only
     when every response carries it (the rollout correction, ``algorithms.rollout_correction``)."""
+    routes: torch.Tensor | None = None
+    """[B, L, moe_layers, k] uint8 / int16: the experts the rollout engine routed each input token
+    (``tokens[b, t]``) to in each MoE layer, present when every response carries them
+    (``rollout.routes``; replayed under ``moe.routing_replay=rollout``). Padding positions hold any ids."""
 
     @property
     def num_sequences(self) -> int:
@@ -106,7 +110,8 @@ class TrainBatch:
         rows = {k: fn(getattr(self, k)) for k in _BATCH_FIELDS}
         inputs = {k: (fn(v) if v.dim() > 0 else v) for k, v in self.loss_inputs.items()}
         old = fn(self.old_logprobs) if self.old_logprobs is not None else None
-        return TrainBatch(**rows, loss_inputs=inputs, old_logprobs=old)
+        routes = fn(self.routes) if self.routes is not None else None
+        return TrainBatch(**rows, loss_inputs=inputs, old_logprobs=old, routes=routes)
 
     def to(self, device: torch.device | str) -> TrainBatch:
         moved = self.map_rows(lambda tensor: tensor.to(device))

@@ -39,7 +39,9 @@ from megatron_mugrpo.training import cpu_compat, mcore_compat
 from megatron_mugrpo.training.moe import (
     MoeConfig,
     check_moe,
+    check_routing_replay,
     install_expert_load_hooks,
+    install_routing_hooks,
     is_moe,
     moe_layer_pattern,
     moe_transformer_fields,
@@ -180,6 +182,7 @@ def transformer_config_from_hf(
     check_divisibility(hf_config, tp, pp)
     if expert_parallel != 1 and not is_moe(hf_config):
         raise ModelConfigError(f"expert parallel size {expert_parallel} needs a mixture-of-experts model, not {arch}")
+    check_routing_replay(hf_config, moe or MoeConfig())
     on_cpu = not torch.cuda.is_available()
     fields: dict[str, Any] = dict(
         num_layers=hf_config["num_hidden_layers"],
@@ -392,6 +395,7 @@ def build_gpt_model(
     model.to(dtype=dtype)
     if config.num_moe_experts:
         install_expert_load_hooks(model)
+        install_routing_hooks(model)  # routes of a batch: agreement, and replay under moe.routing_replay
     return model
 
 

@@ -47,7 +47,12 @@ from megatron_mugrpo.training.logprobs import (
     logprobs_from_hidden,
     logprobs_from_logits,
 )
-from megatron_mugrpo.training.moe import moe_step_metrics, reset_moe_metrics
+from megatron_mugrpo.training.moe import (
+    moe_step_metrics,
+    reset_moe_metrics,
+    routes_for_schedule,
+    set_micro_batch_routes,
+)
 from megatron_mugrpo.training.optimizer import current_lr
 from megatron_mugrpo.training.parallel import ParallelGroups
 from megatron_mugrpo.training.setup import Policy
@@ -136,6 +141,7 @@ def _forward_step_func(
 
     def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Callable[[Tensor], Any]]:
         mb: TrainBatch = next(data_iterator)
+        set_micro_batch_routes(_bare(model), mb.routes, mb.response_mask)  # MoE: replay / agreement
         n_columns = _bare(model).vocab_size // groups.tp  # the padded vocabulary's rows on this TP rank
         path = choose_logprob_path(
             impl, n_tokens=mb.tokens.numel(), n_columns=n_columns, device=mb.tokens.device, budget_bytes=budget
@@ -167,15 +173,16 @@ def _run_schedule(
     """Run all micro-batches through the forward(-backward) schedule; the last stage's per-micro-batch
     loss outputs come back (other stages get an empty list)."""
     schedule = get_forward_backward_func()
-    return schedule(
-        forward_step_func=forward_step,
-        data_iterator=[iter(micro_batches)],
-        model=policy.model_chunks,
-        num_microbatches=len(micro_batches),
-        seq_length=micro_batches[0].tokens.shape[1],
-        micro_batch_size=micro_batches[0].num_sequences,
-        forward_only=forward_only,
-    )
+    with routes_for_schedule(policy.model_chunks):
+        return schedule(
+            forward_step_func=forward_step,
+            data_iterator=[iter(micro_batches)],
+            model=policy.model_chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=micro_batches[0].tokens.shape[1],
+            micro_batch_size=micro_batches[0].num_sequences,
+            forward_only=forward_only,
+        )
 
 
 # ---------------------------------------------------------------------------------- train step
