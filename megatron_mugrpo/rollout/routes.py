@@ -1,0 +1,203 @@
+"""Routes of a mixture-of-experts rollout: the experts each token went through, for routing replay.
+
+Under ``moe.routing_replay: rollout`` the trainer replays, for every input token and MoE layer, the
+top-k experts the behaviour policy β used when it generated the response (``training.moe``). This
+module records them on the engine side and keeps them compact:
+
+- ``RouteRecorder`` hooks the router (``mlp.gate``) of every sparse block of a Hugging Face
+  Qwen3-MoE model and captures its top-k expert ids during the engine's own decode loop;
+- ``RoutedGeneration`` is a ``Generation`` that carries them, ``routes`` [T, moe_layers, k] with
+  T = len(prompt) + len(response) − 1: prompt plus response minus its last token, exactly the
+  tokens the trainer feeds (the last sampled token is never fed back, so no layer routed it);
+- ids are stored as ``route_dtype(E)``: uint8 up to 256 experts, int16 beyond, so a token costs
+  ``route_bytes_per_token`` = moe_layers × k × 1 or 2 bytes (Qwen3-30B-A3B: 48 × 8 × 1 = 384 B;
+  the tiny demo MoE: 2 × 2 × 1 = 4 B).
+
+How an engine drives the recorder (one batch of B rows, left padded, rows leave at EOS):
+
+    recorder = RouteRecorder(model)                  # once per loaded model; hooks stay until close()
+    recorder.begin([len(p) for p in prompts])         # before the prefill forward of a batch
+    for step in range(max_new_tokens):
+        recorder.step(active)                         # rows of ``prompts`` in the forward that follows
+        logits = model(...)                           # prefill at step 0, one token per live row after
+        ...                                           # sample; rows that hit EOS leave ``active``
+    routes = recorder.routes(b)                       # [len(prompt_b) + len(response_b) - 1, layers, k]
+
+The first ``step`` after ``begin`` arms the prefill: row b's routes are the last ``prompt_lengths[b]``
+positions of its (left-padded) sequence. Every later ``step`` arms one decode forward in which each
+live row feeds one new token, taken as the last position of its row (so an engine that re-feeds the
+whole sequence without a KV cache records the same). A forward without a ``step`` before it (e.g. a
+scoring pass) is not recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.rollout.engine import Generation
+
+MAX_UINT8_EXPERTS = 256
+"""Expert ids 0..255 fit one byte; larger models (E <= 32768) take two."""
+MAX_INT16_EXPERTS = 32768
+
+
+class RouteRecordingError(InputError, RuntimeError):
+    """The engine drove the recorder against its contract (rows out of range, a forward of another shape)."""
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The smallest integer type that holds expert ids 0..num_experts-1 (uint8 up to 256 experts, else int16)."""
+    if not 1 <= num_experts <= MAX_INT16_EXPERTS:
+        raise RouteRecordingError(f"num_experts={num_experts}: routes store 1..{MAX_INT16_EXPERTS} experts")
+    return np.dtype(np.uint8) if num_experts <= MAX_UINT8_EXPERTS else np.dtype(np.int16)
+
+
+def route_bytes_per_token(moe_layers: int, topk: int, num_experts: int) -> int:
+    """Bytes one token's routes take in storage: moe_layers × k × the id size."""
+    return moe_layers * topk * route_dtype(num_experts).itemsize
+
+
+@dataclass
+class RoutedGeneration(Generation):
+    """A response with the experts that routed it (the store keeps ``routes`` next to the log-probs)."""
+
+    routes: np.ndarray
+    """[len(prompt) + len(response) - 1, moe_layers, k] expert ids (``route_dtype``), in token order,
+    each token's k experts by decreasing router probability."""
+
+
+def _sparse_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The routers of the model's sparse blocks, in layer order (a block with ``experts`` and ``gate``)."""
+    return [module.gate for module in model.modules() if hasattr(module, "experts") and hasattr(module, "gate")]
+
+
+class RouteRecorder:
+    """Captures every sparse block's top-k experts during an engine's decode loop (see the module docstring).
+
+    Args:
+        model: a Hugging Face mixture-of-experts causal LM (Qwen3-MoE: ``model.layers[i].mlp.gate``).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = model.config
+        self.num_experts = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+        self.topk = int(config.num_experts_per_tok)
+        self.dtype = route_dtype(self.num_experts)
+        self._torch_dtype = torch.uint8 if self.dtype == np.uint8 else torch.int16
+        gates = _sparse_gates(model)
+        if not gates:
+            raise RouteRecordingError(f"{type(model).__name__} has no mixture-of-experts block (mlp.gate) to record")
+        self.moe_layers = len(gates)
+        self._hooks = [gate.register_forward_hook(self._capture(i)) for i, gate in enumerate(gates)]
+        self._prompt_lengths: list[int] = []
+        self._prefill: list[np.ndarray] = []
+        self._decode: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Per decode forward: (live rows [A], routes [A, layers, k]) still on the model's device."""
+        self._armed: torch.Tensor | None = None
+        self._pending: list[torch.Tensor | None] = []
+        self._dense: np.ndarray | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        return route_bytes_per_token(self.moe_layers, self.topk, self.num_experts)
+
+    def begin(self, prompt_lengths: Sequence[int]) -> None:
+        """Start a batch of ``len(prompt_lengths)`` rows; the next ``step`` arms its prefill forward."""
+        self._prompt_lengths = [int(n) for n in prompt_lengths]
+        if any(n < 1 for n in self._prompt_lengths):
+            raise RouteRecordingError(f"prompt lengths {self._prompt_lengths[:8]} must be >= 1")
+        self._prefill, self._decode, self._dense, self._armed = [], [], None, None
+
+    def step(self, live_rows: torch.Tensor | Sequence[int]) -> None:
+        """Arm the next forward: ``live_rows`` [A] are the batch rows (indices into ``begin``'s prompts) it feeds."""
+        rows = torch.as_tensor(live_rows, dtype=torch.long).reshape(-1)
+        batch = len(self._prompt_lengths)
+        if (
+            rows.numel() == 0
+            or int(rows.min()) < 0
+            or int(rows.max()) >= batch
+            or rows.unique().numel() != rows.numel()
+        ):
+            raise RouteRecordingError(f"step(live_rows) needs distinct rows in [0, {batch}), got {rows.tolist()[:8]}")
+        if not self._prefill and rows.numel() != batch:
+            raise RouteRecordingError(
+                f"the prefill forward must feed all {batch} rows of the batch, got {rows.numel()}"
+            )
+        self._armed = rows
+        self._pending = [None] * self.moe_layers
+
+    def _capture(self, layer: int) -> Any:
+        def hook(_gate: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            if self._armed is None:
+                return
+            self._pending[layer] = self._top_k(output).to(self._torch_dtype)
+            if layer == self.moe_layers - 1:
+                self._commit()
+
+        return hook
+
+    def _top_k(self, output: Any) -> torch.Tensor:
+        """[N, k] expert ids from a router's output: transformers 5 returns (logits, weights, indices);
+        a plain linear gate (transformers 4) returns logits, whose top-k is taken as the block does."""
+        if isinstance(output, tuple):
+            return output[2].detach()
+        return torch.softmax(output.detach().float(), dim=-1).topk(self.topk, dim=-1).indices
+
+    def _commit(self) -> None:
+        """File the armed forward's routes: [A, S, layers, k] → each row's new tokens (the last positions)."""
+        rows, self._armed = self._armed, None
+        if any(p is None for p in self._pending):
+            raise RouteRecordingError("a forward skipped a MoE layer's router: routes would miss layers")
+        live = rows.numel()
+        per_layer = []
+        for routes in self._pending:
+            if routes.shape[0] % live:
+                raise RouteRecordingError(
+                    f"a forward routed {routes.shape[0]} token rows, not a multiple of {live} rows"
+                )
+            per_layer.append(routes.reshape(live, -1, self.topk))
+        stacked = torch.stack(per_layer, dim=2)  # [A, S, layers, k], batch-major as HF flattens
+        if not self._prefill:
+            host = stacked.cpu().numpy()
+            self._prefill = [host[b, host.shape[1] - n :] for b, n in enumerate(self._prompt_lengths)]
+            if any(len(p) != n for p, n in zip(self._prefill, self._prompt_lengths)):
+                raise RouteRecordingError(f"the prefill held {host.shape[1]} positions, shorter than a prompt")
+        else:
+            self._decode.append((rows.to(stacked.device), stacked[:, -1]))
+        self._dense = None
+
+    def routes(self, row: int) -> np.ndarray:
+        """Row ``row``'s routes so far: [prompt + fed response tokens, moe_layers, k] (``route_dtype``)."""
+        if not 0 <= row < len(self._prefill):
+            raise RouteRecordingError(
+                f"no routes for row {row}: the batch's prefill recorded {len(self._prefill)} rows"
+            )
+        if self._dense is None:
+            self._dense, self._fed = self._decode_table()
+        return np.concatenate([self._prefill[row], self._dense[row, : self._fed[row]]])
+
+    def _decode_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Decode routes as [B, steps, layers, k] plus fed tokens per row (rows only ever leave, so a
+        row's decode routes are the first ``fed[row]`` steps)."""
+        batch = len(self._prompt_lengths)
+        table = np.zeros((batch, len(self._decode), self.moe_layers, self.topk), dtype=self.dtype)
+        fed = np.zeros(batch, dtype=np.int64)
+        for step, (rows, routes) in enumerate(self._decode):
+            index = rows.cpu().numpy()
+            if (fed[index] != step).any():
+                raise RouteRecordingError(f"decode step {step} fed a row that had left the batch: rows must only leave")
+            table[index, step] = routes.cpu().numpy()
+            fed[index] += 1
+        return table, fed
+
+    def close(self) -> None:
+        """Remove the hooks (the model routes as before)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
