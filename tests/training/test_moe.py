@@ -5,7 +5,9 @@ z-losses on. One single-rank reference run (EP=1) saves its initial weights, log
 update's gradients and metrics, and the weights after that update. One 2-rank spawn loads those
 weights at EP=2 (each rank holds 2 experts; attention is data-parallel) and repeats the run with
 the all-to-all and then the all-gather dispatcher, then at PP=2 (one MoE layer per stage). The
-EP=2 weights after the update go through a distributed checkpoint and load at EP=1 unchanged.
+EP=2 weights after the update go through a distributed checkpoint and load at EP=1 unchanged. With
+routing replay on (moe.routing_replay=rollout, routes that are not the router's own), EP=2 and PP=2
+reproduce the single-rank replaying run.
 
 Measured (2 cores, torch 2.13, megatron-core 0.16.1, float32), both dispatchers alike: logits and
 log-probs bit-identical (|Δ| = 0), |Δgrad| ≤ 2.3e-8, loss, aux loss and expert load identical,
@@ -18,6 +20,7 @@ relative |Δgrad_norm| 4e-8, the other metrics identical. Bounds: 1e-6 on logits
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -27,9 +30,16 @@ import torch
 from dist_utils import run_distributed
 
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training import checkpoint
 from megatron_mugrpo.training.model import ModelConfigError, build_gpt_model, transformer_config_from_hf
-from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError, moe_layer_pattern
+from megatron_mugrpo.training.moe import (
+    MoeConfig,
+    MoeConfigError,
+    moe_layer_pattern,
+    routes_for_schedule,
+    set_micro_batch_routes,
+)
 from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import forward_logprobs, train_step
@@ -48,15 +58,21 @@ MOE_LOSSES = {"aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}
 DISPATCHERS = ("alltoall", "allgather")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-LAYOUTS = {"ep2_alltoall": (1, 2, "alltoall"), "ep2_allgather": (1, 2, "allgather"), "pp2": (2, 1, "alltoall")}
-"""name: (pp, ep, token dispatcher) on 2 ranks."""
+LAYOUTS = {
+    "ep2_alltoall": (1, 2, "alltoall", "none"),
+    "ep2_allgather": (1, 2, "allgather", "none"),
+    "pp2": (2, 1, "alltoall", "none"),
+    "ep2_replay": (1, 2, "alltoall", "rollout"),
+    "pp2_replay": (2, 1, "alltoall", "rollout"),
+}
+"""name: (pp, ep, token dispatcher, moe.routing_replay) on 2 ranks; the replay layouts replay ``_routes``."""
 CHECKPOINT_LAYOUT = "ep2_alltoall"
 """Its weights after the update are saved with the trainer's checkpoint code and loaded at EP=1."""
 
 
-def _policy(pp: int, ep: int, seed: int, dispatcher: str) -> Policy:
+def _policy(pp: int, ep: int, seed: int, dispatcher: str, replay: str = "none") -> Policy:
     groups = initialize_parallel(1, pp, seed=seed, ep=ep)
-    moe = MoeConfig(token_dispatcher=dispatcher, **MOE_LOSSES)
+    moe = MoeConfig(token_dispatcher=dispatcher, routing_replay=replay, **MOE_LOSSES)
     return build_policy(CONFIG, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR), moe=moe)
 
 
@@ -83,14 +99,26 @@ def _grads(policy: Policy) -> dict[str, torch.Tensor]:
     return _full(policy, {n: p.main_grad for n, p in policy.unwrapped()[0].named_parameters()})
 
 
-def _run(policy: Policy) -> dict[str, Any]:
-    """Logits and log-probs of the initial weights, then one update: its metrics, gradients, new weights."""
+def _routes(batch: TrainBatch) -> torch.Tensor:
+    """Routes [B, L, 2 layers, k=2] for every input token, not the router's own choice: experts
+    (t, t + 1 + layer) mod 4 of token id t (distinct, every expert used)."""
+    first = batch.tokens % EXPERTS
+    per_layer = [torch.stack([first, (first + 1 + layer) % EXPERTS], dim=-1) for layer in range(2)]
+    return torch.stack(per_layer, dim=2).to(torch.uint8)
+
+
+def _run(policy: Policy, replay: bool = False) -> dict[str, Any]:
+    """Logits and log-probs of the initial weights, then one update: its metrics, gradients, new weights.
+    ``replay``: the batch carries ``_routes`` (replayed by a policy built with moe.routing_replay=rollout)."""
     batch = make_batch(10, groups=2, group_size=4)
+    if replay:
+        batch = dataclasses.replace(batch, routes=_routes(batch))
     bare = policy.unwrapped()[0]
     logits = None
     if policy.groups.pp == 1:  # a pipeline stage alone has no logits
         bare.eval()
-        with torch.no_grad():
+        with torch.no_grad(), routes_for_schedule([bare]):
+            set_micro_batch_routes(bare, batch.routes, batch.response_mask)
             positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
             logits = bare(batch.tokens, positions, None)[..., : CONFIG["vocab_size"]].clone()
         bare.train()
@@ -112,6 +140,10 @@ def _reference(rank: int, world_size: int, root: str) -> None:
     policy = _policy(1, 1, seed=0, dispatcher="alltoall")
     torch.save(_params(policy), Path(root) / "init.pt")
     torch.save(_run(policy), Path(root) / "ep1.pt")
+    destroy_parallel()
+    policy = _policy(1, 1, seed=1234, dispatcher="alltoall", replay="rollout")
+    _load_init(policy, root)
+    torch.save(_run(policy, replay=True), Path(root) / "ep1_replay.pt")
 
 
 def _load_init(policy: Policy, root: str) -> None:
@@ -125,11 +157,11 @@ def _load_init(policy: Policy, root: str) -> None:
 
 def _layouts(rank: int, world_size: int, root: str) -> None:
     torch.use_deterministic_algorithms(True)
-    for name, (pp, ep, dispatcher) in LAYOUTS.items():
-        policy = _policy(pp, ep, seed=1234, dispatcher=dispatcher)  # other seed: weights must come from init
+    for name, (pp, ep, dispatcher, replay) in LAYOUTS.items():
+        policy = _policy(pp, ep, seed=1234, dispatcher=dispatcher, replay=replay)  # weights must come from init
         assert (policy.groups.pp, policy.groups.ep, policy.groups.dp) == (pp, ep, 2 // pp)
         _load_init(policy, root)
-        result = _run(policy)
+        result = _run(policy, replay=replay == "rollout")
         if rank == 0:
             torch.save(result, Path(root) / f"{name}.pt")
         if name == CHECKPOINT_LAYOUT:
@@ -152,7 +184,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     run_distributed(_reference, 1, str(root))
     run_distributed(_layouts, 2, str(root))
     run_distributed(_load_at_ep1, 1, str(root))
-    out = {name: torch.load(root / f"{name}.pt") for name in ("ep1", *LAYOUTS)}
+    out = {name: torch.load(root / f"{name}.pt") for name in ("ep1", "ep1_replay", *LAYOUTS)}
     out["at_ep1"] = torch.load(root / f"{CHECKPOINT_LAYOUT}_at_ep1.pt")
     return out
 
@@ -196,6 +228,23 @@ def test_update_metrics_match_single_rank(runs, layout):
         assert ours[key] == pytest.approx(ref[key], rel=METRIC_RTOL), key
     for key in ("train/moe_load_min", "train/moe_load_max"):
         assert ours[key] == pytest.approx(ref[key], abs=1e-12), key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["ep2_replay", "pp2_replay"])
+def test_routing_replay_at_ep2_and_pp2_matches_single_rank(runs, layout):
+    ours, ref = runs[layout], runs["ep1_replay"]
+    torch.testing.assert_close(ours["logprobs"], ref["logprobs"], atol=LOGIT_ATOL, rtol=0)
+    if ours["logits"] is not None:
+        torch.testing.assert_close(ours["logits"], ref["logits"], atol=LOGIT_ATOL, rtol=0)
+    grad_diff = _max_diff(ours["grads"], ref["grads"])
+    assert grad_diff < GRAD_ATOL, f"max |Δgrad| {layout} vs one rank, replaying = {grad_diff:.3g}"
+    assert _max_diff(ours["params"], ref["params"]) < WEIGHT_ATOL
+    for key in ("train/loss", "train/grad_norm", "train/routing_agreement"):
+        assert ours["metrics"][key] == pytest.approx(ref["metrics"][key], rel=METRIC_RTOL), key
+    # the replayed routes are not the router's own: replay changed what the model computes
+    assert ref["metrics"]["train/routing_agreement"] < 0.5
+    assert float((ref["logprobs"] - runs["ep1"]["logprobs"]).abs().max()) > 1e-3
 
 
 @pytest.mark.multiprocess
