@@ -158,8 +158,8 @@ def test_paper_grid_settings(model: str, method: str, tmp_path: Path) -> None:
             1024,
             {"clip_low": 0.0, "clip_high": 5.0, "veto_scope": "seq", "veto_threshold": 1e-4},
         ),
-        "grpo": ("grpo", 4, {"clip_eps": 0.2}),
-        "high_staleness_grpo": ("grpo", 1024, {"clip_eps": 0.2}),
+        "grpo": ("grpo", 4, {"clip_eps": 0.2, "dual_clip_c": 0.0}),
+        "high_staleness_grpo": ("grpo", 1024, {"clip_eps": 0.2, "dual_clip_c": 0.0}),
         "m2po": ("m2po", 1024, {"m2_threshold": 0.04}),
     }[method]
     assert cfg.algo.loss == expected[0]
@@ -198,7 +198,7 @@ def test_demo_grpo_matches_demo_updates() -> None:
     assert grpo.stages.train_groups == 4 * grpo.stages.mini_groups
     assert grpo.stages.mini_groups == mu.stages.mini_groups
     assert grpo.stages.total_updates == mu.stages.total_updates
-    assert grpo.algo.loss_options() == {"aggregation": mu.algo.aggregation, "clip_eps": 0.2}
+    assert grpo.algo.loss_options() == {"aggregation": mu.algo.aggregation, "clip_eps": 0.2, "dual_clip_c": 0.0}
     # Everything except the schedule and the loss is the demo's.
     same = ("model", "rollout", "data", "optim", "parallel", "warmstart")
     assert {k: grpo.to_dict()[k] for k in same} == {k: mu.to_dict()[k] for k in same}
@@ -214,7 +214,7 @@ def test_mu_is_derived_and_overrides_apply() -> None:
 
 def test_loss_options_come_from_the_chosen_loss_section() -> None:
     cfg = load_config(None, ["algo.loss=grpo", "algo.grpo.clip_eps=0.1", "algo.mu_grpo.clip_high=2"])
-    assert cfg.algo.loss_options() == {"aggregation": "seq_mean_token_mean", "clip_eps": 0.1}
+    assert cfg.algo.loss_options() == {"aggregation": "seq_mean_token_mean", "clip_eps": 0.1, "dual_clip_c": 0.0}
     cfg = load_config(None, ["algo.loss=m2po_clip", "algo.m2po_clip.m2_threshold=0.5", "algo.aggregation=token_mean"])
     assert cfg.algo.loss_options() == {"aggregation": "token_mean", "m2_threshold": 0.5}
 
