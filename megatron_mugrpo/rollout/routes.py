@@ -41,6 +41,7 @@ import torch
 
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rollout.engine import Generation
+from megatron_mugrpo.training.moe import moe_layer_pattern, num_experts
 
 MAX_UINT8_EXPERTS = 256
 """Expert ids 0..255 fit one byte; larger models (E <= 32768) take two."""
@@ -61,6 +62,38 @@ def route_dtype(num_experts: int) -> np.dtype:
 def route_bytes_per_token(moe_layers: int, topk: int, num_experts: int) -> int:
     """Bytes one token's routes take in storage: moe_layers × k × the id size."""
     return moe_layers * topk * route_dtype(num_experts).itemsize
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """Which layers route and how, read from a model's ``config.json`` (what an engine's raw output needs)."""
+
+    num_layers: int
+    """All decoder layers (an engine that reports per layer may report dense ones too)."""
+    sparse_layers: tuple[int, ...]
+    """Indices of the mixture-of-experts layers, in order: the routes' layer axis."""
+    topk: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return route_dtype(self.num_experts)
+
+
+def route_layout(hf_config: dict[str, Any]) -> RouteLayout:
+    """The ``RouteLayout`` of a Hugging Face config dict; RouteRecordingError for a dense model."""
+    experts = num_experts(hf_config)
+    if not experts:
+        raise RouteRecordingError(
+            f"model_type={hf_config.get('model_type')!r} has no experts; only mixture-of-experts models route"
+        )
+    pattern = moe_layer_pattern(hf_config)
+    return RouteLayout(
+        num_layers=len(pattern),
+        sparse_layers=tuple(i for i, sparse in enumerate(pattern) if sparse),
+        topk=int(hf_config["num_experts_per_tok"]),
+        num_experts=experts,
+    )
 
 
 @dataclass

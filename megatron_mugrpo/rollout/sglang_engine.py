@@ -40,6 +40,7 @@ CPU is bitwise reproducible by default).
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_mugrpo.errors import InputError, MissingInputError, require
@@ -62,6 +64,7 @@ from megatron_mugrpo.rollout.engine import (
     responses_per_prompt,
     validate_generations,
 )
+from megatron_mugrpo.rollout.routes import RoutedGeneration, RouteLayout, route_layout
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +160,8 @@ class SGLangEngine:
         enable_memory_saver: let ``release()`` free GPU memory (needs the ``torch_memory_saver``
             package SGLang uses); when False, release() only flushes the KV cache.
         deterministic: SGLang's ``enable_deterministic_inference`` plus a ``sampling_seed`` per response.
+        record_routes: return each response's routed experts (``RoutedGeneration.routes``, for
+            ``moe.routing_replay=rollout``): SGLang's ``enable_return_routed_experts`` (see ``routes_from_output``).
         **server_kwargs: further ``sglang.srt.server_args.ServerArgs`` fields.
     """
 
@@ -173,6 +178,7 @@ class SGLangEngine:
         dtype: str = "auto",
         enable_memory_saver: bool = True,
         deterministic: bool = False,
+        record_routes: bool = False,
         **server_kwargs: Any,
     ) -> None:
         check_environment()
@@ -184,6 +190,9 @@ class SGLangEngine:
         self.quantized = (Path(hf_dir) / QUANT_CONFIG_FILE).is_file()
         if deterministic:
             server_kwargs["enable_deterministic_inference"] = True
+        self._routes = _hf_route_layout(hf_dir) if record_routes else None
+        if record_routes:
+            server_kwargs["enable_return_routed_experts"] = True
         self._engine = sglang.Engine(
             model_path=str(hf_dir),
             mem_fraction_static=mem_fraction_static,
@@ -271,11 +280,15 @@ class SGLangEngine:
                 input_ids=[prompts[i] for i, _ in chunk],
                 sampling_params=self._sampling(params, chunk),
                 return_logprob=True,
+                **({"return_routed_experts": True} if self._routes is not None else {}),
             )
             if len(outputs) != len(chunk):
                 raise RuntimeError(f"SGLang answered {len(outputs)} outputs for {len(chunk)} requests")
             for (i, _), output in zip(chunk, outputs):
-                result[i].append(generation_from_output(output))
+                gen = generation_from_output(output)
+                if self._routes is not None:
+                    gen = routed_generation(gen, output, prompt_len=len(prompts[i]), layout=self._routes)
+                result[i].append(gen)
             if progress is not None:
                 progress(len(chunk))
         validate_generations(
@@ -381,3 +394,70 @@ def _hf_vocab_size(hf_dir: str | Path) -> int:
     if not vocab:
         raise ValueError(f"{path} has no vocab_size")
     return int(vocab)
+
+
+# ------------------------------------------------------------------------------ routed experts
+# Routing replay (moe.routing_replay=rollout) reads the experts SGLang routed each token to. Read in
+# SGLang 0.5.10 and 0.5.23 (both ends of SUPPORTED_SGLANG): the server argument
+# ``enable_return_routed_experts`` installs a capturer, the request flag
+# ``Engine.generate(..., return_routed_experts=True)`` asks for it, and each output's
+# ``meta_info["routed_experts"]`` is ``base64(int32 array.tobytes())`` of shape
+# [prompt + output tokens - 1, num_hidden_layers, num_experts_per_tok], C order
+# (0.5.10: layers/moe/routed_experts_capturer.py ``get_routed_experts`` and tokenizer_manager.py;
+# 0.5.23: state_capturer/routed_experts.py, ``extract_routed_experts_from_meta_info``, and
+# detokenizer_manager.py ``_b64_encode_per_request``). Tokens start at the prompt's first
+# (``routed_experts_start_len`` = 0, its default) and stop before the last generated one: the
+# trainer's input. The layer axis holds every decoder layer; dense layers' rows are not routes and are
+# dropped here. Untested on a GPU in this repository: the parsing is tested on outputs shaped as that
+# source writes them (tests/rollout/test_sglang_routes.py).
+
+
+def _hf_route_layout(hf_dir: str | Path) -> RouteLayout:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise MissingInputError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+    config = json.loads(path.read_text())
+    return route_layout(config.get("text_config", config))
+
+
+def routes_from_output(
+    output: dict[str, Any], *, prompt_len: int, response_len: int, layout: RouteLayout
+) -> np.ndarray:
+    """One SGLang output's routed experts as [prompt_len + response_len - 1, sparse layers, k] (``layout.dtype``).
+
+    Raises SGLangContractError when the output has none (the engine was started without
+    ``enable_return_routed_experts``), or when their size, token count or ids do not fit the model.
+    """
+    raw = output.get("meta_info", {}).get("routed_experts")
+    if raw is None:
+        raise SGLangContractError(
+            "SGLang output has no meta_info['routed_experts']: start the engine with enable_return_routed_experts "
+            "and pass return_routed_experts=True (SGLangEngine(record_routes=True) does both)"
+        )
+    if isinstance(raw, str):
+        flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+    else:  # a tensor or list, as a skip_tokenizer_init path may hand back
+        flat = np.asarray(raw.cpu() if isinstance(raw, torch.Tensor) else raw, dtype=np.int32).reshape(-1)
+    per_token = layout.num_layers * layout.topk
+    tokens = prompt_len + response_len - 1
+    if flat.size != tokens * per_token:
+        raise SGLangContractError(
+            f"SGLang returned {flat.size} routed-expert ids; expected {tokens} tokens (prompt {prompt_len} + response "
+            f"{response_len} - 1) x {layout.num_layers} layers x top-{layout.topk} = {tokens * per_token}"
+        )
+    routes = flat.reshape(tokens, layout.num_layers, layout.topk)[:, list(layout.sparse_layers)]
+    if routes.size and (routes.min() < 0 or routes.max() >= layout.num_experts):
+        raise SGLangContractError(
+            f"SGLang returned expert ids in [{routes.min()}, {routes.max()}] outside [0, {layout.num_experts})"
+        )
+    return routes.astype(layout.dtype)
+
+
+def routed_generation(
+    gen: Generation, output: dict[str, Any], *, prompt_len: int, layout: RouteLayout
+) -> RoutedGeneration:
+    """``gen`` with the routes of its SGLang ``output`` (``routes_from_output``)."""
+    routes = routes_from_output(output, prompt_len=prompt_len, response_len=len(gen.response_ids), layout=layout)
+    return RoutedGeneration(
+        response_ids=gen.response_ids, logprobs=gen.logprobs, finish_reason=gen.finish_reason, routes=routes
+    )
