@@ -7,10 +7,13 @@ import math
 import pytest
 import torch
 
+from megatron_mugrpo.algorithms.advantages import group_advantages
 from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.algorithms.losses import (
     AGGREGATIONS,
+    DEFAULT_AGGREGATION,
     LOG_RATIO_CLAMP,
+    GrpoOptions,
     available_losses,
     loss_normaliser,
     m2_clip_bound,
@@ -20,6 +23,8 @@ from megatron_mugrpo.algorithms.losses import (
     trust_region,
 )
 from megatron_mugrpo.algorithms.veto import veto_mask
+from megatron_mugrpo.config import load_config
+from megatron_mugrpo.errors import ConfigError
 
 F64 = torch.float64
 LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip", "opsm", "icepop", "gspo")
@@ -112,6 +117,146 @@ def test_m2po_clip_no_clipping_under_budget() -> None:
     clipped = policy_loss("m2po_clip", lp, bl, adv, mask, m2_threshold=1.0)
     unclipped = policy_loss("m2po", lp, bl, adv, mask, m2_threshold=1.0)
     assert clipped.loss_sum.item() == pytest.approx(unclipped.loss_sum.item(), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("delta", "aggregation", "loss_sum", "normaliser"),
+    [
+        # Response 1 (A = −2, ρ = [1.5, 0.5]): D = −(log 1.5 + log 0.5)/2 = ½ log(4/3) ≈ 0.1438.
+        (0.1, "seq_mean_token_mean", -0.9, 2.0),  # dropped: response 0 alone, (1.2 + 0.5 + 1)/3 = 0.9
+        (0.1, "token_mean", -2.7, 5.0),
+        (0.2, "seq_mean_token_mean", -(0.9 - 2.3), 2.0),  # kept: GRPO's value
+    ],
+)
+def test_opsm_hand_values(delta: float, aggregation: str, loss_sum: float, normaliser: float) -> None:
+    lp, bl, adv, mask = _two_responses()
+    lp.requires_grad_(True)
+    out = policy_loss("opsm", lp, bl, adv, mask, clip_eps=0.2, delta=delta, aggregation=aggregation)
+    assert out.loss_sum.item() == pytest.approx(loss_sum, abs=1e-12)
+    assert out.normaliser.item() == normaliser
+    dropped = delta < 0.1438
+    assert out.metrics["opsm_masked_responses"] == float(dropped)
+    assert out.metrics["opsm_masked_frac"] == out.metrics["masked_frac"] == pytest.approx(0.4 if dropped else 0.0)
+    assert out.metrics["opsm_divergence_neg_adv"] == pytest.approx(0.5 * math.log(4 / 3), abs=1e-12)
+    assert out.metrics["clip_frac_low"] == pytest.approx(0.0 if dropped else 0.2)  # kept tokens only
+    if delta == 0.1 and aggregation == "seq_mean_token_mean":
+        (grad,) = torch.autograd.grad(out.loss_sum, lp)
+        # Response 0: token 0 clipped (ρ = 1.5 > 1.2), tokens 1, 2 give −ρA/3; response 1 dropped.
+        expected = torch.tensor([[0.0, -0.5 / 3, -1 / 3], [0.0, 0.0, 0.0]], dtype=F64)
+        torch.testing.assert_close(grad, expected, rtol=0, atol=1e-15)
+
+
+def test_opsm_never_drops_positive_advantage_responses() -> None:
+    _, bl, _, mask = _two_responses()
+    collapsed = bl - 5.0 * mask  # D = 5 on both responses
+    out = policy_loss("opsm", collapsed, bl, torch.tensor([1.0, 1.0], dtype=F64), mask, delta=1e-4)
+    assert out.metrics["opsm_masked_responses"] == 0.0 and math.isnan(out.metrics["opsm_divergence_neg_adv"])
+
+
+@pytest.mark.parametrize(
+    ("band", "loss_sum", "low_frac", "high_frac"),
+    [
+        # [0.4, 1.4] masks the ρ = 1.5 tokens: response 0 → (0.5 + 1)/3 = 0.5, response 1 → −1.6/2 = −0.8
+        # (GRPO would count response 1's ρ = 1.5 token as −3: a negative-advantage token it cannot clip).
+        ((0.4, 1.4), -(0.5 - 0.8), 0.0, 0.4),
+        # [0.6, 5] masks the ρ = 0.5 tokens: response 0 → (1.2 + 1)/3, response 1 → −3/2.
+        ((0.6, 5.0), -(2.2 / 3 - 1.5), 0.4, 0.0),
+    ],
+)
+def test_icepop_hand_values(band: tuple[float, float], loss_sum: float, low_frac: float, high_frac: float) -> None:
+    lp, bl, adv, mask = _two_responses()
+    out = policy_loss("icepop", lp, bl, adv, mask, clip_eps=0.2, band_low=band[0], band_high=band[1])
+    assert out.loss_sum.item() == pytest.approx(loss_sum, abs=1e-12)
+    assert out.normaliser.item() == 2.0  # masked tokens stay in T_y and |B|
+    assert out.metrics["icepop_masked_low_frac"] == pytest.approx(low_frac)
+    assert out.metrics["icepop_masked_high_frac"] == pytest.approx(high_frac)
+    assert out.metrics["icepop_masked_frac"] == out.metrics["masked_frac"] == pytest.approx(0.4)
+
+
+def test_gspo_hand_values_and_gradient() -> None:
+    """s_0 = (1.5 · 0.5 · 1)^(1/3) = 0.75^(1/3) ≈ 0.9086 (A = +1), s_1 = 0.75^(1/2) ≈ 0.8660 (A = −2).
+    Clip [0.8, 1.2]: neither binds: loss_sum = −(s_0 − 2 s_1). Paper clip [1 − 3e-4, 1 + 4e-4]:
+    s_1 is clipped low (A < 0): −2 · 0.9997, zero gradient; s_0 < 1 with A > 0 is not clipped.
+    The gradient of response 0 is GSPO's, ∂(−s_0)/∂log π_t = −s_0 / 3 on each of its tokens."""
+    lp, bl, adv, mask = _two_responses()
+    s0, s1 = 0.75 ** (1 / 3), 0.75**0.5
+    wide = policy_loss("gspo", lp, bl, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2)
+    assert wide.loss_sum.item() == pytest.approx(-(s0 - 2 * s1), abs=1e-12)
+    assert wide.metrics["seq_clip_frac"] == 0.0
+    assert wide.metrics["seq_ratio_mean"] == pytest.approx((s0 + s1) / 2, abs=1e-12)
+    current = lp.clone().requires_grad_(True)
+    paper = policy_loss("gspo", current, bl, adv, mask)  # defaults 3e-4 / 4e-4
+    assert paper.loss_sum.item() == pytest.approx(-(s0 - 2 * (1 - 3e-4)), abs=1e-12)
+    assert paper.metrics["seq_clip_frac"] == 0.5
+    assert paper.metrics["clip_frac_low"] == pytest.approx(2 / 5) and paper.metrics["clip_frac_high"] == 0.0
+    (grad,) = torch.autograd.grad(paper.loss_sum, current)
+    torch.testing.assert_close(grad, torch.tensor([[-s0 / 3] * 3, [0.0] * 3], dtype=F64), rtol=0, atol=1e-15)
+    token_mean = policy_loss("gspo", lp, bl, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token_mean")
+    assert token_mean.loss_sum.item() == pytest.approx(-(3 * s0 - 2 * 2 * s1), abs=1e-12)
+
+
+def _dual_clip_example() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Response 0: A = −1, ρ = [10, 2, 0.5]; response 1: A = +1, ρ = [10] + two padding slots."""
+    log_ratio = torch.tensor([[math.log(10.0), math.log(2.0), math.log(0.5)], [math.log(10.0), 0.0, 0.0]], dtype=F64)
+    behaviour = torch.full((2, 3), -2.0, dtype=F64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=F64)
+    return behaviour + log_ratio, behaviour, torch.tensor([-1.0, 1.0], dtype=F64), mask
+
+
+def test_grpo_dual_clip_hand_values() -> None:
+    """ε = 0.2. Response 0 (A = −1): ρ = 10 → min(−10, −1.2) = −10, dual clip c = 3 floors it at −3
+    (no gradient); ρ = 2 → −2 (below c: unchanged, gradient ρA = −2); ρ = 0.5 → −0.8 (clipped).
+    Response 1 (A = +1, ρ = 10): 1.2 either way (the dual clip is for A < 0 only).
+    seq_mean_token_mean: without −((−10 − 2 − 0.8)/3 + 1.2) = 3.0667, with −((−3 − 2 − 0.8)/3 + 1.2) = 0.7333."""
+    lp, bl, adv, mask = _dual_clip_example()
+    plain_lp, dual_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    plain = policy_loss("grpo", plain_lp, bl, adv, mask, clip_eps=0.2)
+    dual = policy_loss("grpo", dual_lp, bl, adv, mask, clip_eps=0.2, dual_clip_c=3.0)
+    assert plain.loss_sum.item() == pytest.approx(12.8 / 3 - 1.2, abs=1e-12)
+    assert dual.loss_sum.item() == pytest.approx(5.8 / 3 - 1.2, abs=1e-12)
+    assert "dual_clip_frac" not in plain.metrics
+    assert dual.metrics["dual_clip_frac"] == pytest.approx(1 / 4)
+    (plain_grad,) = torch.autograd.grad(plain.loss_sum, plain_lp)
+    (dual_grad,) = torch.autograd.grad(dual.loss_sum, dual_lp)
+    torch.testing.assert_close(
+        plain_grad, torch.tensor([[10 / 3, 2 / 3, 0.0], [0.0] * 3], dtype=F64), rtol=0, atol=1e-14
+    )
+    torch.testing.assert_close(dual_grad, torch.tensor([[0.0, 2 / 3, 0.0], [0.0] * 3], dtype=F64), rtol=0, atol=1e-14)
+
+
+def test_new_options_are_validated_naming_the_key() -> None:
+    lp, bl, adv, mask = _two_responses()
+    for name, bad, message in [
+        ("grpo", {"dual_clip_c": 0.5}, r"algo\.grpo\.dual_clip_c=0\.5 must be 0 \(off\) or > 1"),
+        ("opsm", {"delta": -1.0}, r"algo\.opsm\.delta=-1\.0 must be >= 0"),
+        ("icepop", {"band_low": 1.2}, r"algo\.icepop band \[band_low=1\.2, band_high=5\.0\]"),
+        ("gspo", {"clip_eps_low": 0.0}, r"algo\.gspo\.clip_eps_low=0\.0 must be in \(0, 1\)"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            policy_loss(name, lp, bl, adv, mask, **bad)
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [f"algo.loss={name}", *(f"algo.{name}.{k}={v}" for k, v in bad.items())])
+
+
+# --------------------------------------------------------------------------- conventions (docs/method.md)
+
+
+def test_conventions_we_differ_from_verl_on() -> None:
+    """Each row of docs/method.md's table "Conventions against verl 0.9.1", pinned."""
+    cfg = load_config(None)
+    # Dual clip: off by default (verl: clip_ratio_c = 3); an extreme negative-advantage ratio is not capped.
+    assert GrpoOptions().dual_clip_c == 0.0 and load_config(None, ["algo.loss=grpo"]).algo.grpo.dual_clip_c == 0.0
+    lp, bl, adv, mask = _dual_clip_example()
+    assert policy_loss("grpo", lp, bl, adv, mask, **AlgoConfig(loss="grpo").loss_options()).loss_sum.item() > 3.0
+    # Default aggregation: the paper's per-response token mean, averaged over responses (verl: token-mean).
+    assert cfg.algo.aggregation == DEFAULT_AGGREGATION == "seq_mean_token_mean"
+    # Single-response groups: advantage 0 (verl: the raw reward).
+    advantages, _ = group_advantages(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0, 1, 1]), eps=1e-6)
+    assert advantages[0].item() == 0.0 and advantages[1].item() > 0
+    # The mismatch mask: masked tokens stay in the normaliser by default (verl's rejection sampling removes them).
+    assert cfg.algo.rollout_correction.mask_mode == "zero_weight"
+    # Correction level: token by default (verl's default is sequence level).
+    assert cfg.algo.rollout_correction.level == "token"
 
 
 # --------------------------------------------------------------------------- random inputs
