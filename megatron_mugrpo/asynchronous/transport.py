@@ -62,6 +62,9 @@ PUBLISH, CLOSE = "publish", "close"
 GROUP_FILE = "publish_group.json"
 POLL_S = 0.02
 """Seconds between two looks at the store (a new publication, the workers' progress)."""
+WAIT_S = 1.0
+"""Seconds a worker's staging thread blocks on the store for the next publication before it looks
+whether its worker still runs (it wakes at once when the key is set)."""
 CONNECT_S = 10.0
 """Seconds a worker tries to reach the store a group file names before reading the file again (an
 earlier launch's file names a store that no longer listens)."""
@@ -332,8 +335,10 @@ class Sender:
         )
 
     def _buffer_of(self, size: int) -> torch.Tensor:
+        """The bucket buffer, grown to the largest bucket so far (a small model never takes a whole bucket_mib)."""
         if self._buffer is None or self._buffer.numel() < size:
-            self._buffer = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=self.device)
+            self._buffer = None  # the old one goes first: never two buffers at once
+            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self._buffer
 
     def _message(self, kind: int, version: int, meta: object) -> None:
@@ -347,9 +352,12 @@ class Sender:
             raise PublishTimeoutError(self._behind(f"publication {self.serial} is still running {where}", None))
 
     def _wait_received(self, deadline: float) -> None:
-        while not all(self.group.has(f"received/{r}/{self.serial}") for r in self.group.workers):
+        keys = [f"received/{r}/{self.serial}" for r in self.group.workers]
+        try:
+            self.group.keys.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError:  # the store's timeout (DistStoreError)
             self._check_deadline(deadline, "waiting for the workers to confirm")
-            time.sleep(POLL_S)
+            raise
 
     def _behind(self, what: str, exc: BaseException | None) -> str:
         late = [r for r in self.group.workers if not self.group.has(f"received/{r}/{self.serial}")]
@@ -403,9 +411,8 @@ class Receiver:
 
     def next(self) -> Received | None:
         key = f"announce/{self.serial}"
-        while not self.group.has(key):  # polled: a long training interval never times a collective out
+        while not self._arrived(key):  # a long training interval never times a collective out
             self.alive()
-            time.sleep(POLL_S)
         if self.group.keys.get(key).decode() == CLOSE:
             self.group.keys.set(f"closed/{self.group.rank}", "1")
             return None
@@ -418,6 +425,15 @@ class Receiver:
         self.group.keys.set(f"received/{self.group.rank}/{self.serial}", "1")
         self.serial += 1
         return received
+
+    def _arrived(self, key: str) -> bool:
+        """Wait up to WAIT_S for ``key`` (woken as soon as it is set); False when it has not come."""
+        try:
+            self.group.keys.wait([key], datetime.timedelta(seconds=WAIT_S))
+        except RuntimeError:
+            if not self.group.has(key):  # a timeout; a store that is gone raises from has() itself
+                return False
+        return True
 
     def _receive(self) -> Received:
         tensors: list[tuple[str, torch.Tensor]] = []

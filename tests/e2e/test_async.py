@@ -129,11 +129,14 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_async_run_streams_groups_with_bounded_lag(tmp_path: Path, base_model: Path):
+@pytest.mark.parametrize("publish", ["memory", "disk"])
+def test_async_run_streams_groups_with_bounded_lag(tmp_path: Path, base_model: Path, publish: str):
     """max_lag = sync_every (async GRPO's setting): no trained group is older than one sync interval,
-    the worker's weights equal each publication, and every group is accounted for."""
+    the worker's weights equal each publication, and every group is accounted for; with weights
+    broadcast from memory (the default) and written to disk."""
     run_dir = tmp_path / "async"
-    proc = ok(start(run_dir, base_model, "async.sync_every=2", "async.max_lag=2", "async.verify_weights=true"))
+    extra = ["async.sync_every=2", "async.max_lag=2", "async.verify_weights=true", f"async.publish={publish}"]
+    proc = ok(start(run_dir, base_model, *extra))
     assert proc.stdout.strip().splitlines()[-1].startswith("acc_before=")
     assert "rollout queue:" in proc.stdout
 
@@ -144,6 +147,12 @@ def test_async_run_streams_groups_with_bounded_lag(tmp_path: Path, base_model: P
     assert all(0.0 <= r["perf/trainer_idle_ratio"] <= 1.0 for r in updates)
     assert any("perf/rollout_idle_ratio" in r for r in updates)
     assert sum("perf/weight_sync_s" in r for r in updates) == UPDATES // 2
+    sent = [r["perf/weight_sync_mib"] for r in updates if "perf/weight_sync_mib" in r]  # memory publications
+    assert len(sent) == (UPDATES // 2 if publish == "memory" else 0) and all(mib > 0 for mib in sent)
+    directories = [p for p in (run_dir / "async" / "weights").iterdir() if p.is_dir()]
+    assert len(directories) == (1 if publish == "memory" else min(1 + UPDATES // 2, 4))  # memory: the first only
+    ack = json.loads((run_dir / "async" / "acks" / "worker_000.json").read_text())
+    assert ack["version"] >= 2 and ack["digest"]  # what the worker serves, acknowledged
     assert [r["rollout/stage"] for r in records(run_dir) if "rollout/stage" in r] == [0.0, 1.0]
 
     # The worker's weights equal the trainer's publication for every batch (the trainer checks it too).
