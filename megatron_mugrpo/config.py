@@ -50,6 +50,7 @@ from megatron_mugrpo.metrics import LoggingConfig
 from megatron_mugrpo.rewards.registry import RewardConfig
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.prompts import DataConfig, format_reward_kind
+from megatron_mugrpo.rollout.routes import routing_replay_problem
 from megatron_mugrpo.training.checkpoint_config import CheckpointConfig
 from megatron_mugrpo.training.moe import MoeConfig
 from megatron_mugrpo.training.optimizer import OptimConfig
@@ -165,6 +166,11 @@ class RunConfig:
             tiny = self.model.tiny
             check_model_parallelism(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel)
         self._check_rewards()
+        tiny_arch = None if self.model.hf_dir else self.model.tiny.arch
+        problem = routing_replay_problem(
+            self.moe.routing_replay, engine=self.rollout.engine, mode=self.mode, tiny_arch=tiny_arch
+        )
+        require(not problem, problem)
         require(
             not (self.replay.enabled and self.algo.rollout_correction.enabled),
             "replay.enabled cannot be combined with algo.rollout_correction: replayed groups do not carry the "

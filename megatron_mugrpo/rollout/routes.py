@@ -43,6 +43,9 @@ from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rollout.engine import Generation
 from megatron_mugrpo.training.moe import moe_layer_pattern, num_experts
 
+ROUTE_RECORDING_ENGINES = ("sglang", "transformers")
+"""Rollout engines that record routes: SGLang (``SGLangEngine(record_routes=True)``) and the
+transformers engine (``RouteRecorder`` in its decode loop)."""
 MAX_UINT8_EXPERTS = 256
 """Expert ids 0..255 fit one byte; larger models (E <= 32768) take two."""
 MAX_INT16_EXPERTS = 32768
@@ -94,6 +97,47 @@ def route_layout(hf_config: dict[str, Any]) -> RouteLayout:
         topk=int(hf_config["num_experts_per_tok"]),
         num_experts=experts,
     )
+
+
+def routing_replay_problem(replay: str, *, engine: str, mode: str, tiny_arch: str | None) -> str:
+    """Why ``moe.routing_replay`` cannot work with this run, naming the keys; '' when it can.
+
+    ``tiny_arch``: ``model.tiny.arch`` of a run that builds its own tiny model, None for a model from
+    ``model.hf_dir`` (a dense one is refused when the trainer builds it, ``training.moe.check_routing_replay``).
+    """
+    if replay == "none":
+        return ""
+    if tiny_arch is not None and tiny_arch != "qwen3_moe":
+        return (
+            f"moe.routing_replay={replay!r} replays a mixture-of-experts model's routes, but model.tiny.arch="
+            f"{tiny_arch!r} is dense; set model.tiny.arch=qwen3_moe or moe.routing_replay=none"
+        )
+    if engine not in ROUTE_RECORDING_ENGINES:
+        return (
+            f"moe.routing_replay={replay!r} needs the experts the rollout engine routed each token to, and "
+            f"rollout.engine={engine!r} does not record them; use one of {ROUTE_RECORDING_ENGINES} or "
+            "moe.routing_replay=none"
+        )
+    if mode == "async":
+        return (
+            f"moe.routing_replay={replay!r} with mode: async: the rollout queue does not carry routes yet; "
+            "use mode: staged or moe.routing_replay=none"
+        )
+    return ""
+
+
+def pad_routes(routes: Sequence[np.ndarray], length: int) -> torch.Tensor:
+    """``TrainBatch.routes`` [B, length, moe_layers, k] from each row's [T_b, moe_layers, k] (T_b <= length);
+    positions past T_b (padding) get experts 0..k-1, distinct as every route must be."""
+    if not routes:
+        raise RouteRecordingError("pad_routes got no rows")
+    layers, topk = routes[0].shape[1:]
+    out = np.broadcast_to(np.arange(topk, dtype=routes[0].dtype), (len(routes), length, layers, topk)).copy()
+    for b, row in enumerate(routes):
+        if row.shape[0] > length or row.shape[1:] != (layers, topk):
+            raise RouteRecordingError(f"row {b} routes {row.shape} do not fit [<= {length}, {layers}, {topk}]")
+        out[b, : row.shape[0]] = row
+    return torch.from_numpy(out)
 
 
 @dataclass

@@ -17,8 +17,10 @@ from megatron_mugrpo.rollout.routes import (
     RoutedGeneration,
     RouteRecorder,
     RouteRecordingError,
+    pad_routes,
     route_bytes_per_token,
     route_dtype,
+    routing_replay_problem,
 )
 from megatron_mugrpo.rollout.transformers_engine import left_pad, position_ids_from_mask
 from megatron_mugrpo.training.model import tiny_hf_config
@@ -147,3 +149,28 @@ def test_routed_generation_is_a_generation_with_routes():
         response_ids=[4, 2], logprobs=[-0.1, -0.2], finish_reason="stop", routes=np.zeros((3, 2, 2), np.uint8)
     )
     assert isinstance(gen, Generation) and gen.routes.shape == (3, 2, 2)
+
+
+def test_pad_routes_lays_rows_out_for_the_trainer_with_distinct_filler():
+    rows = [np.array([[[3, 1]], [[0, 2]]], np.uint8), np.array([[[1, 2]]], np.uint8)]
+    batch = pad_routes(rows, 3)
+    assert batch.shape == (2, 3, 1, 2) and batch.dtype == torch.uint8
+    assert batch[:, :, 0].tolist() == [[[3, 1], [0, 2], [0, 1]], [[1, 2], [0, 1], [0, 1]]]
+    with pytest.raises(RouteRecordingError, match="do not fit"):
+        pad_routes(rows, 1)
+
+
+def test_run_configs_where_replay_cannot_work_are_refused_naming_the_key():
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.errors import ConfigError
+
+    moe = ["model.tiny.arch=qwen3_moe", "moe.routing_replay=rollout"]
+    assert load_config("configs/demo_moe_cpu.yaml", ["moe.routing_replay=rollout"]).moe.routing_replay == "rollout"
+    with pytest.raises(ConfigError, match=r"moe\.routing_replay='rollout'.*model\.tiny\.arch='qwen2' is dense"):
+        load_config("configs/demo_cpu.yaml", ["moe.routing_replay=rollout"])
+    with pytest.raises(ConfigError, match=r"moe\.routing_replay='rollout' with mode: async"):
+        load_config("configs/demo_cpu.yaml", [*moe, "mode=async"])
+    assert routing_replay_problem("rollout", engine="vllm", mode="staged", tiny_arch="qwen3_moe").startswith(
+        "moe.routing_replay='rollout' needs the experts"
+    )
+    assert routing_replay_problem("none", engine="vllm", mode="async", tiny_arch="qwen2") == ""
