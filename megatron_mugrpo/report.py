@@ -18,7 +18,8 @@ Logging convention the training loop follows (the plots rely on it):
   far, resumed time included) in the *same* record. ``perf/t_total_s`` is the x-axis of the accuracy
   plot; a record without it falls back to the logger's ``wall_s`` (noted in report.md).
 - **Update records**: one record per optimizer update, ``step`` = updates done (1-based after the step),
-  with ``train/nav_vetoed_frac``, ``train/clip_frac_low``, ``train/clip_frac_high`` and
+  with ``train/nav_vetoed_frac``, ``train/clip_frac_low``, ``train/clip_frac_high``,
+  ``train/masked_frac`` (tokens any loss's mask removed: NAV, M2PO, OPSM, IcePop) and
   ``train/ratio_mean_neg_adv`` (E[ρ | A<0]; ``train/ratio_mean_pos_adv`` is drawn too when present).
 - **Replay records** (runs with ``replay.enabled``): one per stage, ``step`` = the stage's first update,
   with ``replay/headroom_mean`` (accepted groups; ``replay/headroom_mean_rejected`` for the rejected
@@ -68,7 +69,9 @@ EVAL_X = "perf/t_total_s"
 VETO_FRAC = "train/nav_vetoed_frac"
 CLIP_LOW = "train/clip_frac_low"
 CLIP_HIGH = "train/clip_frac_high"
-UPDATE_FRACTIONS = (VETO_FRAC, CLIP_LOW, CLIP_HIGH)
+MASKED_FRAC = "train/masked_frac"
+"""Response tokens a loss's mask removed (NAV, M2PO, OPSM, IcePop: algorithms.losses), whatever the loss."""
+UPDATE_FRACTIONS = (VETO_FRAC, CLIP_LOW, CLIP_HIGH, MASKED_FRAC)
 RATIO_NEG = "train/ratio_mean_neg_adv"
 RATIO_POS = "train/ratio_mean_pos_adv"
 REPLAY_PANELS = (
@@ -103,6 +106,7 @@ RUN_FIGURES = {
     "veto_rate": "vetoed / response tokens over all updates (train/nav_vetoed_frac, token-weighted)",
     "clip_low": "fraction of response tokens at the lower ratio clip over all updates (token-weighted)",
     "clip_high": "fraction of response tokens at the upper ratio clip over all updates (token-weighted)",
+    "masked_rate": "response tokens the loss's mask removed over all updates (train/masked_frac, token-weighted)",
 }
 """The figures ``run_figures`` reads from one run's metrics (NaN where the run did not log them)."""
 
@@ -359,6 +363,7 @@ def run_figures(records: list[dict[str, Any]]) -> dict[str, float]:
         "veto_rate": token_weighted_rate(records, VETO_FRAC),
         "clip_low": token_weighted_rate(records, CLIP_LOW),
         "clip_high": token_weighted_rate(records, CLIP_HIGH),
+        "masked_rate": token_weighted_rate(records, MASKED_FRAC),
     }
 
 
@@ -555,6 +560,7 @@ FIGURE_FORMATS = {
     "veto_rate": ("veto %", ".3f", 100.0),
     "clip_low": ("clip low %", ".3f", 100.0),
     "clip_high": ("clip high %", ".3f", 100.0),
+    "masked_rate": ("masked %", ".3f", 100.0),
 }
 """Markdown column title, number format and scale (fractions as percent) of each run figure."""
 

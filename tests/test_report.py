@@ -48,6 +48,7 @@ def _fake_run(run_dir: Path, *, updates_per_stage: int, seconds_per_update: floa
                 {
                     "train/loss": 0.1,
                     "train/nav_vetoed_frac": 0.01 * update,
+                    "train/masked_frac": 0.01 * update,  # μ-GRPO logs its veto under both names
                     "train/clip_frac_low": 0.0,
                     "train/clip_frac_high": 0.02,
                     "train/ratio_mean_neg_adv": 1.0 - 0.01 * update,
