@@ -339,7 +339,7 @@ def test_autograd_matches_analytic_gradient(name: str, aggregation: str) -> None
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
-@pytest.mark.parametrize("name", ["grpo", "mu_grpo"])
+@pytest.mark.parametrize("name", ["grpo", "mu_grpo", "opsm", "icepop", "gspo"])
 def test_eight_micro_batches_of_one_equal_one_batch_of_eight(name: str, aggregation: str) -> None:
     lp, bl, adv, mask = _random_batch(seed=7)
     full = lp.clone().requires_grad_(True)
