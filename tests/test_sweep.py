@@ -278,6 +278,30 @@ def test_experiment_files_plan(path: Path, tmp_path: Path) -> None:
     assert len(totals) == 1, f"{path.name}: variants differ in their number of updates: {totals}"
 
 
+def test_f6_runs_every_stabiliser_at_both_staleness_levels(tmp_path: Path) -> None:
+    """F6 (issue #27): each loss at μ = 64 and μ = 256, 3 seeds, all at the same 256 updates."""
+    spec = load_sweep(ROOT / "experiments" / "f6_stabilisers.yaml")
+    plan = plan_sweep(spec, tmp_path / "out", load=load_config)
+    settings = {}
+    for run in plan:
+        algo, stages = run.cfg.algo, run.cfg.stages
+        dual = algo.grpo.dual_clip_c if algo.loss == "grpo" else 0.0
+        settings.setdefault(run.variant, set()).add((algo.loss, dual, stages.updates_per_stage))
+    assert all(len(s) == 1 for s in settings.values()), settings
+    got = {next(iter(s)) for s in settings.values()}
+    losses = [
+        ("mu_grpo", 0.0),
+        ("opsm", 0.0),
+        ("icepop", 0.0),
+        ("gspo", 0.0),
+        ("m2po", 0.0),
+        ("grpo", 0.0),
+        ("grpo", 3.0),
+    ]
+    assert got == {(loss, dual, mu) for loss, dual in losses for mu in (64, 256)}
+    assert spec.seeds == [0, 1, 2] and {run.cfg.stages.total_updates for run in plan} == {256}
+
+
 def test_cli_reports_a_bad_sweep_file_as_one_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from megatron_mugrpo.cli import main
 
