@@ -139,6 +139,14 @@ def _body(rank: int, world_size: int, out: dict[str, Any]) -> None:
         )
     models["recompute"].load_state_dict(models["plain"].state_dict())
     out["recompute"] = {name: _grads(m, batch, other) for name, m in models.items()}
+    # Routes checked for one micro-batch, then a forward of another shape: the router refuses them.
+    model, rows = models["plain"], batch.slice(0, 2)
+    with routes_for_schedule([model]), torch.no_grad():
+        set_micro_batch_routes(model, other[:2], rows.response_mask)
+        try:
+            model(batch.tokens[:3], torch.arange(batch.tokens.shape[1]).expand(3, -1), None)
+        except RoutingReplayError as exc:
+            out["row_error"] = str(exc)
     out["global_instances_after"] = len(RouterReplay.global_router_replay_instances)
 
 
@@ -178,6 +186,13 @@ def test_backward_lists_are_emptied_after_every_schedule(runs):
 
 def test_replay_enabled_models_leave_megatrons_global_instance_list(runs):
     assert runs["global_instances"] == 0 and runs["global_instances_after"] == 0
+
+
+def test_a_forward_of_another_shape_than_its_routes_is_refused(runs):
+    length = make_batch(10, groups=2, group_size=4).tokens.shape[1]
+    assert (
+        f"routes {3 * length} token rows" in runs["row_error"] and f"given routes for {2 * length}" in runs["row_error"]
+    )
 
 
 def test_replay_without_routes_names_the_key(runs):
