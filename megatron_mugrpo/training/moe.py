@@ -324,7 +324,15 @@ def install_routing_hooks(model: torch.nn.Module) -> int:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     routers = _routers([model])
+    ours = {id(r.router_replay) for r in routers if r.router_replay is not None}
+    instances = RouterReplay.global_router_replay_instances
+    instances[:] = [r for r in instances if id(r) not in ours]
     for router in routers:
+        if router.router_replay is not None and router.config.moe_router_fusion:
+            raise MoeConfigError(
+                "moe.routing_replay=rollout cannot run with moe_router_fusion: megatron-core's fused top-k "
+                "(Transformer Engine) bypasses the replay hook and would route freshly without a word"
+            )
         pattern = list(router.config.moe_layer_freq)
         setattr(
             router,
@@ -335,9 +343,6 @@ def install_routing_hooks(model: torch.nn.Module) -> int:
                 counts=torch.zeros(2, dtype=torch.float64),
             ),
         )
-        if router.router_replay is not None:
-            instances = RouterReplay.global_router_replay_instances
-            instances[:] = [r for r in instances if r is not router.router_replay]
         router.register_forward_pre_hook(_before_router)
     return len(routers)
 

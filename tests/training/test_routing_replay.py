@@ -147,6 +147,19 @@ def _body(rank: int, world_size: int, out: dict[str, Any]) -> None:
             model(batch.tokens[:3], torch.arange(batch.tokens.shape[1]).expand(3, -1), None)
         except RoutingReplayError as exc:
             out["row_error"] = str(exc)
+    try:
+        build_gpt_model(
+            CONFIG,
+            dtype=torch.float32,
+            pre_process=True,
+            post_process=True,
+            tensor_parallel=1,
+            pipeline_parallel=1,
+            moe=MoeConfig(routing_replay="rollout"),
+            config_overrides={"moe_router_fusion": True},
+        )
+    except MoeConfigError as exc:
+        out["fusion_error"] = str(exc)
     out["global_instances_after"] = len(RouterReplay.global_router_replay_instances)
 
 
@@ -193,6 +206,10 @@ def test_a_forward_of_another_shape_than_its_routes_is_refused(runs):
     assert (
         f"routes {3 * length} token rows" in runs["row_error"] and f"given routes for {2 * length}" in runs["row_error"]
     )
+
+
+def test_replay_with_the_fused_router_is_refused(runs):
+    assert "moe_router_fusion" in runs["fusion_error"] and "moe.routing_replay=rollout" in runs["fusion_error"]
 
 
 def test_replay_without_routes_names_the_key(runs):
