@@ -113,6 +113,7 @@ def worker_main(root: str, rank: int, bucket_timeout_s: float) -> None:
         received = staging.take()
         if received is not None:
             apply(received.tensors, received.name, received.version, "memory", received.nbytes)
+            staging.applied(received)
         time.sleep(POLL_S)
     staging.stop()
 

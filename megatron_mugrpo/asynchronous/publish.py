@@ -260,6 +260,7 @@ class Staging:
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"staging:{rank}", daemon=True)
         self.group: PublicationGroup | None = None
+        self._receiver: Receiver | None = None
         self.received = 0
         """Publications received so far (applied or replaced)."""
 
@@ -277,17 +278,20 @@ class Staging:
     def _run(self) -> None:
         try:
             self.group = join_group(self.root, self.rank, timeout_s=self.timeout_s, alive=self._alive)
-            receiver = Receiver(self.group, device=self.device, alive=self._alive)
-            while (received := receiver.next()) is not None:
+            self._receiver = Receiver(self.group, device=self.device, alive=self._alive)
+            while (received := self._receiver.next()) is not None:
                 with self._lock:
-                    self._ready, self.received = received, self.received + 1
+                    replaced, self._ready, self.received = self._ready, received, self.received + 1
+                if replaced is not None:  # never applied: its buffers take the next publication
+                    self._receiver.recycle(replaced)
         except _StoppedError:
             pass
         except BaseException as exc:  # handed to the main loop, which names the trainer if it is the cause
             self._error = exc
 
     def take(self) -> Received | None:
-        """The newest publication received and not yet taken, or None. Raises the thread's failure."""
+        """The newest publication received and not yet taken, or None. Raises the thread's failure.
+        Hand it back with ``applied`` once the engine holds it."""
         if self._error is not None:
             raise RuntimeError(
                 f"receiving weight publications failed: {type(self._error).__name__}: {self._error}"
@@ -295,6 +299,12 @@ class Staging:
         with self._lock:
             ready, self._ready = self._ready, None
         return ready
+
+    def applied(self, received: Received) -> None:
+        """The engine copied ``received``: its staging buffers may receive a later publication."""
+        with self._lock:
+            if self._receiver is not None:
+                self._receiver.recycle(received)
 
 
 class _StoppedError(Exception):

@@ -135,6 +135,7 @@ class Worker:
         started = time.perf_counter()
         advance(f"applying the weights of publication {received.name}")
         self.engine.load_weights(iter(received.tensors))
+        self.staging.applied(received)
         if self.cfg.async_.verify_weights:
             self.digest = engine_digest(self.engine, [name for name, _ in received.tensors])
         self.applied = Publication(name=received.name, version=received.version, digest=received.digest)

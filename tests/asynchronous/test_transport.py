@@ -132,6 +132,7 @@ def _worker(root: str, base: str, timeout_s: float, results) -> None:
             received = staging.take()  # the safe point
             if received is not None:
                 engine.load_weights(iter(received.tensors))
+                staging.applied(received)
                 held = engine_digest(engine, [name for name, _ in received.tensors])
                 applied.append((received.name, received.version, received.digest, held))
         results.put(("worker", applied, batches))
@@ -182,7 +183,7 @@ def test_publish_stage_apply_on_two_gloo_processes(tmp_path: Path) -> None:
     sent = [g for g in got if g[0] == "sent"]
     (report,) = [g for g in got if g[0] == "worker"]
     assert len(sent) == 2 and all(buckets > 2 for *_, buckets, _ in sent)  # really bucketed
-    assert all(buffer == 64 * 1024 for *_, buffer in sent)  # one bucket buffer, never the whole model
+    assert all(buffer <= 2 * 64 * 1024 for *_, buffer in sent)  # two bucket buffers, never the whole model
     applied = report[1]
     assert [(name, version) for name, version, _, _ in applied] == [("p0", 4), ("p1", 8)]
     for (_, _, _, digest, _, _), (_, _, carried, held) in zip(sent, applied):
