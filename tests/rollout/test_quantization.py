@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
 from megatron_mugrpo.config import load_config
@@ -200,19 +201,33 @@ def test_export_dequantizes_to_the_fake_quant_weights(tmp_path, name):
 
 @needs_modelopt
 def test_bf16_export_is_within_one_fp8_step_of_the_fake_quant(tmp_path):
-    """ModelOpt 0.47 divides a bf16 weight by its scale in bf16 before the FP8 cast (a second
-    rounding), so a few percent of the codes of a bf16 model land one E4M3 step (3 mantissa bits)
-    away from the float32 fake quant. SGLang serves the exported codes."""
+    """A bf16 model's FP8 codes are w / s cast to E4M3, with s the exported float32 scale. Dividing in
+    bf16 first (a second rounding) would put a few percent of them one E4M3 step (3 mantissa bits)
+    away from the float32 fake quant; ModelOpt 0.47 on CPU divides in float32 (the bf16 weight is
+    promoted by the float32 scale), so none moves. The test first checks that this model does expose
+    the double rounding (else "nothing moved" would prove nothing), then that the export moved either
+    no code or exactly the codes a bf16 division moves, never others, and each by at most one step.
+    SGLang serves the exported codes."""
     model = _tiny_model(0).to(torch.bfloat16)
     quantize_model(model, quantization_scheme("fp8"), CALIBRATION, batch_size=8)
     fake = _fake_quant_weights(model)
-    weights = dequantized_state_dict(export_checkpoint(model, tmp_path / "export"))
-    moved = total = 0
+    bf16_weights = {key: p.detach().clone() for key, p in model.named_parameters() if key in fake}
+    target = export_checkpoint(model, tmp_path / "export")
+    weights = dequantized_state_dict(target)
+    scales = {key: t for f in target.glob("*.safetensors") for key, t in load_file(str(f)).items()}
+    moved = hazard = total = 0
     for key, expected in fake.items():
         diff = (weights[key] - expected).abs()
         assert bool((diff <= expected.abs() * 2**-3 + 1e-12).all()), key
         moved, total = moved + int((diff > expected.abs() * 1e-6).sum()), total + diff.numel()
-    assert 0 <= moved / total < 0.1
+        scale = scales[key.removesuffix("weight") + "weight_scale"].float()
+        scale = scale.view(-1, 1) if scale.numel() > 1 else scale
+        w = bf16_weights[key]
+        exact = (w.float() / scale).to(torch.float8_e4m3fn).float()
+        rounded_twice = (w / scale.to(torch.bfloat16)).to(torch.float8_e4m3fn).float()
+        hazard += int((exact != rounded_twice).sum())
+    assert 0 < hazard / total < 0.1, f"a bf16 division would move {hazard}/{total} codes; expected a few percent"
+    assert moved in (0, hazard), f"{moved}/{total} codes moved; expected 0 (float32 division) or {hazard} (bf16)"
 
 
 @needs_modelopt
