@@ -14,7 +14,10 @@ log-probs bit-identical (|Δ| = 0), |Δgrad| ≤ 2.3e-8, loss, aux loss and expe
 relative |Δgrad_norm| 4e-8, |Δz_loss| 3e-8, |Δw| after one AdamW step at lr 1e-3 ≤ 2.6e-7 (Adam's
 first step is lr · g / (|g| + ε): a gradient within a few ε of zero turns its 2e-8 difference into
 weight differences of that order). PP=2: log-probs bit-identical, |Δgrad| ≤ 2.3e-8, |Δw| ≤ 1.4e-7,
-relative |Δgrad_norm| 4e-8, the other metrics identical. Bounds: 1e-6 on logits, 1e-5 on gradients,
+relative |Δgrad_norm| 4e-8, the other metrics identical. Replaying routes the router would not
+choose (agreement 0.34; log-probs move by up to 6.3e-3 against fresh routing): EP=2 and PP=2
+log-probs (and EP=2 logits) bit-identical to one rank, |Δgrad| <= 1.9e-8, |Δw| <= 4.4e-7, routing
+agreement identical, relative |Δgrad_norm| <= 8e-8. Bounds: 1e-6 on logits, 1e-5 on gradients,
 5e-6 on weights (as in test_parallel_equivalence), 1e-6 relative on the metrics.
 """
 
