@@ -63,6 +63,9 @@ BUCKET, END = 1, 2
 PUBLISH, CLOSE = "publish", "close"
 """What an announce/<n> key says."""
 GROUP_FILE = "publish_group.json"
+HOSTED = "hosted"
+"""Set by the trainer in its store under the launch's prefix: a worker that reaches a store without it
+(an earlier launch's port, reused) goes on looking."""
 POLL_S = 0.02
 """Seconds between two looks at the store (a new publication, the workers' progress)."""
 ANNOUNCE_POLL_S = 0.005
@@ -248,6 +251,7 @@ def host_group(root: Path, *, world_size: int, timeout_s: float, data_backend: s
         data_backend=data_backend,
     )
     group = PublicationGroup(address, 0, timeout_s=timeout_s)
+    group.keys.set(HOSTED, "1")
     write_json(root / GROUP_FILE, asdict(address))  # after the store listens: a reader always finds it
     return group
 
@@ -255,8 +259,9 @@ def host_group(root: Path, *, world_size: int, timeout_s: float, data_backend: s
 def join_group(root: Path, rank: int, *, timeout_s: float, alive: Callable[[], None]) -> PublicationGroup:
     """A worker's side: connect to the store ``root/publish_group.json`` names, and say so.
 
-    Retries until it reaches a store: the file may not exist yet, or be an earlier launch's.
-    ``alive()`` is called between attempts and raises when the trainer is gone.
+    Retries until it reaches this launch's store: the file may not exist yet, or be an earlier
+    launch's (nobody listens at its port, or another program's store does: no ``HOSTED`` key).
+    ``alive()`` is called between attempts and raises when the worker stops.
     """
     while True:
         alive()
@@ -264,11 +269,12 @@ def join_group(root: Path, rank: int, *, timeout_s: float, alive: Callable[[], N
         if values is not None:
             try:
                 group = PublicationGroup(GroupAddress(**values), rank, timeout_s=timeout_s, connect_s=CONNECT_S)
+                ours = group.has(HOSTED)  # a port an earlier launch named may now be another program's store
             except (RuntimeError, OSError):  # dist's store errors are RuntimeErrors: nobody listens there
-                time.sleep(POLL_S * 10)
-                continue
-            group.keys.set(f"joined/{rank}", "1")
-            return group
+                ours = False
+            if ours:
+                group.keys.set(f"joined/{rank}", "1")
+                return group
         time.sleep(POLL_S * 10)
 
 
