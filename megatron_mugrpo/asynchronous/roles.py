@@ -4,8 +4,8 @@ In ``mode: async`` the last ``async.rollout_ranks`` ranks of the launch are roll
 ranks before them train. Only trainer ranks join torch.distributed and Megatron's parallel state
 (megatron-core builds its TP × PP × DP grid over the whole default process group, so the workers must
 not be in it): they initialise it among themselves with world size ``trainer_world``. Rank 0 is
-always a trainer, so it still hosts the rendezvous store. Workers talk to the trainer only through
-the run directory.
+always a trainer, so it still hosts the rendezvous store. Workers talk to the trainer through the run
+directory and, for weights in memory, a publication group of their own (``transport``).
 
     role = split_roles(rank=3, world_size=4, mode="async", rollout_ranks=2, model_parallel=1)
     role.is_worker, role.worker_index, role.trainer_world     # True, 1, 2

@@ -4,15 +4,18 @@
 dispatches by role). Its loop, one queue shard per turn::
 
     wait for room in the queue (workers pause while async.queue_groups groups are unconsumed)
-    → load newly published weights, if any (between batches only: a whole batch, every VIGOR
-      round included, is sampled by one policy)
+    → apply newly published weights, if any: the newest directory, or the newest publication staged
+      in memory (between batches only: a whole batch, every VIGOR round included, is sampled by one
+      policy)
     → pause (loading newer weights as they come) while the batch's groups would be dropped for
       their lag when the trainer reaches them (``batches.lag_pause``; counted in the shard's record)
     → generate and score batch b: its prompts are ``batches.prompt_range(async, b, w)`` of the seeded prompt
       stream (this worker is w) and every engine call is seeded from (stages.seed, w, b, round)
     → normalise advantages per group, tag every group with the policy version, append the shard
 
-It never joins torch.distributed and never imports Megatron. Its engine has a seed of its own,
+It never initialises torch.distributed's default group and never imports Megatron; with
+async.publish=memory a background thread joins the publication group and stages each publication
+(``publish.Staging``), which the loop applies where it loads new weights. Its engine has a seed of its own,
 ``engine_seed(seed, w)``. Its heartbeat carries its progress (every response generated, batch
 written, and look at the trainer while it waits). It ends when the trainer's heartbeat says the run
 is done, and fails with a message naming the trainer when that heartbeat stops or the trainer's

@@ -4,7 +4,8 @@ Runs go through torchrun with two processes (rank 0 trains, rank 1 generates), a
 them; the resume test SIGKILLs either side at named points ($MUGRPO_CRASH_AT) and continues with
 `--resume`; the dead-worker test launches the two ranks by hand, as separate nodes would be, so that
 nothing but the trainer itself notices that the worker is gone. One run has two rollout workers
-(three processes), one of them SIGKILLed and the run resumed.
+(three processes), one of them SIGKILLed and the run resumed. Weights go from memory
+(async.publish=memory, the default) in every run; the bounded-lag run also runs with async.publish=disk.
 """
 
 from __future__ import annotations
