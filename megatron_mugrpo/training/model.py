@@ -41,11 +41,11 @@ from megatron_mugrpo.training.moe import (
     check_moe,
     check_routing_replay,
     install_expert_load_hooks,
-    install_routing_hooks,
     is_moe,
     moe_layer_pattern,
     moe_transformer_fields,
 )
+from megatron_mugrpo.training.routing_replay import install_routing_hooks
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")

@@ -47,14 +47,10 @@ from megatron_mugrpo.training.logprobs import (
     logprobs_from_hidden,
     logprobs_from_logits,
 )
-from megatron_mugrpo.training.moe import (
-    moe_step_metrics,
-    reset_moe_metrics,
-    routes_for_schedule,
-    set_micro_batch_routes,
-)
+from megatron_mugrpo.training.moe import moe_step_metrics, reset_moe_metrics
 from megatron_mugrpo.training.optimizer import current_lr
 from megatron_mugrpo.training.parallel import ParallelGroups
+from megatron_mugrpo.training.routing_replay import routes_for_schedule, set_micro_batch_routes
 from megatron_mugrpo.training.setup import Policy
 
 LossFn = Callable[[TrainBatch, Tensor], tuple[Tensor, Tensor, dict[str, float]]]

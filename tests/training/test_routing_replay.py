@@ -21,9 +21,9 @@ from dist_utils import run_distributed
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.model import build_gpt_model
-from megatron_mugrpo.training.moe import (
-    MoeConfig,
-    MoeConfigError,
+from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError
+from megatron_mugrpo.training.parallel import initialize_parallel
+from megatron_mugrpo.training.routing_replay import (
     RoutingReplayError,
     StageRoutingAgreement,
     real_tokens,
@@ -31,7 +31,6 @@ from megatron_mugrpo.training.moe import (
     routes_for_schedule,
     set_micro_batch_routes,
 )
-from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import forward_logprobs, train_step
 
@@ -158,7 +157,7 @@ def _body(rank: int, world_size: int, out: dict[str, Any]) -> None:
             moe=MoeConfig(routing_replay="rollout"),
             config_overrides={"moe_router_fusion": True},
         )
-    except MoeConfigError as exc:
+    except RoutingReplayError as exc:
         out["fusion_error"] = str(exc)
     out["global_instances_after"] = len(RouterReplay.global_router_replay_instances)
 
