@@ -84,10 +84,9 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
 def stage_data(run: Run, stage: int, store: RolloutStore) -> StageData:
     """What the stage's updates draw from: D_k, its log π_old (rollout correction) and HDR's replayed groups."""
     old_logprobs = stage_reference(run, store)  # π_train(θ_old): rollout/mismatch_*, rollout correction
-    replayed = hdr.replayed_groups(run, stage)  # collective when HDR re-scores the buffer
-    return StageData(
-        store=store, replayed=replayed, updates=run.cfg.stages.updates_per_stage, old_logprobs=old_logprobs
-    )
+    mu = run.cfg.stages.updates_per_stage
+    replayed = hdr.replayed_groups(run, stage, mu)  # collective when HDR re-scores the buffer
+    return StageData(store=store, replayed=replayed, updates=mu, old_logprobs=old_logprobs, recheck=hdr.recheck(run))
 
 
 def rollout_phase(run: Run, stage: int) -> RolloutStore:
@@ -160,17 +159,22 @@ def optimizer_update(run: Run, data: StageData, stage: int, update: int) -> dict
 
 def stage_reference(run: Run, store: RolloutStore) -> OldLogprobs | None:
     """Score D_k with the trainer before the stage's first update (training.stage_reference): logs
-    rollout/mismatch_* when rollout.quantization is on, returns log π_old when a rollout correction is on."""
+    rollout/mismatch_* when rollout.quantization is on, returns log π_old when a rollout correction is on
+    (and stores it for HDR's drift when a quantized stage's groups may be replayed)."""
     cfg = run.cfg
+    quantized = cfg.rollout.quantization != "none"
     old_logprobs, metrics = prepare_stage_reference(
         run.policy,
         store,
         correction=cfg.algo.rollout_correction,
-        measure=cfg.rollout.quantization != "none",
+        measure=quantized,
         first_update=run.state.update_in_stage == 0,
         settings=run.scoring,
         seed=cfg.stages.seed,
         write=run.is_writer,
+        policy_version=run.state.global_update - run.state.update_in_stage,  # θ_old: the stage's start
+        barrier=run.hosts.barrier,
+        keep=quantized and run.replay is not None,
     )
     if metrics:
         run.logger.log(metrics, step=run.state.global_update)

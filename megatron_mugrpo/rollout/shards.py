@@ -1,5 +1,5 @@
 """Arrow shards of prompt groups: the one file format of the rollout store, the async rollout queue and
-the replay buffer's copies.
+the replay buffer's copies; and the per-shard log π_old files that sit next to a store's shards.
 
 A shard is an uncompressed Arrow IPC file with one row per prompt group (``SCHEMA``). ``write_shard``
 writes it durably (temporary name, fsync, rename, fsync of the directory) and returns its checksum, so
@@ -9,6 +9,10 @@ the caller's record, written afterwards, never names a shard that a crash could 
 
 Behaviour log-probs are stored as float32 (the precision the trainer uses; engines produce float32),
 token ids as int32, rewards and advantages as float64.
+
+A log-prob shard (``LOGPROB_SCHEMA``, ``write_logprob_shard`` / ``map_logprob_shard``) holds one row per
+group of the rollout shard it belongs to: [response][token] float32 log-probs (the stage reference's
+log π_old). The replay buffer's copies may carry them too (``groups_to_table(..., old_logprobs=True)``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ SCHEMA = pa.schema(
     ]
 )
 
+OLD_LOGPROBS_FIELD = pa.field("old_logprobs", pa.list_(pa.list_(pa.float32())))
+SCHEMA_WITH_OLD = SCHEMA.append(OLD_LOGPROBS_FIELD)
+"""A shard of groups that also carry log π_old (the replay buffer's copies of a quantized stage)."""
+LOGPROB_SCHEMA = pa.schema([OLD_LOGPROBS_FIELD])
+"""One row per group: its responses' log-probs, [response][token]."""
+
 _SAMPLE_COLUMNS = (
     ("response_ids", "response_ids"),
     ("behaviour_logprobs", "behaviour_logprobs"),
@@ -56,9 +66,11 @@ class StoreError(InputError, RuntimeError):
     The message says how to fix it."""
 
 
-def groups_to_table(groups: Sequence[RolloutGroup]) -> pa.Table:
-    """One Arrow row per group (see SCHEMA)."""
-    columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
+def groups_to_table(groups: Sequence[RolloutGroup], *, old_logprobs: bool = False) -> pa.Table:
+    """One Arrow row per group (see SCHEMA); with ``old_logprobs`` also their log π_old (SCHEMA_WITH_OLD,
+    null for a group whose responses carry none)."""
+    schema = SCHEMA_WITH_OLD if old_logprobs else SCHEMA
+    columns: dict[str, list[Any]] = {name: [] for name in schema.names}
     for g in groups:
         columns["prompt_id"].append(g.prompt_id)
         columns["prompt_ids"].append(g.prompt_ids)
@@ -67,11 +79,15 @@ def groups_to_table(groups: Sequence[RolloutGroup]) -> pa.Table:
         columns["policy_version"].append(g.policy_version)
         for name, attr in _SAMPLE_COLUMNS:
             columns[name].append([getattr(s, attr) for s in g.samples])
-    return pa.Table.from_pydict(columns, schema=SCHEMA)
+        if old_logprobs:
+            carried = all(s.old_logprobs is not None for s in g.samples)
+            columns["old_logprobs"].append([s.old_logprobs for s in g.samples] if carried else None)
+    return pa.Table.from_pydict(columns, schema=schema)
 
 
 def row_to_group(row: dict[str, Any]) -> RolloutGroup:
     """Inverse of one row of ``groups_to_table``."""
+    old = row.get("old_logprobs") or [None] * len(row["response_ids"])
     samples = [
         RolloutSample(
             response_ids=ids,
@@ -80,8 +96,9 @@ def row_to_group(row: dict[str, Any]) -> RolloutGroup:
             reward=reward,
             reward_reason=reason,
             advantage=adv,
+            old_logprobs=old_lps,
         )
-        for ids, lps, reward, reason, adv, finish in zip(*(row[name] for name, _ in _SAMPLE_COLUMNS))
+        for ids, lps, reward, reason, adv, finish, old_lps in zip(*(row[name] for name, _ in _SAMPLE_COLUMNS), old)
     ]
     return RolloutGroup(
         prompt_id=row["prompt_id"],
@@ -103,11 +120,30 @@ def write_shard(path: Path, groups: Sequence[RolloutGroup]) -> durable.Checksum:
     return durable.Checksum.of_file(path)
 
 
-def map_shard(path: Path, *, groups: int, checksum: durable.Checksum | None = None) -> pa.Table:
+def write_logprob_shard(path: Path, per_group: Sequence[Sequence[Sequence[float]]]) -> durable.Checksum:
+    """Write one rollout shard's log-probs ([group][response][token]) as ``path``, durably; returns its checksum."""
+    table = pa.Table.from_pydict({"old_logprobs": list(per_group)}, schema=LOGPROB_SCHEMA)
+    with (
+        durable.atomic_path(path) as tmp,
+        pa.OSFile(str(tmp), "wb") as sink,
+        pa.ipc.new_file(sink, LOGPROB_SCHEMA) as ipc,
+    ):
+        ipc.write_table(table)
+    return durable.Checksum.of_file(path)
+
+
+def map_logprob_shard(path: Path, *, groups: int, checksum: durable.Checksum | None = None) -> pa.Table:
+    """A log-prob shard's table, memory-mapped (as ``map_shard``)."""
+    return map_shard(path, groups=groups, checksum=checksum, schema=LOGPROB_SCHEMA)
+
+
+def map_shard(
+    path: Path, *, groups: int, checksum: durable.Checksum | None = None, schema: pa.Schema = SCHEMA
+) -> pa.Table:
     """The shard's table backed by a read-only memory map (no copy: pages load when rows are read).
 
-    StoreError when the file is missing, not Arrow, of another schema, holds other than ``groups`` rows,
-    or (when ``checksum`` is given) does not match it."""
+    StoreError when the file is missing, not Arrow, of another schema than ``schema``, holds other than
+    ``groups`` rows, or (when ``checksum`` is given) does not match it."""
     if not path.is_file():
         raise StoreError(f"shard {path} is missing although its record exists")
     if checksum is not None:
@@ -117,8 +153,8 @@ def map_shard(path: Path, *, groups: int, checksum: durable.Checksum | None = No
             raise StoreError(str(exc)) from exc
     try:
         reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        if not reader.schema.equals(SCHEMA):
-            raise StoreError(f"{path} has columns {reader.schema.names}, not the rollout shard's {SCHEMA.names}")
+        if not reader.schema.equals(schema):
+            raise StoreError(f"{path} has columns {reader.schema.names}, not the expected {schema.names}")
         table = reader.read_all()
     except pa.ArrowInvalid as exc:
         raise StoreError(f"{path} is not a readable Arrow file ({exc})") from exc

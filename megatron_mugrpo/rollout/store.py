@@ -8,6 +8,9 @@ Layout of a store directory::
     shard_00000.arrow    Arrow IPC file (uncompressed), one row per prompt group (RolloutGroup)
     shard_00000.json     the shard's record: checksum, group/response counts, summable statistics
     shard_00000.claim    while a host generates shard 0: which host took it (removed when sealed)
+    old_logprobs_00000.arrow  the trainer's log π_old of shard 0's responses (the stage reference,
+                         ``training.stage_reference``), once computed; listed in the manifest's
+                         ``old_logprobs`` with its checksum and the checksum of the shard it scored
 
 Shard i holds the stage's groups [i·S, (i+1)·S) (S = shard_groups) and is sampled with seeds that
 derive from (run seed, stage, i) only, so its bytes do not depend on which host, or how many hosts,
@@ -43,6 +46,14 @@ every shard through its checksum). ``RolloutStore.minibatch(update_index, mini_g
 groups of one optimizer update from a seeded permutation: random access by update index, no
 iterator state, so a resumed run sees exactly the same data. The shard format itself (columns,
 dtypes) lives in ``rollout.shards``.
+
+log π_old per shard (one process, the coordinator, after the store is sealed): ``clear_old_logprobs``
+unlists any earlier listing (manifest rewritten first, so no record ever names a file being
+replaced), ``write_old_logprobs`` writes each shard's file durably, ``list_old_logprobs`` rewrites
+the manifest naming them (the order rule of ``durable``). ``old_logprobs_listing`` re-reads the
+manifest (another rank may have listed them after this one opened the store) and checks every file's
+checksum, streamed, and its binding to the shard it was computed on; ``old_logprobs_table`` maps one
+file. A store unsealed for repair drops the listing and the files: regenerated shards need new ones.
 """
 
 from __future__ import annotations
@@ -63,7 +74,14 @@ import pyarrow as pa
 
 from megatron_mugrpo import durable
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
-from megatron_mugrpo.rollout.shards import StoreError, map_shard, row_to_group, write_shard
+from megatron_mugrpo.rollout.shards import (
+    StoreError,
+    map_logprob_shard,
+    map_shard,
+    row_to_group,
+    write_logprob_shard,
+    write_shard,
+)
 
 FORMAT = "megatron_mugrpo.rollout_store/2"
 """Version 1 stored Parquet shards listed by one writer; such a store is refused (delete it to regenerate)."""
@@ -71,6 +89,7 @@ MANIFEST = "manifest.json"
 SHARD_PATTERN = "shard_{:05d}.arrow"
 RECORD_PATTERN = "shard_{:05d}.json"
 CLAIM_PATTERN = "shard_{:05d}.claim"
+OLD_LOGPROBS_PATTERN = "old_logprobs_{:05d}.arrow"
 FINISH_REASONS = ("stop", "length")
 
 
@@ -94,6 +113,41 @@ class ShardInfo:
 
 
 @dataclass(kw_only=True)
+class LogprobShardInfo:
+    """One shard's log π_old file, as the manifest lists it."""
+
+    index: int
+    file: str
+    checksum: durable.Checksum
+    shard_checksum: str
+    """Hex digest of the rollout shard the log-probs were computed on: binds the file to those bytes."""
+    groups: int
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> LogprobShardInfo:
+        return cls(
+            **{k: v for k, v in values.items() if k != "checksum"},
+            checksum=durable.Checksum.from_json(values["checksum"]),
+        )
+
+
+@dataclass(kw_only=True)
+class OldLogprobsListing:
+    """The manifest's ``old_logprobs``: log π_old of every shard and the policy that computed it."""
+
+    policy_version: int
+    """Optimizer updates of the trainer weights θ_old that scored the store (the stage's start)."""
+    shards: list[LogprobShardInfo]
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> OldLogprobsListing:
+        return cls(
+            policy_version=int(values["policy_version"]),
+            shards=[LogprobShardInfo.from_json(v) for v in values["shards"]],
+        )
+
+
+@dataclass(kw_only=True)
 class StoreManifest:
     """Contents of manifest.json."""
 
@@ -113,6 +167,8 @@ class StoreManifest:
     shards: list[ShardInfo] = field(default_factory=list)
     """Every shard's record, in order, once sealed (empty before)."""
     complete: bool = False
+    old_logprobs: OldLogprobsListing | None = None
+    """The per-shard log π_old files, once the stage reference listed them (sealed stores only)."""
     format: str = FORMAT
 
     @property
@@ -142,8 +198,13 @@ class StoreManifest:
                 f"(Arrow shards written by every engine host); delete {where.parent} and rerun the stage to "
                 "regenerate it"
             )
-        fields = {k: v for k, v in data.items() if k not in ("num_prompts", "num_responses", "shards")}
-        return cls(**fields, shards=[ShardInfo.from_json(s) for s in data["shards"]])
+        fields = {k: v for k, v in data.items() if k not in ("num_prompts", "num_responses", "shards", "old_logprobs")}
+        listing = data.get("old_logprobs")
+        return cls(
+            **fields,
+            shards=[ShardInfo.from_json(s) for s in data["shards"]],
+            old_logprobs=OldLogprobsListing.from_json(listing) if listing is not None else None,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -276,7 +337,7 @@ def _shard_problem(store_dir: Path, info: ShardInfo, expected_groups: int) -> st
 
 
 def _drop_shard(store_dir: Path, index: int) -> None:
-    for pattern in (SHARD_PATTERN, RECORD_PATTERN, CLAIM_PATTERN):
+    for pattern in (SHARD_PATTERN, RECORD_PATTERN, CLAIM_PATTERN, OLD_LOGPROBS_PATTERN):
         (store_dir / pattern.format(index)).unlink(missing_ok=True)
 
 
@@ -361,9 +422,10 @@ def prepare_store(store_dir: str | Path, wanted: StoreManifest, *, keep_policy_v
     if existing is None or (missing and manifest.complete):
         for info in recorded.values():  # a sealed store's records become the source of truth again
             _write_record(store_dir, info)
-        manifest.complete, manifest.shards = False, []
+        manifest.complete, manifest.shards, manifest.old_logprobs = False, [], None
         _save_manifest(store_dir, manifest)
-    _remove_leftovers(store_dir, keep=set(recorded))
+    listed = {info.file for info in manifest.old_logprobs.shards} if manifest.old_logprobs is not None else set()
+    _remove_leftovers(store_dir, keep=set(recorded), keep_files=listed)
     return StorePlan(manifest=manifest, missing=missing, dropped=dropped)
 
 
@@ -375,11 +437,14 @@ def _recorded_shards(store_dir: Path, manifest: StoreManifest) -> dict[int, Shar
     return {info.index: info for info in records if info is not None}
 
 
-def _remove_leftovers(store_dir: Path, keep: set[int]) -> None:
-    """Delete claims, temporary files, and shard files or records of shards that are not kept."""
+def _remove_leftovers(store_dir: Path, keep: set[int], keep_files: set[str]) -> None:
+    """Delete claims, temporary files, shard files or records of shards that are not kept, and log π_old
+    files the manifest does not list (``keep_files``)."""
     for path in store_dir.iterdir():
         name = path.name
-        if name.endswith((durable.TMP_SUFFIX, ".claim")):
+        if name.endswith((durable.TMP_SUFFIX, ".claim")) or (
+            name.startswith("old_logprobs_") and name not in keep_files
+        ):
             path.unlink(missing_ok=True)
         elif name.startswith("shard_") and name.endswith((".arrow", ".json")):
             index = name[len("shard_") :].split(".")[0]
@@ -570,11 +635,8 @@ class RolloutStore:
             indices = range(self.num_groups)
         out = []
         for index in indices:
-            if not 0 <= index < self.num_groups:
-                raise StoreError(f"group index {index} is outside [0, {self.num_groups}) of {self.store_dir}")
-            shard = int(np.searchsorted(self._starts, index, side="right")) - 1
-            row = self._shard(shard).slice(index - int(self._starts[shard]), 1).to_pylist()[0]
-            out.append(row_to_group(row))
+            shard, row = self.shard_of(index)
+            out.append(row_to_group(self._shard(shard).slice(row, 1).to_pylist()[0]))
         return out
 
     def _shard(self, position: int) -> pa.Table:
@@ -586,6 +648,85 @@ class RolloutStore:
             except StoreError as exc:
                 raise StoreError(f"{exc}; rerun the stage to regenerate it") from exc
         return self._mapped[position]
+
+    def shard_index_range(self, position: int) -> range:
+        """Store indices of the groups of sealed shard ``position``."""
+        return range(int(self._starts[position]), int(self._starts[position + 1]))
+
+    def shard_of(self, index: int) -> tuple[int, int]:
+        """(shard position, row within it) of group ``index``."""
+        if not 0 <= index < self.num_groups:
+            raise StoreError(f"group index {index} is outside [0, {self.num_groups}) of {self.store_dir}")
+        shard = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return shard, index - int(self._starts[shard])
+
+    # -------------------------------------------------------------------- log π_old (coordinator writes)
+
+    def clear_old_logprobs(self) -> None:
+        """Unlist and delete the store's log π_old files (before new ones are written over them)."""
+        listing = self.manifest.old_logprobs
+        if listing is None:
+            return
+        self.manifest.old_logprobs = None
+        _save_manifest(self.store_dir, self.manifest)  # unlisted first: no record names a file being replaced
+        for info in listing.shards:
+            (self.store_dir / info.file).unlink(missing_ok=True)
+
+    def write_old_logprobs(self, position: int, per_group: Sequence[Sequence[Sequence[float]]]) -> LogprobShardInfo:
+        """Write shard ``position``'s log π_old ([group][response][token]) durably; list it with
+        ``list_old_logprobs`` once every shard's is written."""
+        shard = self.manifest.shards[position]
+        if len(per_group) != shard.groups:
+            raise StoreError(
+                f"shard {position} of {self.store_dir} has {shard.groups} groups, got {len(per_group)} rows"
+            )
+        name = OLD_LOGPROBS_PATTERN.format(shard.index)
+        checksum = write_logprob_shard(self.store_dir / name, per_group)
+        return LogprobShardInfo(
+            index=shard.index,
+            file=name,
+            checksum=checksum,
+            shard_checksum=shard.checksum.hexdigest,
+            groups=shard.groups,
+        )
+
+    def list_old_logprobs(self, shards: Sequence[LogprobShardInfo], policy_version: int) -> None:
+        """Name every shard's (durable) log π_old file in the manifest (rewritten atomically)."""
+        if [info.index for info in shards] != [info.index for info in self.manifest.shards]:
+            raise StoreError(
+                f"log π_old of {len(shards)} shards given, {self.store_dir} has {len(self.manifest.shards)}"
+            )
+        self.manifest.old_logprobs = OldLogprobsListing(policy_version=policy_version, shards=list(shards))
+        _save_manifest(self.store_dir, self.manifest)
+
+    # ---------------------------------------------------------------------- log π_old (every rank reads)
+
+    def old_logprobs_listing(self, *, verify: bool = True) -> OldLogprobsListing | None:
+        """The listing as the manifest on disk has it now (None: never computed), every file checked
+        against the shard it belongs to and, with ``verify``, against its checksum (streamed).
+
+        StoreError when a listed file is missing, altered, or belongs to other shard bytes."""
+        manifest = read_manifest(self.store_dir)
+        listing = manifest.old_logprobs if manifest is not None else None
+        if listing is None:
+            return None
+        if [info.index for info in listing.shards] != [info.index for info in self.manifest.shards]:
+            raise StoreError(f"{self.store_dir}: the log π_old listing does not cover the store's shards")
+        for info, shard in zip(listing.shards, self.manifest.shards):
+            path = self.store_dir / info.file
+            if info.shard_checksum != shard.checksum.hexdigest or info.groups != shard.groups:
+                raise StoreError(f"{path} was computed on other bytes than {self.store_dir / shard.file}")
+            try:
+                if verify:
+                    info.checksum.verify_file(path, "log π_old file")
+            except (OSError, durable.ChecksumError) as exc:
+                raise StoreError(f"{path} is missing or does not match its checksum in the manifest ({exc})") from exc
+        return listing
+
+    def old_logprobs_table(self, listing: OldLogprobsListing, position: int) -> pa.Table:
+        """Shard ``position``'s log π_old, memory-mapped (one row per group)."""
+        info = listing.shards[position]
+        return map_logprob_shard(self.store_dir / info.file, groups=info.groups)
 
     def updates_per_epoch(self, mini_groups: int) -> int:
         """Minibatches of ``mini_groups`` groups in one pass over the store (a remainder is skipped)."""

@@ -9,40 +9,45 @@ in a training step) and returns:
   (``algorithms.rollout_correction.mismatch_metrics``) over a seeded subsample of
   ``algo.rollout_correction.mismatch_groups`` groups, or over all groups when a correction is on;
 * with a correction on, ``OldLogprobs``: log π_old of every response token of D_k. θ moves after
-  the first update, so π_old cannot be recomputed later: rank 0 writes it next to the store
-  (``old_logprobs.parquet``, temporary name + rename, bound to the store by its shards'
-  checksums), and a run resumed in the middle of the stage reads it back. Without it such a run
-  stops with an error rather than train on log-probs of the wrong weights.
+  the first update, so π_old cannot be recomputed later: rank 0 writes it next to the store, one
+  file per shard (``old_logprobs_00000.arrow``, durable, listed in the store's manifest with its
+  checksum, the checksum of the shard it scored and θ_old's update count; ``rollout.store``), and
+  a run resumed in the middle of the stage reads it back. Without it such a run stops with an error
+  rather than train on log-probs of the wrong weights.
+* with ``keep`` (HDR on a quantized stage): the same files without a correction, so that the
+  replay buffer measures a group's drift from the trainer's π_old instead of the quantized β.
 
-Cost: with a correction on, one forward pass without backward over D_k per stage (about a third
-of what the stage's updates cost); with only the metrics, one over ``mismatch_groups`` groups.
+Memory stays flat in D_k: the pass scores and writes one shard at a time, the metrics are running
+sums, and ``OldLogprobs`` maps the files and turns only the rows a minibatch asks for into lists.
+
+Cost: with a correction on (or ``keep``), one forward pass without backward over D_k per stage
+(about a third of what the stage's updates cost); with only the metrics, one over
+``mismatch_groups`` groups.
 """
 
 from __future__ import annotations
 
-import hashlib
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from megatron_mugrpo import durable
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig, mismatch_metrics
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
 from megatron_mugrpo.records import RolloutGroup, TrainBatch, collate
-from megatron_mugrpo.rollout.store import RolloutStore
+from megatron_mugrpo.rollout.shards import StoreError
+from megatron_mugrpo.rollout.store import OLD_LOGPROBS_PATTERN, OldLogprobsListing, RolloutStore
 
 if TYPE_CHECKING:
     from megatron_mugrpo.training.setup import Policy
 
-OLD_LOGPROBS_FILE = "old_logprobs.parquet"
-_FINGERPRINT_KEY = b"store_fingerprint"
-_SCHEMA = pa.schema([("old_logprobs", pa.list_(pa.list_(pa.float32())))])
+OLD_LOGPROBS_GLOB = OLD_LOGPROBS_PATTERN.replace("{:05d}", "*")
+"""The per-shard log π_old files of a store directory."""
 
 GroupLogprobs = list[list[list[float]]]
 """[group][response][token] log-probs in store order."""
@@ -66,18 +71,43 @@ class ScoreSettings:
     """``kernels.logits_budget_mib``: with ``impl='auto'`` it decides fused vs unfused per micro-batch."""
 
 
-@dataclass
 class OldLogprobs:
-    """log π_old of every response token of one stage's rollout dataset, in store order."""
+    """log π_old of every response token of one stage's rollout dataset, read from its per-shard files.
 
-    per_group: GroupLogprobs
+    Files are memory-mapped on first use; only the rows asked for become Python lists."""
+
+    def __init__(self, store: RolloutStore, listing: OldLogprobsListing):
+        self.store, self.listing = store, listing
+        self._tables: dict[int, pa.Table] = {}
+
+    @property
+    def policy_version(self) -> int:
+        """Optimizer updates of the weights θ_old that computed them."""
+        return self.listing.policy_version
+
+    def rows(self, indices: Iterable[int]) -> GroupLogprobs:
+        """[group][response][token] log π_old of the store's groups at ``indices``."""
+        out = []
+        for index in indices:
+            position, row = self.store.shard_of(index)
+            if position not in self._tables:
+                self._tables[position] = self.store.old_logprobs_table(self.listing, position)
+            out.append(self._tables[position].slice(row, 1).column(0).to_pylist()[0])
+        return out
 
     def attach(self, groups: list[RolloutGroup], indices: list[int]) -> list[RolloutGroup]:
         """Copies of ``groups`` (the store's groups at ``indices``) whose samples carry old_logprobs."""
-        return [
-            replace(group, samples=[replace(s, old_logprobs=lp) for s, lp in zip(group.samples, self.per_group[i])])
-            for group, i in zip(groups, indices)
-        ]
+        out = []
+        for group, per_sample in zip(groups, self.rows(indices), strict=True):
+            if [len(s.response_ids) for s in group.samples] != [len(lps) for lps in per_sample]:
+                raise StageReferenceError(
+                    f"log π_old of {group.prompt_id!r} in {self.store.store_dir} does not match its responses' "
+                    "lengths; delete the old_logprobs_* files and resume from a checkpoint at the start of the stage"
+                )
+            out.append(
+                replace(group, samples=[replace(s, old_logprobs=lp) for s, lp in zip(group.samples, per_sample)])
+            )
+        return out
 
 
 def minibatch(
@@ -136,6 +166,32 @@ def group_mismatch_metrics(groups: list[RolloutGroup], reference: GroupLogprobs)
     return {f"rollout/{name}": value for name, value in metrics.items()}
 
 
+class MismatchSums:
+    """``group_mismatch_metrics`` over many chunks without keeping them: token-weighted running sums."""
+
+    def __init__(self) -> None:
+        self.kl, self.abs, self.max, self.tokens = 0.0, 0.0, -math.inf, 0.0
+
+    def add(self, groups: list[RolloutGroup], reference: GroupLogprobs) -> None:
+        chunk = group_mismatch_metrics(groups, reference)
+        tokens = chunk["rollout/mismatch_tokens"]
+        if tokens:
+            self.kl += chunk["rollout/mismatch_kl"] * tokens
+            self.abs += chunk["rollout/mismatch_logprob_abs_mean"] * tokens
+            self.max = max(self.max, chunk["rollout/mismatch_logprob_abs_max"])
+            self.tokens += tokens
+
+    def metrics(self) -> dict[str, float]:
+        if not self.tokens:
+            return group_mismatch_metrics([], [])
+        return {
+            "rollout/mismatch_kl": self.kl / self.tokens,
+            "rollout/mismatch_logprob_abs_mean": self.abs / self.tokens,
+            "rollout/mismatch_logprob_abs_max": self.max,
+            "rollout/mismatch_tokens": self.tokens,
+        }
+
+
 def mismatch_sample(num_groups: int, count: int, seed: int, stage: int) -> list[int]:
     """Store indices of the groups scored for the metrics: a seeded subset, in store order."""
     if count >= num_groups:
@@ -144,42 +200,51 @@ def mismatch_sample(num_groups: int, count: int, seed: int, stage: int) -> list[
     return sorted(int(i) for i in chosen)
 
 
-# ----------------------------------------------------------------------------------- the file
+# ---------------------------------------------------------------------------------- the files
 
 
-def store_fingerprint(store: RolloutStore) -> str:
-    """sha256 over the store's shard checksums (their hex digests, whatever the algorithm, so stores
-    written with SHA-256 records keep their fingerprint): which rollout dataset a log π_old file belongs to."""
-    digest = hashlib.sha256()
-    for info in store.manifest.shards:
-        digest.update(info.checksum.hexdigest.encode())
-    return digest.hexdigest()
-
-
-def write_old_logprobs(path: Path, per_group: GroupLogprobs, fingerprint: str) -> None:
-    """Write log π_old (one row per group) durably: temporary name, fsync, rename."""
-    table = pa.table({"old_logprobs": per_group}, schema=_SCHEMA.with_metadata({_FINGERPRINT_KEY: fingerprint}))
-    with durable.atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
-
-
-def read_old_logprobs(store: RolloutStore) -> OldLogprobs:
-    """The stage's stored log π_old, checked against the store it was computed on."""
-    path = store.store_dir / OLD_LOGPROBS_FILE
-    if not path.is_file():
+def read_old_logprobs(store: RolloutStore, policy_version: int | None = None) -> OldLogprobs:
+    """The stage's stored log π_old (every file checked against its checksum and its shard), and, when
+    ``policy_version`` is given, computed by the weights of that many updates."""
+    try:
+        listing = store.old_logprobs_listing()
+    except StoreError as exc:
         raise StageReferenceError(
-            f"{path} is missing: the run resumes stage {store.stage} after its first update with "
-            "algo.rollout_correction on, and log π_old (computed before that update) was never stored. "
-            "Resume from a checkpoint at the start of the stage, or turn the correction off"
-        )
-    table = pq.read_table(path)
-    found = (table.schema.metadata or {}).get(_FINGERPRINT_KEY, b"").decode()
-    if found != store_fingerprint(store) or table.num_rows != store.num_groups:
+            f"{exc}: log π_old of {store.store_dir} is damaged; resume from a checkpoint at the start of stage "
+            f"{store.stage} (it is computed again there)"
+        ) from exc
+    if listing is None:
         raise StageReferenceError(
-            f"{path} was computed on another rollout dataset than {store.store_dir}; delete it and resume "
-            "from a checkpoint at the start of the stage"
+            f"{store.store_dir} has no log π_old (old_logprobs_*.arrow listed in its manifest): the run resumes "
+            f"stage {store.stage} after its first update with algo.rollout_correction on (or replays a quantized "
+            "stage), and log π_old (computed before that update) was never stored. Resume from a checkpoint at "
+            "the start of the stage, or turn the correction off"
         )
-    return OldLogprobs(table.column("old_logprobs").to_pylist())
+    if policy_version is not None and listing.policy_version != policy_version:
+        raise StageReferenceError(
+            f"log π_old of {store.store_dir} was computed by the weights of update {listing.policy_version}, but "
+            f"this stage started at update {policy_version}; resume from a checkpoint at the start of the stage"
+        )
+    return OldLogprobs(store, listing)
+
+
+def write_stage_reference(
+    policy: Policy, store: RolloutStore, settings: ScoreSettings, *, write: bool, policy_version: int
+) -> dict[str, float]:
+    """Score every group of ``store`` one shard at a time; rank 0 (``write``) writes each shard's log π_old
+    and finally lists them in the manifest. Returns ``rollout/mismatch_*`` over every token."""
+    if write:
+        store.clear_old_logprobs()
+    sums, written = MismatchSums(), []
+    for position in range(len(store.manifest.shards)):
+        groups = store.groups(store.shard_index_range(position))
+        per_group = score_groups(policy, groups, settings)
+        sums.add(groups, per_group)
+        if write:
+            written.append(store.write_old_logprobs(position, per_group))
+    if write:
+        store.list_old_logprobs(written, policy_version)
+    return sums.metrics()
 
 
 # ------------------------------------------------------------------------------------ the pass
@@ -195,26 +260,34 @@ def prepare_stage_reference(
     settings: ScoreSettings,
     seed: int,
     write: bool,
+    policy_version: int,
+    barrier: Callable[[], None],
+    keep: bool = False,
 ) -> tuple[OldLogprobs | None, dict[str, float]]:
     """The stage's log π_old (correction on) and ``rollout/mismatch_*`` metrics (module docstring).
 
     Args:
         measure: compute the metrics (e.g. rollout.quantization is on) on ``correction.mismatch_groups``
-            groups; with a correction on they cover every group instead.
+            groups; with a correction on (or ``keep``) they cover every group instead.
         first_update: the policy still holds θ_old (no update of the stage is made yet). Otherwise
-            nothing is scored: log π_old is read from the file and no metrics are returned.
-        write: this rank writes the file (rank 0); all ranks compute the same values.
+            nothing is scored: log π_old is read from the files and no metrics are returned.
+        write: this rank writes the files (rank 0); all ranks compute the same values.
+        policy_version: updates of θ_old (the stage's first update's count): stored with the files,
+            checked when they are read back.
+        barrier: waits for every rank (``HostGroup.barrier``): after it the files rank 0 wrote are listed.
+        keep: store log π_old even without a correction (HDR measures a quantized stage's drift from it);
+            only a correction returns it for the updates.
     """
-    if not correction.enabled:
+    if not (correction.enabled or keep):
         if not (measure and first_update and correction.mismatch_groups > 0):
             return None, {}
         indices = mismatch_sample(store.num_groups, correction.mismatch_groups, seed, store.stage)
         groups = store.groups(indices)
         return None, group_mismatch_metrics(groups, score_groups(policy, groups, settings))
-    if not first_update:
-        return read_old_logprobs(store), {}
-    groups = store.groups()
-    per_group = score_groups(policy, groups, settings)
-    if write:
-        write_old_logprobs(store.store_dir / OLD_LOGPROBS_FILE, per_group, store_fingerprint(store))
-    return OldLogprobs(per_group), group_mismatch_metrics(groups, per_group)
+    metrics = {}
+    if first_update:
+        metrics = write_stage_reference(policy, store, settings, write=write, policy_version=policy_version)
+        barrier()  # rank 0's files are listed before any rank reads them
+    if not correction.enabled:
+        return None, metrics
+    return read_old_logprobs(store, policy_version), metrics

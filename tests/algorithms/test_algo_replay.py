@@ -22,10 +22,13 @@ from megatron_mugrpo.algorithms.replay import (
     is_mixed_outcome,
     passes_drift_gate,
     recent_order,
+    recheck_due,
+    replay_capacity,
     replay_policy,
     replay_slots,
     select_groups,
     selection_metrics,
+    stored_headroom,
 )
 from megatron_mugrpo.config import ConfigError, load_config
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
@@ -45,8 +48,8 @@ def _group(stage: int, rewards: list[float], *, version: int = 0, prompt: str = 
     )
 
 
-def _entry(stage: int, index: int, version: int = 0) -> ReplayEntry:
-    return ReplayEntry(key=(stage, index), policy_version=version, group=None)
+def _entry(stage: int, index: int, version: int = 0, headroom: float = 0.5) -> ReplayEntry:
+    return ReplayEntry(key=(stage, index), policy_version=version, headroom=headroom, group=None)
 
 
 # ------------------------------------------------------------------------------------- scores
@@ -127,6 +130,24 @@ def test_drift_is_zero_on_policy_and_the_square_of_a_constant_shift() -> None:
     assert shifted.item() == pytest.approx(0.03**2, rel=1e-9)
 
 
+def test_stored_headroom_matches_hand_computed_values_and_prefers_old_logprobs() -> None:
+    """H(g) when a group enters the buffer: the headroom formula with π_θ = the stored log-probs."""
+    group = _group(0, [1.0, 0.0, 0.5])  # advantages +0.5, -0.5, 0 over tokens with p = e^-0.5, e^-1
+    p1, p2 = math.exp(-0.5), math.exp(-1.0)
+    expected = ((1 - p1) + (1 - p2) + p1 + p2 + 0 + 0) / 6
+    assert stored_headroom(group) == pytest.approx(expected, rel=1e-12)
+    # The same as the teacher-forced scoring formula when the "current policy" is the stored one.
+    batch = collate([group], pad_id=0)
+    h, _ = group_headroom_drift(
+        batch.behaviour_logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask, batch.group_index, 1
+    )
+    assert stored_headroom(group) == pytest.approx(float(h[0]), rel=1e-6)
+    # A quantized stage's group carries the trainer's log π_old: its headroom is measured from that.
+    for sample in group.samples:
+        sample.old_logprobs = [L(0.9), L(0.9)]
+    assert stored_headroom(group) == pytest.approx((0.1 + 0.1 + 0.9 + 0.9) / 6, rel=1e-12)
+
+
 # --------------------------------------------------------------------------------- eligibility
 
 
@@ -157,6 +178,10 @@ def test_only_mixed_outcome_groups_enter_the_buffer_as_copies() -> None:
     )  # ... not the copy
     references = candidate_entries(enumerate(groups), copy_groups=False)
     assert [e.key for e in references] == [(3, 1), (3, 3)] and all(e.group is None for e in references)
+    # Every entry is ranked from the moment it enters: its headroom from the stored log-probs.
+    assert [e.headroom for e in entries] == [stored_headroom(e.group) for e in entries]  # the copies as entered
+    assert entries[1].headroom == stored_headroom(groups[3]) and math.isfinite(entries[0].headroom)
+    assert [e.headroom for e in references] == [stored_headroom(groups[1]), stored_headroom(groups[3])]
     buffer = ReplayBuffer(capacity=10)
     buffer.push(entries)
     assert buffer.keys() == [(3, 1), (3, 3)]
@@ -199,19 +224,34 @@ def test_buffer_state_round_trip() -> None:
 # ---------------------------------------------------------------------------------- ordering
 
 
-def test_headroom_order_puts_unscored_first_then_highest_headroom() -> None:
+def test_headroom_order_follows_headroom_for_new_and_old_groups_alike() -> None:
+    """Old groups (re-scored at an earlier stage) and new ones (only their headroom at entry) in one
+    order by headroom: a new group does not jump the queue for being new, nor an old one for being scored."""
     buffer = ReplayBuffer(capacity=10)
-    buffer.push([_entry(0, i) for i in range(5)])
+    buffer.push([_entry(0, i, headroom=h) for i, h in enumerate([0.7, 0.8, 0.1, 0.6, 0.3])])  # stage 0
     buffer.update_scores(
-        {
-            (0, 0): GroupScore(headroom=0.2, drift=0.0, scored_at=1),
-            (0, 1): GroupScore(headroom=0.9, drift=0.0, scored_at=1),
-            (0, 3): GroupScore(headroom=0.2, drift=0.0, scored_at=1),
+        {  # re-scored at stage 1: the policy learned from (0, 1) and (0, 0), (0, 2) has more left
+            (0, 0): GroupScore(headroom=0.2, drift=0.0, scored_at=4),
+            (0, 1): GroupScore(headroom=0.05, drift=0.0, scored_at=4),
+            (0, 2): GroupScore(headroom=0.65, drift=0.0, scored_at=4),
         }
     )
-    # unscored (0,4), (0,2) newest first; then 0.9; then the 0.2 tie, newest first
-    assert headroom_order(buffer) == [(0, 4), (0, 2), (0, 1), (0, 3), (0, 0)]
-    assert recent_order(buffer) == [(0, 4), (0, 3), (0, 2), (0, 1), (0, 0)]
+    buffer.push([_entry(1, i, headroom=h) for i, h in enumerate([0.4, 0.9, 0.2])])  # stage 1: new
+    assert buffer.headroom((0, 2)) == 0.65 and buffer.headroom((1, 1)) == 0.9 and buffer.headroom((0, 3)) == 0.6
+    expected = [(1, 1), (0, 2), (0, 3), (1, 0), (0, 4), (1, 2), (0, 0), (0, 1)]
+    assert headroom_order(buffer) == expected
+    # Ties go to the newest; a NaN headroom (no response tokens) goes last.
+    tied = ReplayBuffer(capacity=10)
+    tied.push([_entry(0, 0, headroom=0.3), _entry(0, 1, headroom=float("nan")), _entry(1, 0, headroom=0.3)])
+    assert headroom_order(tied) == [(1, 0), (0, 0), (0, 1)]
+    # The walk scores in that order: the new group with the most headroom first, then the old one.
+    calls: list[list[GroupKey]] = []
+    drifts = {key: 0.0 for key in buffer}
+    select_groups(headroom_order(buffer), k=2, max_scored=8, tau=1.0, score=_fake_scores(drifts, calls))
+    assert calls == [[(1, 1), (0, 2)]]
+    recent = ReplayBuffer(capacity=10)
+    recent.push([_entry(0, i) for i in range(5)])
+    assert recent_order(recent) == [(0, 4), (0, 3), (0, 2), (0, 1), (0, 0)]
     assert replay_policy("hdr").gated and not replay_policy("recent").gated
     with pytest.raises(ValueError, match=r"replay\.policy"):
         replay_policy("oldest")
@@ -318,16 +358,39 @@ def test_selection_metrics() -> None:
 # ---------------------------------------------------------------------------------- placement
 
 
-@pytest.mark.parametrize(("replayed", "updates"), [(8, 4), (7, 4), (2, 4), (0, 4), (5, 1), (3, 2), (1, 64)])
+@pytest.mark.parametrize(("replayed", "updates"), [(8, 4), (7, 4), (2, 4), (0, 4), (0, 1), (3, 2), (1, 64)])
 def test_replay_slots_spread_all_groups_over_updates_after_the_first(replayed: int, updates: int) -> None:
     slots = replay_slots(replayed, updates)
     assert len(slots) == updates
     assert [i for s in slots for i in s] == list(range(replayed))  # each once, priority order kept
+    assert len(slots[0]) == 0  # the first update of a stage stays on-policy
     if updates > 1:
-        assert len(slots[0]) == 0  # the first update of a stage stays on-policy
         sizes = [len(s) for s in slots[1:]]
         assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
     assert [len(s) for s in replay_slots(8, 4)] == [0, 3, 3, 2]
+
+
+def test_mu_one_replays_nothing_so_the_first_update_stays_a_check_of_the_engine() -> None:
+    """μ = 1: the only update is the first, which replayed groups never join; the decision accepts none."""
+    assert replay_capacity(8, updates=1) == 0 and replay_capacity(8, updates=2) == 8
+    assert replay_slots(0, 1) == [range(0)]
+    with pytest.raises(ValueError, match="cannot replay 3 groups"):
+        replay_slots(3, 1)
+    calls: list[list[GroupKey]] = []
+    selection = select_groups(
+        [(0, 0), (0, 1)], k=replay_capacity(2, 1), max_scored=8, tau=1.0, score=_fake_scores({}, calls)
+    )
+    assert selection.accepted == [] and calls == []  # nothing scored either
+
+
+def test_recheck_is_due_only_after_more_than_recheck_updates() -> None:
+    """At μ = 256 a group accepted at update 512 (the stage's start) and placed at slot u is trained on at
+    update 512 + u: re-checked from slot 65 on with the default 64."""
+    slots = replay_slots(64, 256)
+    due = [u for u, share in enumerate(slots) if share and recheck_due(512, 512 + u, 64)]
+    assert due == [u for u in range(65, 256) if slots[u]] and len(due) > 0
+    assert not recheck_due(512, 512 + 64, 64) and recheck_due(512, 512 + 65, 64)
+    assert recheck_due(0, 1, 0)  # 0: every slot (the first update never has one)
 
 
 # ------------------------------------------------------------------------------------- config
@@ -336,6 +399,7 @@ def test_replay_slots_spread_all_groups_over_updates_after_the_first(replayed: i
 def test_config_defaults_and_resolution() -> None:
     cfg = ReplayConfig()
     assert not cfg.enabled and cfg.policy == "hdr" and cfg.tau == 1e-3 and not cfg.cross_stage
+    assert cfg.recheck_updates == 64
     assert cfg.groups_for(32) == 8 and cfg.capacity_groups(32) == 256 and cfg.max_scored(32) == 32
     assert cfg.groups_for(2) == 1  # at least one group
     custom = ReplayConfig(groups_per_step=3, capacity=50, max_scored_per_step=7)
@@ -354,6 +418,7 @@ def test_config_defaults_and_resolution() -> None:
         ("replay.groups_fraction=0", "replay.groups_fraction=0.0 must be in (0, 1]"),
         ("replay.capacity=-1", "replay.capacity=-1 must be >= 0"),
         ("replay.max_scored_per_step=-1", "replay.max_scored_per_step=-1 must be >= 0"),
+        ("replay.recheck_updates=-1", "replay.recheck_updates=-1 must be >= 0"),
     ],
 )
 def test_config_validation_names_the_key(override: str, message: str) -> None:

@@ -1,6 +1,7 @@
 """End to end with an FP8 behaviour policy (rollout.quantization=fp8) and the rollout correction on:
 the demo-scale run trains, reports the mismatch instead of warning, stores log π_old next to each
-stage's rollouts, and a run killed in the middle of a stage resumes from that file.
+stage's shards (listed in the store's manifest), and a run killed in the middle of a stage resumes
+from those files to exactly the uninterrupted run's weights and metrics.
 
 Needs NVIDIA Model Optimizer (the ``fp8`` extra); skipped without it.
 """
@@ -17,7 +18,7 @@ import torch
 from e2e_runs import final_weights, mugrpo, records, train
 from safetensors.torch import load_file
 
-from megatron_mugrpo.training.stage_reference import OLD_LOGPROBS_FILE
+from megatron_mugrpo.training.stage_reference import OLD_LOGPROBS_GLOB
 
 if importlib.util.find_spec("modelopt") is None:
     pytest.skip("NVIDIA Model Optimizer is not installed (pip install 'megatron_mugrpo[fp8]')", allow_module_level=True)
@@ -32,6 +33,8 @@ FP8 = [
 
 @pytest.mark.slow
 def test_fp8_rollout_trains_and_resumes_mid_stage(tmp_path: Path, base_model: Path):
+    full = tmp_path / "fp8_full"
+    train(full, base_model, *FP8)
     run_dir = tmp_path / "fp8"
     # checkpoint.every_updates=2 (SMALL): killed after update 3, the run resumes stage 0 at update 2,
     # after θ has moved, so log π_old must come from the stored file.
@@ -42,8 +45,13 @@ def test_fp8_rollout_trains_and_resumes_mid_stage(tmp_path: Path, base_model: Pa
 
     for stage in (0, 1):
         stage_dir = run_dir / "rollouts" / f"stage_{stage:03d}"
-        assert json.loads((stage_dir / "manifest.json").read_text())["sampling"]["quantization"] == "fp8"
-        assert (stage_dir / OLD_LOGPROBS_FILE).is_file()
+        manifest = json.loads((stage_dir / "manifest.json").read_text())
+        assert manifest["sampling"]["quantization"] == "fp8"
+        listed = [info["file"] for info in manifest["old_logprobs"]["shards"]]
+        assert (
+            len(listed) == len(manifest["shards"])
+            and sorted(p.name for p in stage_dir.glob(OLD_LOGPROBS_GLOB)) == listed
+        )
 
     recs = records(run_dir)
     mismatch = [r for r in recs if "rollout/mismatch_kl" in r]
@@ -62,3 +70,12 @@ def test_fp8_rollout_trains_and_resumes_mid_stage(tmp_path: Path, base_model: Pa
 
     start, end = load_file(str(base_model / "model.safetensors")), final_weights(run_dir)
     assert any(not torch.equal(start[k], end[k]) for k in start), "parameters did not change"
+
+    # Resumed mid-stage from the stored log π_old = never interrupted: same weights, same metrics.
+    expected = final_weights(full)
+    assert expected.keys() == end.keys()
+    for name in expected:
+        assert torch.equal(expected[name], end[name]), f"{name} differs after the mid-stage resume"
+    want = records(full)
+    for key in ("train/loss", "train/rollout_corr_weight_mean", "train/ratio_mean", "rollout/mismatch_kl"):
+        assert [r[key] for r in recs if key in r] == pytest.approx([r[key] for r in want if key in r]), key

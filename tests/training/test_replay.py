@@ -19,7 +19,13 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from megatron_mugrpo.algorithms.losses import available_losses
-from megatron_mugrpo.algorithms.replay import candidate_entries, token_headroom
+from megatron_mugrpo.algorithms.replay import (
+    candidate_entries,
+    headroom_order,
+    replay_slots,
+    stored_headroom,
+    token_headroom,
+)
 from megatron_mugrpo.config import load_config
 from megatron_mugrpo.loop import hdr as replay
 from megatron_mugrpo.loop.data import StageData
@@ -32,6 +38,7 @@ from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training.checkpoint import CheckpointError
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import build_policy
+from megatron_mugrpo.training.stage_reference import prepare_stage_reference
 from megatron_mugrpo.training.train_step import forward_logprobs, train_step
 
 from .common import VOCAB, hf_config
@@ -79,8 +86,21 @@ def _run(tmp: Path, cfg, tp: int = 1) -> SimpleNamespace:
 
 def _stage_data(run: SimpleNamespace, stage: int, store: RolloutStore) -> StageData:
     """What ``loop.staged.stage_data`` builds, without a rollout correction: D_k plus HDR's accepted groups."""
-    replayed = replay.replayed_groups(run, stage)
-    return StageData(store=store, replayed=replayed, updates=run.cfg.stages.updates_per_stage)
+    mu = run.cfg.stages.updates_per_stage
+    replayed = replay.replayed_groups(run, stage, mu)
+    return StageData(store=store, replayed=replayed, updates=mu, recheck=replay.recheck(run))
+
+
+def _walk(order: list, drifts: dict, k: int) -> tuple[list, list]:
+    """HDR's walk by hand: (accepted, scored) in ``order`` until ``k`` groups pass τ."""
+    accepted, scored = [], []
+    for key in order:
+        if len(accepted) == k:
+            break
+        scored.append(key)
+        if drifts[key] <= TAU:
+            accepted.append(key)
+    return accepted, scored
 
 
 def _groups(seed: int, stage: int, count: int, version: int = 0) -> list[RolloutGroup]:
@@ -128,15 +148,17 @@ def _set_behaviour(run: SimpleNamespace, groups: list[RolloutGroup], shifts: lis
             row += 1
 
 
-def _write_store(directory: Path, groups: list[RolloutGroup], stage: int, version: int) -> RolloutStore:
+def _write_store(
+    directory: Path, groups: list[RolloutGroup], stage: int, version: int, sampling: dict | None = None
+) -> RolloutStore:
     return write_store(
         directory,
         groups,
         stage=stage,
         policy_version=version,
         engine="test",
-        sampling={},
-        shard_groups=len(groups),
+        sampling=sampling or {},
+        shard_groups=min(len(groups), 64),
         vocab_size=VOCAB,
     )
 
@@ -157,14 +179,21 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
     _set_behaviour(run, fresh, [0.0] * len(fresh))
     store = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
 
+    # Every group is ranked by the headroom it entered with (from its stored log-probs), none is "unscored first".
+    order = headroom_order(run.replay.buffer)
+    entered = [stored_headroom(g) for g in old]
+    assert [entered[i] for _, i in order] == sorted(entered, reverse=True)
+    drifts = {(0, i): shift**2 for i, shift in enumerate(shifts)}
+    accepted, scored = _walk(order, drifts, k=2)
     data = _stage_data(run, 1, store)
-    # All four are unscored: newest first (index 3, 2, 1, 0); 3 is too far, 2 and 1 pass, K_rep = 2 reached.
-    assert run.replay.plan.accepted == [(0, 2), (0, 1)]
+    assert run.replay.plan.accepted == accepted and run.replay.plan.accepted_at == 4
+    assert (0, 1) in accepted and (0, 2) in accepted  # the two within τ, whatever the order
     scores = {key: run.replay.buffer.score(key) for key in run.replay.buffer}
-    assert scores[(0, 0)] is None  # never reached: the walk stopped at K_rep
-    assert scores[(0, 3)].drift == pytest.approx(SHIFT_FAR**2, rel=1e-4)
-    assert scores[(0, 2)].drift == pytest.approx(SHIFT_OK**2, rel=1e-4)
-    assert scores[(0, 1)].drift == pytest.approx(0.0, abs=1e-12)
+    assert all(scores[key] is None for key in order if key not in scored)  # never reached: the walk stopped at K_rep
+    assert run.replay.buffer.headroom((0, 1)) == scores[(0, 1)].headroom  # re-scoring replaced the entry's rank
+    for key in scored:  # drift = shift², exactly what the stored log-probs were moved by
+        assert scores[key].drift == pytest.approx(drifts[key], rel=1e-4, abs=1e-12)
+    assert len(scored) > 2, "the walk met a group the gate rejects"
     assert scores[(0, 1)].scored_at == 4
     # Headroom against the formula on the policy's log-probs (= behaviour + shift here).
     batch = collate([old[1]], pad_id=0)
@@ -177,12 +206,15 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
     # Update 0 is all fresh; the replayed groups come first in updates 1 and 2, exactly as stored.
     assert data.minibatch(0, MINI_GROUPS, 0) == store.minibatch(0, MINI_GROUPS, 0)
     first, second = data.minibatch(1, MINI_GROUPS, 0), data.minibatch(2, MINI_GROUPS, 0)
-    assert first[0] is run.replay.buffer.get((0, 2)).group and second[0] is run.replay.buffer.get((0, 1)).group
+    assert (
+        first[0] is run.replay.buffer.get(accepted[0]).group and second[0] is run.replay.buffer.get(accepted[1]).group
+    )
     assert first[1:] == store.minibatch(1, MINI_GROUPS, 0)
     assert data.minibatch(3, MINI_GROUPS, 0) == store.minibatch(3, MINI_GROUPS, 0)
 
-    # The update's ratio uses the stored generation-time log-probs: fresh rows are on-policy (gap 0),
-    # the replayed rows are off by exactly SHIFT_OK, so the batch's mean |log π_θ − b| is SHIFT_OK × their share.
+    # The update's ratio uses the stored generation-time log-probs: fresh rows are on-policy (gap 0), the
+    # SHIFT_OK group's rows are off by exactly SHIFT_OK, so the batch's mean |log π_θ − b| is SHIFT_OK × their share.
+    first = [run.replay.buffer.get((0, 2)).group, *store.minibatch(1, MINI_GROUPS, 0)]
     batch = collate(first, pad_id=0)
     replayed_tokens = sum(len(s.response_ids) for s in first[0].samples)
     metrics = train_step(
@@ -214,9 +246,10 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
     run.logger.close()
     record = next(r for r in read_metrics(tmp_path) if "replay/accepted" in r)
     assert record["step"] == 5  # the stage's first update
-    assert record["replay/scored"] == 3 and record["replay/accepted"] == 2 and record["replay/buffer_groups"] == 4
-    assert record["replay/acceptance_rate"] == pytest.approx(2 / 3)
-    assert record["replay/drift_mean"] == pytest.approx((SHIFT_FAR**2 + SHIFT_OK**2) / 3, rel=1e-3)
+    assert record["replay/scored"] == len(scored) and record["replay/accepted"] == 2
+    assert record["replay/buffer_groups"] == 4
+    assert record["replay/acceptance_rate"] == pytest.approx(2 / len(scored))
+    assert record["replay/drift_mean"] == pytest.approx(sum(drifts[k] for k in scored) / len(scored), rel=1e-3)
     assert record["replay/age_mean"] == 4.0
 
     # E: the stage's mixed groups enter the FIFO after its updates; the decision is cleared.
@@ -249,8 +282,9 @@ def _persistence(rank: int, world_size: int, tmp: str) -> None:
         _set_behaviour(run, stage1, [0.0] * 4)
         store1 = _write_store(run.rollout_dir(1), stage1, stage=1, version=4)
         data = _stage_data(run, 1, store1)
-        assert run.replay.plan.accepted == [(0, 3), (0, 2)]
-        assert [g.prompt_id for g in data.replayed] == ["0-3", "0-2"]  # read back from D_0 when by reference
+        first_two = headroom_order(run.replay.buffer)[:2]  # every drift is 0: the two with the most headroom
+        assert run.replay.plan.accepted == first_two
+        assert [g.prompt_id for g in data.replayed] == [f"0-{i}" for _, i in first_two]  # read back when by reference
 
         step_dir = tmp_path / f"step_{cross_stage}"
         replay.checkpoint_writer(run.replay)(step_dir)
@@ -265,6 +299,7 @@ def _persistence(rank: int, world_size: int, tmp: str) -> None:
 
         replay.end_stage(run, 1, store1)  # 4 more mixed groups: capacity 6 evicts the oldest
         assert run.replay.buffer.keys() == [(0, 2), (0, 3)] + [(1, i) for i in range(4)]
+        assert [e.headroom for e in run.replay.buffer.entries()[2:]] == [stored_headroom(g) for g in stage1]
 
         if not cross_stage:
             groups_file = step_dir / replay.REPLAY_DIR / replay.GROUPS_FILE
@@ -287,19 +322,39 @@ def test_buffer_and_decision_survive_a_checkpoint(tmp_path: Path) -> None:
 
 
 def _ranks_decide_alike(rank: int, world_size: int, tmp: str) -> None:
+    """Rank 1's copies of the buffered groups hold other behaviour log-probs than rank 0's (every group
+    SHIFT_FAR away: its own drifts would reject them all), with the same tokens and the same rank in the
+    buffer. Rank 0's drifts all pass. With a scoring budget of K_rep = 2 groups both ranks make the same
+    single collective scoring pass whatever they decide, so a missing broadcast shows as rank 1 deciding
+    otherwise (an assertion on both ranks), not as a hang: only rank 0's broadcast scores make rank 1
+    accept what rank 0 accepts, at the stage's start and at the slot re-check."""
     tmp_path = Path(tmp)
-    run = _run(tmp_path / f"rank{rank}", _cfg(), tp=2)
+    run = _run(tmp_path / f"rank{rank}", _cfg("replay.max_scored_per_step=2"), tp=2)
     old = _groups(4, stage=0, count=6)
-    _set_behaviour(run, old, [SHIFT_FAR, 0.0, SHIFT_OK, 0.0, SHIFT_FAR, SHIFT_OK])
+    shifts = [0.0, SHIFT_OK, 0.0, SHIFT_OK, 0.0, SHIFT_OK]
+    _set_behaviour(run, old, shifts)
     run.replay.buffer.push(candidate_entries(enumerate(old)))
+    if rank == 1:  # local data that disagrees: what this rank alone would measure is drift SHIFT_FAR² everywhere
+        for entry, shift in zip(run.replay.buffer.entries(), shifts):
+            for sample in entry.group.samples:
+                sample.behaviour_logprobs = [lp + shift - SHIFT_FAR for lp in sample.behaviour_logprobs]
     fresh = _groups(5, stage=1, count=TRAIN_GROUPS, version=4)
     _set_behaviour(run, fresh, [0.0] * TRAIN_GROUPS)
     store = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
-    _stage_data(run, 1, store)
+    expected = headroom_order(run.replay.buffer)[:2]  # rank 0: every drift passes
+    data = _stage_data(run, 1, store)
     decisions = [None] * world_size
     dist.all_gather_object(decisions, (run.replay.plan.accepted, run.replay.buffer.state_dict()))
     assert decisions[0] == decisions[1]
-    assert run.replay.plan.accepted == [(0, 5), (0, 3)]
+    assert run.replay.plan.accepted == expected and len(expected) == 2
+    # The slot re-check broadcasts too: at recheck_updates=0 every slot is re-checked, and rank 1 keeps
+    # what rank 0's drift keeps (its own would skip every group).
+    run.replay.config.recheck_updates = 0
+    run.state.global_update = 5
+    kept = [g.prompt_id for g in data.minibatch(1, MINI_GROUPS, 0)[: len(replay_slots(2, 4)[1])]]
+    all_kept = [None] * world_size
+    dist.all_gather_object(all_kept, kept)
+    assert all_kept[0] == all_kept[1] == [f"0-{expected[0][1]}"]
     run.logger.close()
 
 
@@ -316,3 +371,128 @@ def test_replay_off_leaves_d_k_alone(tmp_path: Path) -> None:
     assert data.store is store and data.replayed == []  # D_k alone
     replay.end_stage(run, 0, store)
     assert replay.checkpoint_writer(run.replay) is None
+
+
+# ------------------------------------------------------------------------------------------
+
+
+RECHECK_MU = 256
+"""A far-off-policy stage: the last slot is 255 updates after the decision."""
+
+
+def _recheck_at_mu_256(rank: int, world_size: int, tmp: str) -> None:
+    """Groups accepted at a stage's start are used up to μ − 1 = 255 updates later. At a slot more than
+    replay.recheck_updates = 64 updates after the decision, the group's drift is scored again against the
+    current policy and the group is skipped if it fails; before that it is used as decided.
+
+    The policy's move is made exact by moving the stored copies instead (drift depends only on
+    log π_θ − log π_gen): after the decision three accepted groups are put SHIFT_FAR away."""
+    tmp_path = Path(tmp)
+    cfg = _cfg(f"stages.train_groups={RECHECK_MU}", "replay.groups_per_step=8", "replay.recheck_updates=64")
+    run = _run(tmp_path, cfg)
+    old = _groups(6, stage=0, count=8)
+    _set_behaviour(run, old, [0.0] * 8)
+    run.replay.buffer.push(candidate_entries(enumerate(old)))
+    store = _write_store(run.rollout_dir(1), _groups(7, stage=1, count=RECHECK_MU, version=4), stage=1, version=4)
+    data = _stage_data(run, 1, store)
+    plan = run.replay.plan
+    assert len(plan.accepted) == 8 and plan.accepted_at == 4
+    slots = replay_slots(8, RECHECK_MU)
+    slot_of = {position: u for u, share in enumerate(slots) for position in share}
+    early = [p for p in range(8) if slot_of[p] <= 64]
+    late = [p for p in range(8) if slot_of[p] > 64]
+    assert early and len(late) >= 3
+    moved = {early[-1], late[0], late[-1]}  # one that is not due yet, two that are
+    for position in moved:
+        for sample in run.replay.buffer.get(plan.accepted[position]).group.samples:
+            sample.behaviour_logprobs = [lp - SHIFT_FAR for lp in sample.behaviour_logprobs]
+
+    used = []
+    for update in range(RECHECK_MU):
+        run.state.global_update = plan.accepted_at + update  # the update is made at this version
+        batch = data.minibatch(update, MINI_GROUPS, 0)
+        replayed = batch[: len(batch) - MINI_GROUPS]
+        used += [int(g.prompt_id.split("-")[1]) for g in replayed]
+        assert batch[len(replayed) :] == store.minibatch(update, MINI_GROUPS, 0)  # fresh groups untouched
+    keys = [plan.accepted[p] for p in range(8)]
+    expected = [keys[p][1] for p in range(8) if not (p in moved and slot_of[p] > 64)]
+    assert used == expected  # the not-yet-due moved group is still used; the due moved ones are skipped
+
+    run.logger.close()
+    rechecks = [r for r in read_metrics(tmp_path) if "replay/recheck_scored" in r]
+    assert [r["step"] for r in rechecks] == [plan.accepted_at + slot_of[p] + 1 for p in late]
+    assert sum(r["replay/recheck_skipped"] for r in rechecks) == 2
+    assert all(r["replay/recheck_age"] > 64 for r in rechecks)
+    for p in late:  # re-scoring updated the buffer's scores at the slot's version
+        score = run.replay.buffer.score(plan.accepted[p])
+        assert score.scored_at == plan.accepted_at + slot_of[p]
+        assert score.drift == pytest.approx(SHIFT_FAR**2 if p in moved else 0.0, rel=1e-4, abs=1e-12)
+
+
+def test_replayed_groups_are_rechecked_at_their_slot_at_mu_256(tmp_path: Path) -> None:
+    run_distributed(_recheck_at_mu_256, 1, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _quantized_stage_drift_from_pi_old(rank: int, world_size: int, tmp: str) -> None:
+    """A stage generated by a quantized engine: its behaviour log-probs sit SHIFT_FAR off the trainer (the
+    quantization gap), the trainer itself has not moved. Drift is measured from the stage reference's
+    log π_old, so the gate admits the groups, in copies and by reference, and through a checkpoint; the
+    same groups from a full-precision store are rejected (their behaviour log-probs are all HDR has)."""
+    tmp_path = Path(tmp)
+    for cross_stage in (False, True):
+        for quantized in (True, False):
+            name = f"cross_{cross_stage}_q_{quantized}"
+            cfg = _cfg(f"replay.cross_stage={str(cross_stage).lower()}")
+            run = _run(tmp_path / name, cfg)
+            stage0 = _groups(8, stage=0, count=4)
+            _set_behaviour(run, stage0, [SHIFT_FAR] * 4)  # the quantization gap
+            sampling = {"quantization": "fp8"} if quantized else {}
+            store0 = _write_store(run.rollout_dir(0), stage0, stage=0, version=0, sampling=sampling)
+            if quantized:  # the stage reference keeps log π_old for HDR (rank 0 writes, every rank reads)
+                old, _ = prepare_stage_reference(
+                    run.policy,
+                    store0,
+                    correction=cfg.algo.rollout_correction,
+                    measure=True,
+                    first_update=True,
+                    settings=run.scoring,
+                    seed=0,
+                    write=True,
+                    policy_version=0,
+                    barrier=run.hosts.barrier,
+                    keep=True,
+                )
+                assert old is None  # no correction: nothing is attached to the stage's own updates
+            replay.end_stage(run, 0, store0)
+            carried = [
+                replay.resolve_group(run, run.replay, key).samples[0].old_logprobs is not None
+                for key in run.replay.buffer
+            ]
+            assert all(carried) if quantized else not any(carried)
+            if quantized:  # entered with the headroom measured from π_old, not from the quantized β
+                entry = run.replay.buffer.entries()[0]
+                assert entry.headroom == stored_headroom(replay.resolve_group(run, run.replay, entry.key))
+                assert entry.headroom != stored_headroom(stage0[entry.key[1]])
+
+            fresh = _groups(9, stage=1, count=TRAIN_GROUPS, version=4)
+            store1 = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
+            _stage_data(run, 1, store1)
+            scores = [run.replay.buffer.score(k) for k in run.replay.buffer if run.replay.buffer.score(k)]
+            if quantized:
+                assert len(run.replay.plan.accepted) == 2 and all(s.drift < 1e-10 for s in scores), name
+            else:
+                assert run.replay.plan.accepted == [] and all(
+                    s.drift == pytest.approx(SHIFT_FAR**2, rel=1e-4) for s in scores
+                ), name
+            step_dir = tmp_path / f"step_{name}"
+            replay.checkpoint_writer(run.replay)(step_dir)
+            restored = replay.open_replay(cfg.replay, cfg.stages.train_groups, step_dir)
+            assert restored.buffer.entries() == run.replay.buffer.entries()  # copies keep log π_old
+            run.logger.close()
+
+
+def test_a_quantized_stage_drifts_from_the_trainers_pi_old_not_from_the_engine(tmp_path: Path) -> None:
+    run_distributed(_quantized_stage_drift_from_pi_old, 1, str(tmp_path))

@@ -1,8 +1,15 @@
-"""The stage reference pass (π_train(θ_old) on D_k): scores equal the trainer's log-probs, the stored
-file round-trips and is bound to its store, the metrics subsample, and a corrected update sees the
-policy ratio π_θ / π_old = 1 at a stage's first update."""
+"""The stage reference pass (π_train(θ_old) on D_k): scores equal the trainer's log-probs, the per-shard
+files round-trip, are listed in the store's manifest and bound to their shards and to θ_old, memory
+stays flat in D_k, the metrics subsample, and a corrected update sees the policy ratio π_θ / π_old = 1
+at a stage's first update."""
 
 from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,18 +17,25 @@ from dist_utils import run_distributed
 
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
-from megatron_mugrpo.records import RolloutGroup, collate
-from megatron_mugrpo.rollout.store import RolloutStore, write_store
+from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
+from megatron_mugrpo.rollout.store import (
+    MANIFEST,
+    RolloutStore,
+    ShardWriter,
+    prepare_store,
+    seal_store,
+    store_identity,
+    write_store,
+)
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import build_policy
 from megatron_mugrpo.training.stage_reference import (
-    OLD_LOGPROBS_FILE,
+    OLD_LOGPROBS_GLOB,
     ScoreSettings,
     StageReferenceError,
     minibatch,
     prepare_stage_reference,
     read_old_logprobs,
-    write_old_logprobs,
 )
 from megatron_mugrpo.training.train_step import forward_logprobs, train_step
 
@@ -74,55 +88,92 @@ def _policy():
     return build_policy(hf_config(), groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-3))
 
 
+def _prepare(policy, store, *, first_update: bool, correction=None, measure=False, version=0, barriers=None):
+    return prepare_stage_reference(
+        policy,
+        store,
+        correction=correction or RolloutCorrectionConfig(tis_cap=2.0),
+        measure=measure,
+        first_update=first_update,
+        settings=SETTINGS,
+        seed=0,
+        write=True,
+        policy_version=version,
+        barrier=(lambda: barriers.append(1)) if barriers is not None else (lambda: None),
+    )
+
+
 def _reference_scores_and_file(rank: int, world_size: int, tmp_path) -> None:
     policy = _policy()
     store = _store(tmp_path / "stage", _groups(0, 5))
-    correction = RolloutCorrectionConfig(tis_cap=2.0)
-    old, metrics = prepare_stage_reference(
-        policy, store, correction=correction, measure=False, first_update=True, settings=SETTINGS, seed=0, write=True
-    )
+    barriers: list[int] = []
+    old, metrics = _prepare(policy, store, first_update=True, version=12, barriers=barriers)
+    assert barriers == [1]  # every rank waits for rank 0's files before reading them
     # The same numbers as one forward_logprobs over the collated store, response positions only.
     batch = collate(store.groups(), pad_id=0)
     full = forward_logprobs(policy, batch, temperature=0.9, micro_batch_size=4)
     mask = batch.response_mask.bool()
-    flat = torch.tensor([lp for per_group in old.per_group for lps in per_group for lp in lps])
+    everything = old.rows(range(store.num_groups))
+    flat = torch.tensor([lp for per_group in everything for lps in per_group for lp in lps])
     torch.testing.assert_close(flat, full[mask], atol=2e-6, rtol=0)
     gap = (full - batch.behaviour_logprobs).abs()[mask]
     assert metrics["rollout/mismatch_logprob_abs_max"] == pytest.approx(float(gap.max()), abs=1e-5)
+    assert metrics["rollout/mismatch_logprob_abs_mean"] == pytest.approx(float(gap.mean()), abs=1e-6)
     assert metrics["rollout/mismatch_tokens"] == float(mask.sum())
+    # One file per shard, next to it, listed in the manifest with its checksum, its shard's and θ_old's version.
+    listing = json.loads((store.store_dir / MANIFEST).read_text())["old_logprobs"]
+    assert listing["policy_version"] == 12
+    assert [info["file"] for info in listing["shards"]] == ["old_logprobs_00000.arrow", "old_logprobs_00001.arrow"]
+    assert sorted(p.name for p in store.store_dir.glob(OLD_LOGPROBS_GLOB)) == [i["file"] for i in listing["shards"]]
+    shard_sums = [s.checksum.hexdigest for s in RolloutStore.open(store.store_dir).manifest.shards]
+    assert [info["shard_checksum"] for info in listing["shards"]] == shard_sums
     # A run resumed after the first update reads the same values back; no metrics then.
-    again, none = prepare_stage_reference(
-        policy, store, correction=correction, measure=True, first_update=False, settings=SETTINGS, seed=0, write=True
-    )
-    assert again.per_group == old.per_group and none == {}  # float32 values round-trip exactly
+    again, none = _prepare(policy, RolloutStore.open(store.store_dir), first_update=False, measure=True, version=12)
+    assert again.rows(range(5)) == everything and none == {}  # float32 values round-trip exactly
     # Attached to a minibatch, aligned with the responses.
     groups = minibatch(store, 1, 2, 0, again)
     indices = store.minibatch_indices(1, 2, 0)
-    assert [s.old_logprobs for s in groups[0].samples] == again.per_group[indices[0]]
+    assert [s.old_logprobs for s in groups[0].samples] == everything[indices[0]]
+    # Scored again at a new stage start: the listing is replaced, never two.
+    _prepare(policy, store, first_update=True, version=13)
+    assert read_old_logprobs(store).policy_version == 13 and len(list(store.store_dir.glob(OLD_LOGPROBS_GLOB))) == 2
 
 
 def _stale_or_missing_file_is_refused(rank: int, world_size: int, tmp_path) -> None:
+    policy = _policy()
     store = _store(tmp_path / "stage", _groups(1, 4))
+    with pytest.raises(StageReferenceError, match="has no log π_old"):
+        read_old_logprobs(store)
+    _prepare(policy, store, first_update=True, version=4)
+    with pytest.raises(StageReferenceError, match="computed by the weights of update 4"):
+        _prepare(policy, store, first_update=False, version=8)  # a stage that started elsewhere
+    # A file altered after it was listed: its checksum in the manifest no longer matches.
+    path = store.store_dir / "old_logprobs_00001.arrow"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(StageReferenceError, match="does not match its checksum"):
+        read_old_logprobs(store)
+    path.unlink()
     with pytest.raises(StageReferenceError, match="missing"):
         read_old_logprobs(store)
-    write_old_logprobs(store.store_dir / OLD_LOGPROBS_FILE, [[[0.0]]] * 4, fingerprint="another store")
-    with pytest.raises(StageReferenceError, match="another rollout dataset"):
-        read_old_logprobs(store)
+    # A shard damaged and regenerated: the store is unsealed and its log π_old unlisted and deleted.
+    _prepare(policy, store, first_update=True, version=4)
+    (store.store_dir / "shard_00000.arrow").write_bytes(b"damaged")
+    plan = prepare_store(store.store_dir, store.manifest)
+    assert plan.missing == [0] and not list(store.store_dir.glob(OLD_LOGPROBS_GLOB))
+    assert json.loads((store.store_dir / MANIFEST).read_text())["old_logprobs"] is None
 
 
 def _metrics_only_on_a_subsample(rank: int, world_size: int, tmp_path) -> None:
     policy = _policy()
     store = _store(tmp_path / "stage", _groups(2, 6))
     correction = RolloutCorrectionConfig(mismatch_groups=2)
-    old, metrics = prepare_stage_reference(
-        policy, store, correction=correction, measure=True, first_update=True, settings=SETTINGS, seed=0, write=True
-    )
-    assert old is None and not (store.store_dir / OLD_LOGPROBS_FILE).exists()
+    old, metrics = _prepare(policy, store, correction=correction, measure=True, first_update=True)
+    assert old is None and not list(store.store_dir.glob(OLD_LOGPROBS_GLOB))
     assert metrics["rollout/mismatch_kl"] > 0 and metrics["rollout/mismatch_logprob_abs_mean"] > 0
     assert metrics["rollout/mismatch_tokens"] < sum(len(s.response_ids) for g in store.groups() for s in g.samples)
-    off, nothing = prepare_stage_reference(
-        policy, store, correction=correction, measure=False, first_update=True, settings=SETTINGS, seed=0, write=True
-    )
+    off, nothing = _prepare(policy, store, correction=correction, measure=False, first_update=True)
     assert off is None and nothing == {}
 
 
@@ -162,3 +213,100 @@ def _corrected_first_update_sees_policy_ratio_one(rank: int, world_size: int, tm
 )
 def test_single_rank(body, tmp_path):
     run_distributed(body, 1, tmp_path)
+
+
+# ------------------------------------------------------------------------------------ memory
+
+
+RSS_PROBE = """
+import gc, resource, sys
+import psutil, torch
+from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
+from megatron_mugrpo.rollout.store import RolloutStore
+from megatron_mugrpo.training import stage_reference as ref
+
+# The trainer's forward pass is not what is measured: a stand-in scores every target -0.5.
+ref.teacher_forced_logprobs = lambda policy, batch, settings: torch.full(batch.targets.shape, -0.5)
+settings = ref.ScoreSettings(temperature=1.0, micro_batch_size=8, impl="unfused", pad_id=0, chunk_groups=8)
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def passes(path):
+    store = RolloutStore.open(path, verify=False)
+    kw = dict(correction=RolloutCorrectionConfig(tis_cap=2.0), measure=True, settings=settings, seed=0,
+              write=True, policy_version=0, barrier=lambda: None)
+    old, metrics = ref.prepare_stage_reference(None, store, first_update=True, **kw)   # score + write
+    assert metrics["rollout/mismatch_tokens"] == store.manifest.num_responses * 256
+    old, _ = ref.prepare_stage_reference(None, RolloutStore.open(path, verify=False), first_update=False, **kw)
+    batch = ref.minibatch(old.store, 0, 4, 0, old)   # resume: read back, verify every file, attach
+    assert all(s.old_logprobs == [-0.5] * 256 for g in batch for s in g.samples)
+    gc.collect()
+
+passes(sys.argv[1])            # warm up imports and allocator pools
+before = peak()
+passes(sys.argv[1])
+small = peak()
+passes(sys.argv[2])
+large = peak()
+print(small - before, large - small)
+"""
+
+
+def _store_of(path: Path, copies: int) -> int:
+    """A sealed store of ``copies`` identical shards of 100 groups × 8 responses × 256 tokens; returns
+    the bytes of log π_old it will have (float32 per token)."""
+    shard = []
+    for i in range(100):
+        samples = [
+            RolloutSample(
+                response_ids=[(i + j + t) % VOCAB for t in range(256)],
+                behaviour_logprobs=[-0.5] * 256,
+                finish_reason="stop",
+                reward=float(j % 2),
+                advantage=float(j % 2) - 0.5,
+            )
+            for j in range(8)
+        ]
+        shard.append(RolloutGroup(prompt_id=str(i), prompt_ids=[1, 2, 3], answer="", samples=samples))
+    plan = prepare_store(
+        path,
+        store_identity(
+            stage=0,
+            policy_version=0,
+            engine="test",
+            sampling={},
+            num_groups=100 * copies,
+            shard_groups=100,
+            vocab_size=VOCAB,
+        ),
+    )
+    ShardWriter(path, plan.manifest).write_shard(0, shard)
+    record = json.loads((path / "shard_00000.json").read_text())
+    for index in range(1, copies):
+        shutil.copyfile(path / "shard_00000.arrow", path / f"shard_{index:05d}.arrow")
+        (path / f"shard_{index:05d}.json").write_text(
+            json.dumps(record | {"index": index, "file": f"shard_{index:05d}.arrow"})
+        )
+    seal_store(path)
+    return copies * 100 * 8 * 256 * 4
+
+
+def test_log_pi_old_of_a_ten_times_larger_stage_keeps_memory_flat(tmp_path: Path) -> None:
+    """Scoring and writing log π_old shard by shard, then reading it back on resume (every file verified,
+    a minibatch attached): 10× more data raises the process's peak memory by no more than a few MiB.
+    Holding log π_old as Python lists, as before, would cost hundreds of MiB more for the larger store."""
+    small_bytes = _store_of(tmp_path / "small", 3)
+    large_bytes = _store_of(tmp_path / "large", 30)
+    assert large_bytes == 10 * small_bytes > 20 * 2**20
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, str(tmp_path / "small"), str(tmp_path / "large")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    small, large = map(int, proc.stdout.split())
+    print(f"peak RSS growth: small store {small / 2**20:.2f} MiB, 10x store {large / 2**20:.2f} MiB")
+    assert large < 4 * 2**20, (small, large)
+    assert len(list((tmp_path / "large").glob(OLD_LOGPROBS_GLOB))) == 30
