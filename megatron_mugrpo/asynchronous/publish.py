@@ -136,7 +136,7 @@ def publish_policy(run: Run, root: Path, *, version: int, digest: bool) -> Publi
 
 
 def send_policy(
-    run: Run, sender: Sender, root: Path, *, version: int, digest: bool
+    run: Run, sender: Sender, root: Path, *, version: int, digest: bool, watch: Callable[[], None] = lambda: None
 ) -> tuple[Publication, SendStats] | None:
     """Broadcast the trainer's policy to the workers (collective over the trainer ranks: all export, the
     writer sends); the log gets its line. Returns (publication, what it cost) on the writer, else None."""
@@ -145,7 +145,9 @@ def send_policy(
     def send(tensors: NamedTensors) -> tuple[Publication, SendStats]:
         hashed = Digest()
         stream = hashed.watch(tensors) if digest else tensors
-        stats = sender.send(stream, name=name, version=version, digest=hashed.hexdigest if digest else lambda: "")
+        stats = sender.send(
+            stream, name=name, version=version, digest=hashed.hexdigest if digest else lambda: "", watch=watch
+        )
         return Publication(name=name, version=version, digest=hashed.hexdigest() if digest else ""), stats
 
     sent = export_policy(run.policy, run.hf_config, run.groups, consume=run.is_writer, use=send)

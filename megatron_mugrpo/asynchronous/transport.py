@@ -316,9 +316,11 @@ class Sender:
         name: str,
         version: int,
         digest: Callable[[], str] = lambda: "",
+        watch: Callable[[], None] = lambda: None,
     ) -> SendStats:
         """Broadcast one publication; returns when every worker holds all of it. ``digest()`` is called
-        after the last tensor went (a hash computed while streaming)."""
+        after the last tensor went (a hash computed while streaming); ``watch()`` while waiting for the
+        workers' receipts (the trainer checks their heartbeats: it raises for a dead one)."""
         started = time.monotonic()
         deadline = started + self.group.timeout_s
         self._announce(PUBLISH)
@@ -340,8 +342,8 @@ class Sender:
                 if work is not None:
                     work.wait()
             self._message(END, version, {"name": name, "version": version, "digest": digest()})
-            self._wait_received(deadline)
-        except PublishTimeoutError:
+            self._wait_received(deadline, watch)
+        except RankFailedError:  # ours, or a dead worker named by ``watch``
             raise
         except RuntimeError as exc:  # a collective timed out or a peer vanished: name who is behind
             raise PublishTimeoutError(self._behind(f"publication {name} failed at bucket {buckets + 1}", exc)) from exc
@@ -369,13 +371,17 @@ class Sender:
         if time.monotonic() > deadline:
             raise PublishTimeoutError(self._behind(f"publication {self.serial} is still running {where}", None))
 
-    def _wait_received(self, deadline: float) -> None:
+    def _wait_received(self, deadline: float, watch: Callable[[], None]) -> None:
         keys = [f"received/{r}/{self.serial}" for r in self.group.workers]
-        try:
-            self.group.keys.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except RuntimeError:  # the store's timeout (DistStoreError)
-            self._check_deadline(deadline, "waiting for the workers to confirm")
-            raise
+        while True:
+            watch()  # a worker that died meanwhile is named by its heartbeat, long before the timeout
+            try:
+                self.group.keys.wait(
+                    keys, datetime.timedelta(seconds=min(max(deadline - time.monotonic(), 0.001), 1.0))
+                )
+                return
+            except RuntimeError:  # the store's timeout (DistStoreError)
+                self._check_deadline(deadline, "waiting for the workers to confirm")
 
     def _behind(self, what: str, exc: BaseException | None) -> str:
         late = [r for r in self.group.workers if not self.group.has(f"received/{r}/{self.serial}")]

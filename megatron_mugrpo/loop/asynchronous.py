@@ -158,7 +158,9 @@ class Feed:
         advance(f"publishing its weights after {version} updates")
         metrics = {}
         if self.memory and self.published > 0:
-            sent = send_policy(run, self.sender, self.paths.weights, version=version, digest=self.verify_weights)
+            sent = send_policy(
+                run, self.sender, self.paths.weights, version=version, digest=self.verify_weights, watch=self._watch
+            )
             if sent is not None:
                 publication, stats = sent
                 metrics["perf/weight_sync_mib"] = stats.nbytes / 2**20
@@ -169,6 +171,10 @@ class Feed:
         self.published += 1
         self.sync_s = time.perf_counter() - started
         return metrics | {"perf/weight_sync_s": self.sync_s}
+
+    def _watch(self) -> None:
+        for peer in self.workers:
+            peer.check()
 
     def close(self) -> None:
         if self.sender is not None:
