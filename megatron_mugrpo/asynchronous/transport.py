@@ -341,6 +341,8 @@ class Sender:
             for work in in_flight:
                 if work is not None:
                     work.wait()
+            if self.device.type == "cuda":  # the blocked time includes the transfer itself
+                torch.cuda.synchronize(self.device)
             self._message(END, version, {"name": name, "version": version, "digest": digest()})
             self._wait_received(deadline, watch)
         except RankFailedError:  # ours, or a dead worker named by ``watch``
@@ -493,6 +495,8 @@ class Receiver:
             metas = [TensorMeta(n, d, tuple(s), o) for n, d, s, o in meta]
             flat = self._buffer(bucket_nbytes(metas))  # the staging area
             self.group.broadcast(flat, data=True)
+            if flat.is_cuda:  # NCCL's wait only orders streams: the bytes must be there before we say so,
+                torch.cuda.synchronize(flat.device)  # and before another process (SGLang) reads them by IPC
             buffers.append(flat)
             tensors += unpack(metas, flat)
             buckets += 1
