@@ -20,7 +20,10 @@ T_rollout / (T_rollout + T_optimize), async mode's summed sample waits over the 
 is the part spent before the first update (stage 0's generation; the worker's start-up and first
 batch) and "idle 2+" the ratio without it. The last
 line is ``idle_sync=… idle_async=… time_ratio=<staged time / async time> acc_sync=… acc_async=…``.
-Extra arguments are dotted overrides applied to both runs (e.g. ``stages.num_stages=2``).
+Extra arguments are dotted overrides applied to both runs (e.g. ``stages.num_stages=2``). The async
+run publishes its weights from memory (``async.publish``'s default); ``async.publish=disk`` measures
+the directory hand-over instead. ``--modes async`` runs one side alone (its own line then, e.g.
+``idle_async=…``), for a quick check of the async pipeline.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_async_vs_sync")
     parser.add_argument("--base-model", type=Path, help="an existing warm-started HF directory (default: build one)")
+    parser.add_argument("--modes", nargs="+", choices=("staged", "async"), default=["staged", "async"])
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
@@ -111,7 +115,7 @@ def main() -> int:
     cfg = load_config(STAGED, args.overrides)
     base = args.base_model or prepare_base_model(cfg, args.out / "base_model")
     overrides = [*args.overrides, f"model.hf_dir={base}", f"eval.every_updates={cfg.stages.total_updates}"]
-    results = {mode: run(mode, args.out / mode, overrides) for mode in ("staged", "async")}
+    results = {mode: run(mode, args.out / mode, overrides) for mode in args.modes}
     header = f"{'mode':<8}{'updates':>9}{'time s':>9}{'(+eval) s':>11}{'idle':>8}{'1st wait s':>12}{'idle 2+':>9}"
     print(header + f"{'acc before':>12}{'acc after':>11}{'lag mean':>10}{'dropped':>9}")
     for mode, r in results.items():
@@ -120,6 +124,11 @@ def main() -> int:
             f"{r['first_wait_s']:>12.2f}{r['idle_after_first']:>9.3f}"
             f"{r['acc_before']:>12.3f}{r['acc']:>11.3f}{r['lag_mean']:>10.2f}{int(r['dropped']):>9}"
         )
+    if len(results) == 1:
+        ((mode, r),) = results.items()
+        name = "sync" if mode == "staged" else "async"
+        print(f"idle_{name}={r['idle']:.3f} time_s={r['time_s']:.1f} acc_{name}={r['acc']:.3f}")
+        return 0
     staged, asynchronous = results["staged"], results["async"]
     print(
         f"idle_sync={staged['idle']:.3f} idle_async={asynchronous['idle']:.3f} "
