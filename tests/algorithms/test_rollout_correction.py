@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from megatron_mugrpo.algorithms.losses import available_losses, policy_loss
+from megatron_mugrpo.algorithms.losses import available_losses, policy_loss, update_inputs
 from megatron_mugrpo.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     corrected_policy_loss,
+    correction_inputs,
     correction_weights,
     mismatch_metrics,
 )
@@ -159,6 +160,31 @@ def test_zero_weight_keeps_the_normaliser_and_reject_removes_from_it(aggregation
     assert float(out.loss_sum) == pytest.approx(loss_sum)
     assert float(out.normaliser) == normaliser
     assert out.metrics["rollout_corr_masked_frac"] == pytest.approx(3 / 4)
+
+
+@pytest.mark.parametrize("name", ["m2po", "m2po_clip"])
+def test_update_pass_on_the_full_mask_matches_the_rejected_one(name):
+    """train_step gives M2PO's update pass the batch's full response mask; under mask_mode: reject the
+    loss sees the mask less the rejected tokens. A rejected token's advantage is 0 (weight 0), so it is
+    outside the trust region and the pass's mask or bound, hence the loss, comes out the same."""
+    gen = torch.Generator().manual_seed(3)
+    logprobs = -torch.rand(6, 8, generator=gen, dtype=D) * 2
+    behaviour = logprobs + torch.randn(6, 8, generator=gen, dtype=D) * 0.5
+    old = behaviour + torch.randn(6, 8, generator=gen, dtype=D) * 0.8
+    adv, mask = torch.randn(6, generator=gen, dtype=D), torch.ones(6, 8)
+    caps = {"mask_bound": 2.0, "mask_mode": "reject"}
+    anchor, weighted, stats = correction_inputs(behaviour, adv, mask, old_logprobs=old, **caps)
+    assert 0.1 < _ratio(stats["rollout_corr_masked_frac"]) < 0.9, "the example must reject some tokens"
+    kept = mask.bool() & (weighted != 0)
+    full = update_inputs(name, logprobs, anchor, weighted, mask, m2_threshold=0.01)
+    reduced = update_inputs(name, logprobs, anchor, weighted, kept, m2_threshold=0.01)
+    for key in full:
+        torch.testing.assert_close(full[key], reduced[key])
+    with_pass = corrected_policy_loss(
+        name, logprobs, behaviour, adv, mask, old_logprobs=old, update_inputs=full, m2_threshold=0.01, **caps
+    )
+    own_pass = corrected_policy_loss(name, logprobs, behaviour, adv, mask, old_logprobs=old, m2_threshold=0.01, **caps)
+    torch.testing.assert_close(with_pass.loss_sum, own_pass.loss_sum)
 
 
 def test_corrected_grpo_loss_and_gradient_by_hand():
