@@ -374,16 +374,12 @@ class Sender:
             raise PublishTimeoutError(self._behind(f"publication {self.serial} is still running {where}", None))
 
     def _wait_received(self, deadline: float, watch: Callable[[], None]) -> None:
+        """Poll the receipts (``check`` never blocks; a blocking wait's timeouts would each log a c10d warning)."""
         keys = [f"received/{r}/{self.serial}" for r in self.group.workers]
-        while True:
+        while not self.group.keys.check(keys):
             watch()  # a worker that died meanwhile is named by its heartbeat, long before the timeout
-            try:
-                self.group.keys.wait(
-                    keys, datetime.timedelta(seconds=min(max(deadline - time.monotonic(), 0.001), 1.0))
-                )
-                return
-            except RuntimeError:  # the store's timeout (DistStoreError)
-                self._check_deadline(deadline, "waiting for the workers to confirm")
+            self._check_deadline(deadline, "waiting for the workers to confirm")
+            time.sleep(ANNOUNCE_POLL_S)
 
     def _behind(self, what: str, exc: BaseException | None) -> str:
         late = [r for r in self.group.workers if not self.group.has(f"received/{r}/{self.serial}")]
