@@ -32,6 +32,7 @@ FP8 = [
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2700)  # three small FP8 runs (uninterrupted, killed, resumed) on a loaded 2-core machine
 def test_fp8_rollout_trains_and_resumes_mid_stage(tmp_path: Path, base_model: Path):
     full = tmp_path / "fp8_full"
     train(full, base_model, *FP8)

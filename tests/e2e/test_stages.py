@@ -223,7 +223,8 @@ def test_generate_on_two_engines_survives_sigkill_and_equals_one_engine(tmp_path
 
 REPLAY = [f"data.builtin_task={EASY_TASK}", "replay.enabled=true", "replay.groups_per_step=4", "replay.tau=1e6"]
 """Headroom-Drift Replay on the small run: K_rep = 4 of the 16 fresh groups per stage. The gate is
-opened wide so that stage 1 certainly replays (the τ boundary itself is tested on the pure functions)."""
+opened wide so that stage 1 certainly replays; ``test_replay_gate_rejects_drifted_groups_and_rechecks_slots``
+closes it to a τ that rejects some of the same groups."""
 
 
 @pytest.fixture(scope="session")
@@ -262,6 +263,32 @@ def test_replay_run_replays_earlier_groups_and_checkpoints_the_buffer(replay_uni
     assert plans[1]["replay/buffer_groups"] == sum(stage == 0 for stage, _ in mixed)
     mid_stage = json.loads((run_dir / "checkpoints" / "step_00000006" / "replay" / "state.json").read_text())
     assert mid_stage["plan"]["stage"] == 1 and len(mid_stage["plan"]["accepted"]) == plans[1]["replay/accepted"]
+
+
+@pytest.mark.slow
+def test_replay_gate_rejects_drifted_groups_and_rechecks_slots(
+    tmp_path: Path, easy_base_model: Path, replay_uninterrupted: Path
+):
+    """The same run with a gate that bites: τ = the mean drift of the groups the wide-open run scored at
+    stage 1. Up to that decision the two runs are identical (same stage 0, same buffer, same order), so
+    the same groups are scored with the same drifts, and τ at their mean rejects some and admits some.
+    recheck_updates=0 re-checks every slot of stage 1 against the policy of that update."""
+    wide = next(r for r in records(replay_uninterrupted) if r["step"] == 5 and "replay/accepted" in r)
+    tau = wide["replay/drift_mean"]
+    run_dir = tmp_path / "replay_gated"
+    overrides = [*REPLAY[:-1], f"replay.tau={tau:.17e}", "replay.max_scored_per_step=4", "replay.recheck_updates=0"]
+    train(run_dir, easy_base_model, *overrides)
+    recs = records(run_dir)
+    plan = next(r for r in recs if r["step"] == 5 and "replay/accepted" in r)
+    assert plan["replay/scored"] == wide["replay/scored"] >= 2
+    assert plan["replay/drift_mean"] == pytest.approx(wide["replay/drift_mean"], rel=1e-6)  # the same groups
+    assert 0 < plan["replay/accepted"] < plan["replay/scored"], "the gate rejected some groups and kept some"
+    assert plan["replay/drift_mean_rejected"] > tau >= plan["replay/drift_mean_accepted"]
+    rechecks = [r for r in recs if "replay/recheck_scored" in r]
+    assert [r["step"] for r in rechecks] == [6, 7, 8][: len(rechecks)] and rechecks
+    assert sum(r["replay/recheck_scored"] for r in rechecks) == plan["replay/accepted"]
+    assert all(r["replay/recheck_age"] >= 1 for r in rechecks)
+    assert [r["step"] for r in recs if "train/loss" in r] == list(range(1, 9))
 
 
 @pytest.mark.slow
