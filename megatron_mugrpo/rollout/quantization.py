@@ -281,9 +281,10 @@ def export_checkpoint(model: torch.nn.Module, target: str | Path, *, tokenizer_d
     so an engine never reads a half-written checkpoint. The export consumes the model (ModelOpt
     replaces its weights by the FP8 values): export a copy you no longer need.
 
-    The FP8 codes equal the fake quant's for a float32 model. For a bf16 model ModelOpt 0.47 divides
-    by the scale in bf16 before the FP8 cast, so a few percent of the codes land one E4M3 step away
-    from the (float32) fake quant (measured: 2.7% on a small Qwen2): the checkpoint, not the
+    The FP8 codes equal the fake quant's for a float32 model. For a bf16 model they may land one
+    E4M3 step away from the (float32) fake quant where the division by the scale runs in bf16 (a
+    bf16 division would move 3.4% of a small Qwen2's codes); ModelOpt 0.47 on CPU divides in float32
+    (its float32 scale promotes the weight) and moves none. Either way the checkpoint, not the
     fake-quant model, is what SGLang serves, and its own log-probs are the ones stored.
     """
     import_modelopt()
