@@ -9,11 +9,19 @@ max |error| 4.8e-7 in float32 against a teacher-forced forward, with and without
 
 Prompts of different lengths share a batch through left padding: the attention mask hides the
 padding and position ids count only real tokens, so a padded row computes what it would alone.
-Rows that sample EOS leave the batch at once (their KV-cache rows are dropped).
+A row that samples EOS is finished at once (nothing it samples later is read); finished rows leave
+the batch (their KV-cache rows are dropped) once they are a quarter of it.
+
+The loop is faster than ``model.generate`` on the same model and batch (issue #28, measured by
+``benchmarks/rollout_throughput.py``: ``vs_generate``): the KV cache and the mask are allocated once
+for the whole response instead of grown by concatenation every step, a decoding step hands SDPA a
+view of the mask instead of having the model rebuild it, finished rows are dropped a few times per
+batch instead of at almost every step, and the loop runs in inference mode.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import re
@@ -35,7 +43,7 @@ from megatron_mugrpo.rollout.engine import (
 )
 
 if TYPE_CHECKING:  # transformers is imported when an engine is built, not when the config is loaded
-    from transformers import PreTrainedModel
+    from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -199,59 +207,77 @@ class TransformersEngine:
         )
         return result
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd bookkeeping (version counters, views) on the ~30 ops of each step
     def _sample_batch(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
     ) -> list[Generation]:
         """Sample one response for each prompt in one left-padded batch of B rows.
 
-        A row that samples EOS leaves the batch (its cache rows are dropped), so the long tail of
-        unfinished responses does not pay for finished ones; ``active`` [A] maps the rows still in
-        the batch to their index in ``prompts``. Outputs are written into [B, max_new_tokens] buffers.
+        A row that samples EOS is done: its later samples are never read. Done rows leave the batch
+        (their cache rows are dropped) once they are ``_COMPACT_FRACTION`` of the rows still computed,
+        so the long tail of unfinished responses does not pay for finished ones, and the copy of the
+        cache that dropping costs is paid a few times per batch rather than at almost every step.
+        ``rows`` [A] maps the rows still computed to their index in ``prompts``. Outputs are written
+        into [B, max_new_tokens] buffers; the mask and the cache are allocated once for the whole
+        response (nothing grows by concatenation inside the loop).
         """
-        from transformers import DynamicCache
-
         model = self._live_model()
-        input_ids, attention_mask = left_pad(prompts, self.pad_token_id, self.device)
-        positions = position_ids_from_mask(attention_mask)
+        input_ids, prompt_mask = left_pad(prompts, self.pad_token_id, self.device)
+        batch, width, steps = len(prompts), input_ids.shape[1], params.max_new_tokens
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
-        batch, steps = len(prompts), params.max_new_tokens
         tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=self.device)
         logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
         lengths = torch.full((batch,), steps, dtype=torch.long, device=self.device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        active = torch.arange(batch, device=self.device)
-        cache = DynamicCache(config=model.config) if self.use_cache else None
-        step_ids, step_pos = input_ids, positions
+        # The whole response's mask at once: generated positions are always real tokens, and step s
+        # passes the prefix of width + s columns.
+        mask = torch.cat([prompt_mask, torch.ones((batch, steps), dtype=torch.long, device=self.device)], dim=1)
+        attend = mask.bool()  # the same as the SDPA mask of a decoding step (see below)
+        rows = torch.arange(batch, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        cache = preallocated_cache(model.config, width + steps) if self.use_cache else None
+        # Decoding steps attend to every real position before them, so their SDPA mask is a view of
+        # ``mask`` [A, 1, 1, width + s]: handing it over skips the model's mask construction every step.
+        # The prefill keeps the 2D mask (it needs the causal part too).
+        decode_mask_4d = cache is not None and self.attn_implementation == "sdpa" and _all_preallocated(cache)
+        step_ids, step_pos = input_ids, position_ids_from_mask(prompt_mask)
+        next_pos = step_pos[:, -1:] + 1  # [A, 1]: position of the next input token
         for step in range(steps):
+            if cache is None:
+                step_mask = mask[:, : step_ids.shape[1]]
+            elif step > 0 and decode_mask_4d:
+                step_mask = attend[:, None, None, : width + step]
+            else:
+                step_mask = mask[:, : width + step]
             logits = model(
                 input_ids=step_ids,
-                attention_mask=attention_mask,
+                attention_mask=step_mask,
                 position_ids=step_pos,
                 past_key_values=cache,
                 use_cache=cache is not None,
                 logits_to_keep=1,
             ).logits[:, -1]
             token, logprob = sample_with_logprob(logits, params.temperature, generator)
-            tokens[active, step], logprobs[active, step] = token, logprob
-            hit_eos = torch.isin(token, eos)
-            lengths[active[hit_eos]] = step + 1
-            stopped[active[hit_eos]] = True
-            keep = (~hit_eos).nonzero().squeeze(1)
-            if keep.numel() == 0:
+            tokens[rows, step], logprobs[rows, step] = token, logprob  # a done row's entries lie past its length
+            hit_eos = torch.isin(token, eos) & ~done
+            lengths[rows[hit_eos]] = step + 1
+            stopped[rows[hit_eos]] = True
+            done |= hit_eos
+            finished = int(done.sum())
+            if finished == done.numel():
                 break
-            if keep.numel() < active.numel():
-                active, token, step_ids = active[keep], token[keep], step_ids[keep]
-                attention_mask, positions = attention_mask[keep], positions[keep]
-                if cache is not None:
-                    cache.batch_select_indices(keep)
-            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-            next_pos = positions[:, -1:] + 1
-            positions = torch.cat([positions, next_pos], dim=1)
             if cache is not None:
                 step_ids, step_pos = token[:, None], next_pos
             else:  # no cache: feed the whole sequence again
-                step_ids, step_pos = torch.cat([step_ids, token[:, None]], dim=1), positions
+                step_ids = torch.cat([step_ids, token[:, None]], dim=1)
+                step_pos = torch.cat([step_pos, next_pos], dim=1)
+            next_pos = next_pos + 1
+            if finished >= _COMPACT_FRACTION * done.numel():
+                keep = (~done).nonzero().squeeze(1)
+                rows, done, mask, attend = rows[keep], done[keep], mask[keep], attend[keep]
+                step_ids, step_pos, next_pos = step_ids[keep], step_pos[keep], next_pos[keep]
+                if cache is not None:
+                    cache.batch_select_indices(keep)
         return _to_generations(tokens, logprobs, lengths, stopped)
 
     def teacher_forced_logprobs(
@@ -359,6 +385,73 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
+_COMPACT_FRACTION = 0.25
+"""Done rows leave the batch once they are this fraction of the rows computed. Dropping them copies
+the whole KV cache; keeping them costs their share of each step's forward. At every EOS (the old
+rule) the copy ran at most steps of a 256-row batch; a quarter bounds the wasted rows to 25% and
+compacts a handful of times per batch."""
+
+
+@functools.cache
+def _preallocated_layer_class() -> type:
+    """``DynamicLayer`` with its KV cache in buffers of the response's final length [A, H, capacity, D].
+
+    ``DynamicLayer`` concatenates every step, copying the whole cache each time; this layer writes the
+    step's keys/values into place and hands out views of the filled prefix. Defined on first use so
+    that transformers is imported only when an engine runs."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity, self.filled = capacity, 0
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            (batch, heads, _, dim), value_dim = key_states.shape, value_states.shape[-1]
+            self.key_buffer = key_states.new_empty((batch, heads, self.capacity, dim))
+            self.value_buffer = value_states.new_empty((batch, value_states.shape[1], self.capacity, value_dim))
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.keys, self.values = self.key_buffer[:, :, :0], self.value_buffer[:, :, :0]
+            self.is_initialized = True
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.filled + key_states.shape[-2]
+            if end > self.capacity:
+                raise RuntimeError(f"the preallocated KV cache holds {self.capacity} positions, not {end}")
+            self.key_buffer[:, :, self.filled : end] = key_states
+            self.value_buffer[:, :, self.filled : end] = value_states
+            self.filled = end
+            self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+                self.keys, self.values = self.key_buffer[:, :, : self.filled], self.value_buffer[:, :, : self.filled]
+
+    return PreallocatedLayer
+
+
+def _all_preallocated(cache: DynamicCache) -> bool:
+    return all(type(layer) is _preallocated_layer_class() for layer in cache.layers)
+
+
+def preallocated_cache(config: PreTrainedConfig, capacity: int) -> DynamicCache:
+    """A ``DynamicCache`` whose plain full-attention layers write into buffers of ``capacity`` positions;
+    other layer kinds (sliding windows, linear attention) keep their own class."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    layer_class = _preallocated_layer_class()
+    cache.layers = [layer_class(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 def sample_with_logprob(
     logits: torch.Tensor, temperature: float, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +462,8 @@ def sample_with_logprob(
     Returns:
         token [B] int64 and its log-prob [B] float32: log_softmax(logits / T)[token].
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature  # x / 1.0 == x exactly
+    logp = torch.log_softmax(scaled, dim=-1)
     token = torch.multinomial(logp.exp(), num_samples=1, generator=generator).squeeze(1)
     return token, logp.gather(1, token[:, None]).squeeze(1)
 
