@@ -1,14 +1,20 @@
-"""Generated tokens/s of the transformers rollout engine at batch sizes 8 … 256 on a small model.
+"""Generated tokens/s of the transformers rollout engine at batch sizes 8 … 256 on a small model,
+and against ``model.generate`` at the demo's batch sizes.
 
 Large stages buy throughput: a frozen policy can generate its whole static dataset in big
-batches. This prints tokens/s per batch size and the ratio largest / smallest batch.
+batches. This prints tokens/s per batch size and the ratio largest / smallest batch. Then, side by
+side in the same process (interleaved, best of --repeats each), our sampling loop and
+``model.generate`` (multinomial sampling at T, top-k/top-p off: the same distribution) at
+--generate-batches: 256 rows is a standard-GRPO stage of the demo (32 groups × 8), 2048 the μ-GRPO
+demo's engine batch. ``vs_generate`` is our tokens/s over generate's, the smallest over those batch
+sizes, by wall clock; the CPU-time ratio is printed too (steadier on a shared machine).
 
     python benchmarks/rollout_throughput.py                    # CPU default, < 2 minutes
     python benchmarks/rollout_throughput.py --device cuda --hidden 512 --layers 8
 
 The model is a randomly initialised Qwen2 over the built-in character tokenizer; EOS is disabled
 so that every row generates exactly --max-new-tokens tokens and the token count is exact.
-Last line: ``batch_speedup=<tokens/s at the largest batch / at the smallest>``.
+Last line: ``batch_speedup=<tokens/s at the largest batch / at the smallest> vs_generate=<ours / generate>``.
 """
 
 from __future__ import annotations
@@ -16,13 +22,14 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
-from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
+from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, left_pad
 from megatron_mugrpo.training.tiny import tiny_hf_dir
 
 
@@ -37,6 +44,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per batch size (noise)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--generate-batches", type=int, nargs="*", default=[256, 2048], help="rows compared with model.generate"
+    )
     return parser.parse_args()
 
 
@@ -54,22 +64,76 @@ def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
         tie_word_embeddings=True,
     )
     tokenizer = build_char_tokenizer()
-    rows = builtin_problems("arithmetic", max(args.batch_sizes), seed=0, split="train")
+    rows = builtin_problems("arithmetic", max([*args.batch_sizes, *args.generate_batches]), seed=0, split="train")
     return [tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in rows]
 
 
 def measure(engine: TransformersEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
     """Generated tokens per wall-clock second and per CPU second (process time, all threads) for
     one call on len(prompts) rows; the CPU figure is the steadier one on a shared machine."""
-    if engine.device.type == "cuda":
+    return _timed(
+        engine.device, lambda: sum(len(g.response_ids) for grp in engine.generate(prompts, 1, params) for g in grp)
+    )
+
+
+def measure_generate(
+    engine: TransformersEngine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[float, float]:
+    """``measure`` for ``model.generate`` on the engine's model: multinomial sampling from
+    softmax(logits / T), no top-k / top-p, no EOS (every row runs to max_new_tokens, as ours does)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=params.temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=params.max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=engine.pad_token_id,
+    )
+    input_ids, mask = left_pad(prompts, engine.pad_token_id, engine.device)
+
+    def run() -> int:
+        with torch.inference_mode():
+            out = engine.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        return out[:, input_ids.shape[1] :].numel()
+
+    return _timed(engine.device, run)
+
+
+def _timed(device: torch.device, call: Callable[[], int]) -> tuple[float, float]:
+    """(tokens / wall second, tokens / CPU second) of ``call``, which returns its token count."""
+    if device.type == "cuda":
         torch.cuda.synchronize()
     wall, cpu = time.perf_counter(), time.process_time()
-    groups = engine.generate(prompts, 1, params)
-    if engine.device.type == "cuda":
+    tokens = call()
+    if device.type == "cuda":
         torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    tokens = sum(len(g.response_ids) for group in groups for g in group)
     return tokens / wall, tokens / max(cpu, 1e-9)
+
+
+def versus_generate(
+    engine: TransformersEngine, prompts: list[list[int]], params: SamplingParams, batches: list[int], repeats: int
+) -> float:
+    """Print our tokens/s and generate's per batch size (interleaved runs, best of ``repeats``);
+    returns the smallest wall-clock ratio ours / generate (nan without batch sizes)."""
+    print(f"ours vs model.generate, best of {repeats} interleaved runs each")
+    print(f"{'batch':>6} {'ours tok/s':>11} {'generate':>10} {'ratio':>6} {'cpu ratio':>10}")
+    ratios = []
+    for batch in batches:
+        ours, theirs = [], []
+        for _ in range(repeats):
+            ours.append(measure(engine, prompts[:batch], params))
+            theirs.append(measure_generate(engine, prompts[:batch], params))
+        wall = max(r[0] for r in ours) / max(r[0] for r in theirs)
+        cpu = max(r[1] for r in ours) / max(r[1] for r in theirs)
+        ratios.append(wall)
+        print(
+            f"{batch:>6} {max(r[0] for r in ours):>11.1f} {max(r[0] for r in theirs):>10.1f} {wall:>6.2f} {cpu:>10.2f}"
+        )
+    return min(ratios, default=float("nan"))
 
 
 def main() -> None:
@@ -96,8 +160,10 @@ def main() -> None:
             cpu_rate = max(r[1] for r in runs)
             speedup = rates[batch] / rates[args.batch_sizes[0]]
             print(f"{batch:>6} {rates[batch]:>12.1f} {speedup:>11.2f}x {cpu_rate:>13.1f}")
+        measure_generate(engine, prompts[: min(args.batch_sizes)], params)  # warm-up
+        vs_generate = versus_generate(engine, prompts, params, args.generate_batches, args.repeats)
     largest, smallest = max(args.batch_sizes), min(args.batch_sizes)
-    print(f"batch_speedup={rates[largest] / rates[smallest]:.2f}")
+    print(f"batch_speedup={rates[largest] / rates[smallest]:.2f} vs_generate={vs_generate:.2f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.loop import hdr
@@ -84,7 +85,7 @@ def run_evaluation(run: Run) -> dict[str, float]:
     if not run.benchmarks:
         return {}
     with run.timer("perf/t_eval_s"):
-        sync_engine(run)
+        synced = sync_engine(run)
         with engine_threads(run.placement.cpu_threads):
             metrics = evaluate(
                 run.engine,
@@ -101,7 +102,7 @@ def run_evaluation(run: Run) -> dict[str, float]:
         best = run.state.best
         if best is None or metrics[AVG_KEY] > best.avg_pass_at_1:
             run.state.best = BestEval(avg_pass_at_1=metrics[AVG_KEY], global_update=run.state.global_update)
-        run.logger.log(metrics | timers(run), step=run.state.global_update)
+        run.logger.log(metrics | synced | timers(run), step=run.state.global_update)
     return metrics
 
 
@@ -160,6 +161,18 @@ def timers(run: Run) -> dict[str, float]:
     phases = {k: run.extra_timers.get(k, 0.0) + run.timer.total(k) for k in TIMER_KEYS}
     total = run.extra_timers.get("perf/t_total_s", 0.0) + (time.monotonic() - run.started)
     return phases | {"perf/t_total_s": total}
+
+
+@contextmanager
+def overhead_part(parts: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall-clock seconds to ``parts["perf/stage_overhead_<name>_s"]``: one part of a
+    stage's boundary (what a stage costs besides sampling and optimizer updates)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        key = f"perf/stage_overhead_{name}_s"
+        parts[key] = parts.get(key, 0.0) + time.perf_counter() - started
 
 
 def progress_range(run: Run, start: int, stop: int, desc: str) -> Iterator[int]:

@@ -29,10 +29,10 @@ def sync_engine(run: Run) -> dict[str, float]:
 
     ``export_policy`` yields full Hugging Face tensors on every rank; each host hands them to its
     engine in memory (SGLang: in buckets through ``update_weights_from_tensor``), the other ranks
-    drain them. Returns, and logs, rank 0's ``perf/weight_sync_s`` and ``perf/weight_sync_gb_per_s``
-    (export + load, bytes as exported). With ``rollout.quantization`` the hosts load the quantized
-    behaviour policy instead (SGLang through a quantized checkpoint in RUN_DIR/behaviour_policy/engine_E;
-    see ``rollout.quantization``).
+    drain them. Returns rank 0's ``perf/weight_sync_s`` and ``perf/weight_sync_gb_per_s`` (export +
+    load, bytes as exported), for the caller to log with the phase's other metrics (one record). With
+    ``rollout.quantization`` the hosts load the quantized behaviour policy instead (SGLang through a
+    quantized checkpoint in RUN_DIR/behaviour_policy/engine_E; see ``rollout.quantization``).
     """
     started = time.perf_counter()
     counted = export_policy(
@@ -41,9 +41,7 @@ def sync_engine(run: Run) -> dict[str, float]:
     if counted is None:
         return {}
     seconds = time.perf_counter() - started
-    metrics = {"perf/weight_sync_s": seconds, "perf/weight_sync_gb_per_s": counted / 1e9 / max(seconds, 1e-9)}
-    run.logger.log(metrics, step=run.state.global_update)
-    return metrics
+    return {"perf/weight_sync_s": seconds, "perf/weight_sync_gb_per_s": counted / 1e9 / max(seconds, 1e-9)}
 
 
 def _load_engine(run: Run, tensors: NamedTensors) -> int:
@@ -75,8 +73,12 @@ class _CountedBytes:
 
 
 def release_engine(run: Run) -> None:
-    """Free this host's engine memory for the optimizer phase (the next sync brings the weights back)."""
-    if run.engine is not None:
+    """Free this host's engine memory for the optimizer phase (the next sync brings the weights back).
+
+    An engine whose ``release_frees_memory`` is False (the transformers engine on the CPU) keeps its
+    model: releasing would free nothing the trainer needs and cost a rebuild at the next sync. Engines
+    without the attribute (SGLang) always release."""
+    if run.engine is not None and getattr(run.engine, "release_frees_memory", True):
         run.engine.release()
 
 

@@ -20,6 +20,7 @@ from megatron_mugrpo.loop import hdr
 from megatron_mugrpo.loop.actions import (
     check_first_update,
     evaluate_and_checkpoint,
+    overhead_part,
     progress_range,
     run_evaluation,
     summary,
@@ -90,31 +91,53 @@ def stage_data(run: Run, stage: int, store: RolloutStore) -> StageData:
 
 
 def rollout_phase(run: Run, stage: int) -> RolloutStore:
-    """Generate D_k on every engine host, unless a complete, intact one is on disk; every rank opens it."""
-    cfg = run.cfg
+    """Generate D_k on every engine host, unless a complete, intact one is on disk; every rank opens it.
+
+    Logs, with the phase's ``perf/rollout_*`` metrics, the stage boundary: ``perf/stage_overhead_s``,
+    the phase's seconds other than sampling, and its parts ``perf/stage_overhead_<part>_s`` (store_plan,
+    weight_sync, reward, store_write, engine_release, store_open, other: the rest)."""
+    cfg, started, parts = run.cfg, time.perf_counter(), {}
     prompts = stage_prompts(run.prompts, stage, cfg.stages.train_groups, cfg.data.seed)
-    plan = plan_rollout(run, stage, prompts)  # rank 0 verifies or repairs the store; every rank gets the plan
-    if plan.missing:
-        with behaviour_policy(run, plan.manifest.policy_version):  # β_k (an older policy only when repairing)
-            sync_engine(run)
-        with engine_threads(run.placement.cpu_threads), stage_progress(run, plan, stage) as bar:
-            metrics = generate_planned(
-                plan,
-                engine=run.engine,
-                prompts=prompts,
-                tokenizer=run.tokenizer,
-                reward_fn=run.reward_fn,
-                cfg=cfg.rollout,
-                adv_eps=cfg.algo.adv_eps,
-                store_dir=run.rollout_dir(stage),
-                seed=cfg.stages.seed,
-                hosts=run.hosts,
-                progress=bar.update,
-                on_shard_written=lambda index: crash_point(f"shard:{stage}:{index}"),
-            )
-        release_engine(run)  # free every engine's memory for the optimizer phase
-        run.logger.log({k: v for k, v in metrics.items() if k.startswith("perf/")}, step=run.state.global_update)
-    return RolloutStore.open(run.rollout_dir(stage), verify=False)  # rank 0 verified every shard
+    with overhead_part(parts, "store_plan"):
+        plan = plan_rollout(run, stage, prompts)  # rank 0 verifies or repairs the store; every rank gets the plan
+    if not plan.missing:
+        return RolloutStore.open(run.rollout_dir(stage), verify=False)
+    with overhead_part(parts, "weight_sync"), behaviour_policy(run, plan.manifest.policy_version):
+        metrics = sync_engine(run)  # β_k (an older policy only when repairing)
+    with engine_threads(run.placement.cpu_threads), stage_progress(run, plan, stage) as bar:
+        metrics |= generate_planned(
+            plan,
+            engine=run.engine,
+            prompts=prompts,
+            tokenizer=run.tokenizer,
+            reward_fn=run.reward_fn,
+            cfg=cfg.rollout,
+            adv_eps=cfg.algo.adv_eps,
+            store_dir=run.rollout_dir(stage),
+            seed=cfg.stages.seed,
+            hosts=run.hosts,
+            progress=bar.update,
+            on_shard_written=lambda index: crash_point(f"shard:{stage}:{index}"),
+        )
+    with overhead_part(parts, "engine_release"):
+        release_engine(run)  # free every engine's memory for the optimizer phase (where that frees any)
+    with overhead_part(parts, "store_open"):
+        store = RolloutStore.open(run.rollout_dir(stage), verify=False)  # rank 0 verified every shard
+    perf = {k: v for k, v in metrics.items() if k.startswith("perf/")}
+    run.logger.log(perf | stage_overhead(parts | perf, time.perf_counter() - started), step=run.state.global_update)
+    return store
+
+
+def stage_overhead(parts: dict[str, float], seconds: float) -> dict[str, float]:
+    """The stage boundary: ``seconds`` of the rollout phase less its sampling (``perf/rollout_sampling_s``),
+    split into the measured parts and ``other``, the rest (prompt selection, advantages, progress bar).
+    Rank 0's figures; other ranks have no sampling time of their own to subtract, and log nothing."""
+    overhead = seconds - parts.get("perf/rollout_sampling_s", 0.0)
+    measured = {k: v for k, v in parts.items() if k.startswith("perf/stage_overhead_")}
+    return measured | {
+        "perf/stage_overhead_other_s": max(0.0, overhead - sum(measured.values())),
+        "perf/stage_overhead_s": overhead,
+    }
 
 
 def plan_rollout(run: Run, stage: int, prompts: list[PromptRecord]) -> StorePlan:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -73,6 +74,20 @@ class Decoder(Protocol):
     """The part of a tokenizer that generation needs."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class PhaseSeconds:
+    """Seconds a rollout call spent in each of its parts, added up over shards and rounds (rank 0's
+    ``perf/rollout_sampling_s``, ``perf/stage_overhead_reward_s``, ``perf/stage_overhead_store_write_s``):
+    the stage boundary is what is not sampling."""
+
+    sampling: float = 0.0
+    """Inside ``engine.generate``."""
+    reward: float = 0.0
+    """Decoding and scoring the responses."""
+    store_write: float = 0.0
+    """Claiming and writing shards, sealing the manifest (fsyncs included)."""
 
 
 @dataclass
@@ -159,17 +174,19 @@ def generate_planned(
     of rewards that run tests) and ``perf/*`` metrics of this call (generated tokens over all hosts,
     seconds, shards written and resumed, engines).
     """
-    started, tokens, written = time.perf_counter(), 0, 0
+    started, tokens, written, seconds = time.perf_counter(), 0, 0, PhaseSeconds()
     if hosts.placement.is_host:
         if engine is None:
             raise ValueError(f"rank {hosts.placement.rank} hosts an engine but generate_planned() got engine=None")
         writer = ShardWriter(store_dir, plan.manifest)
         for index in plan.missing:
-            if not writer.claim(index):
+            with _adding(seconds, "store_write"):
+                claimed = writer.claim(index)
+            if not claimed:
                 continue  # another host took it
             try:
                 tokens += _generate_shard(
-                    writer, index, engine, prompts, tokenizer, reward_fn, cfg, adv_eps, seed, progress
+                    writer, index, engine, prompts, tokenizer, reward_fn, cfg, adv_eps, seed, progress, seconds
                 )
             except BaseException:
                 writer.release(index)
@@ -178,7 +195,8 @@ def generate_planned(
             if on_shard_written is not None:
                 on_shard_written(index)
     counts = hosts.gather((tokens, written))  # rank 0 hears from every rank once all shards are written
-    manifest = seal_store(store_dir) if hosts.placement.rank == 0 and plan.missing else plan.manifest
+    with _adding(seconds, "store_write"):
+        manifest = seal_store(store_dir) if hosts.placement.rank == 0 and plan.missing else plan.manifest
     hosts.barrier()  # nobody opens the store before it is sealed
     if counts is None:
         return {}
@@ -190,7 +208,22 @@ def generate_planned(
         resumed=manifest.num_shards - len(plan.missing),
         engines=hosts.placement.num_engines,
         per_engine=[counts[rank][1] for rank in hosts.placement.host_ranks],
-    )
+    ) | {
+        "perf/rollout_sampling_s": seconds.sampling,
+        "perf/stage_overhead_reward_s": seconds.reward,
+        "perf/stage_overhead_store_write_s": seconds.store_write,
+    }
+
+
+@contextmanager
+def _adding(seconds: PhaseSeconds | None, part: str) -> Iterator[None]:
+    """Add the block's wall-clock seconds to ``seconds.<part>`` (nothing when ``seconds`` is None)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            setattr(seconds, part, getattr(seconds, part) + time.perf_counter() - started)
 
 
 def _generate_shard(
@@ -204,6 +237,7 @@ def _generate_shard(
     adv_eps: float,
     seed: int,
     progress: ProgressCallback | None,
+    seconds: PhaseSeconds,
 ) -> int:
     """Generate, score and write shard ``index``; returns its response tokens."""
     manifest = writer.manifest
@@ -216,11 +250,13 @@ def _generate_shard(
         seeds=(seed, manifest.stage, index),
         vocab_size=manifest.vocab_size,
         progress=progress,
+        seconds=seconds,
     )
     for group in groups:
         group.stage, group.policy_version = manifest.stage, manifest.policy_version
     assign_advantages(groups, adv_eps)
-    writer.write_shard(index, groups)
+    with _adding(seconds, "store_write"):
+        writer.write_shard(index, groups)
     return sum(len(s.response_ids) for g in groups for s in g.samples)
 
 
@@ -234,11 +270,13 @@ def generate_groups(
     seeds: tuple[int, ...],
     vocab_size: int,
     progress: ProgressCallback | None = None,
+    seconds: PhaseSeconds | None = None,
 ) -> list[RolloutGroup]:
     """Sample, decode and score the responses of some prompts (fixed G or VIGOR rounds).
 
     ``seeds`` identifies the call (e.g. (seed, stage, shard)); round r samples with a seed derived
     from seeds + (r,). Advantages are left at 0 (the caller normalises once allocation is final).
+    ``seconds`` (optional) gets the time spent sampling and scoring added.
     """
     pending = [_Pending(record, []) for record in records]
     budget = total_budget(len(records), cfg)
@@ -255,7 +293,7 @@ def generate_groups(
             max_new_tokens=cfg.max_new_tokens,
             seed=derive_seed(*seeds, round_index),
         )
-        _sample_round(engine, pending, extra, params, tokenizer, reward_fn, vocab_size, progress)
+        _sample_round(engine, pending, extra, params, tokenizer, reward_fn, vocab_size, progress, seconds)
     return [
         RolloutGroup(
             prompt_id=p.record.prompt_id,
@@ -276,11 +314,13 @@ def _sample_round(
     reward_fn: RewardFn,
     vocab_size: int,
     progress: ProgressCallback | None,
+    seconds: PhaseSeconds | None = None,
 ) -> None:
     """Generate ``counts[p]`` more responses for each prompt p, score them, append them."""
     chosen = [p for p, n in enumerate(counts) if n > 0]
     wanted = [counts[p] for p in chosen]
-    generations = engine.generate([list(pending[p].record.prompt_ids) for p in chosen], wanted, params, progress)
+    with _adding(seconds, "sampling"):
+        generations = engine.generate([list(pending[p].record.prompt_ids) for p in chosen], wanted, params, progress)
     validate_generations(
         generations,
         wanted,
@@ -289,8 +329,9 @@ def _sample_round(
         engine=getattr(engine, "name", type(engine).__name__),
     )
     flat: list[tuple[int, Generation]] = [(p, gen) for p, group in zip(chosen, generations) for gen in group]
-    texts = [tokenizer.decode(gen.response_ids, skip_special_tokens=True) for _, gen in flat]
-    scores = reward_fn.score(texts, [pending[p].record.answer for p, _ in flat])
+    with _adding(seconds, "reward"):
+        texts = [tokenizer.decode(gen.response_ids, skip_special_tokens=True) for _, gen in flat]
+        scores = reward_fn.score(texts, [pending[p].record.answer for p, _ in flat])
     for (p, gen), score in zip(flat, scores):
         reward, reason = score
         pending[p].samples.append(

@@ -153,6 +153,16 @@ class TransformersEngine:
         """The live model's Hugging Face-named tensors (tied ones under each name), for checks."""
         return self._live_model().state_dict()
 
+    @property
+    def release_frees_memory(self) -> bool:
+        """Whether ``release()`` between phases gives the trainer memory it could not otherwise use.
+
+        On an accelerator it does. On the CPU the engine holds a copy of the weights in the host's
+        RAM, and releasing it only made the next weight sync rebuild the model from its config (a
+        random initialisation and a garbage collection: most of the ~0.3 s stage boundary of the CPU
+        demo, issue #28), so the loops keep it and load the next stage's weights in place."""
+        return self.device.type != "cpu"
+
     def release(self) -> None:
         """Drop the model and return its memory (``load_hf_dir`` / ``load_weights`` bring it back)."""
         if self.model is None:
