@@ -4,6 +4,7 @@ derived clip), with their update passes over the whole optimizer update. Formula
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -125,32 +126,30 @@ def m2_clip_bound(log_ratio: Tensor, advantages: Tensor, response_mask: Tensor, 
     return torch.where(fits == n, torch.inf, torch.where(fits == 0, 0.0, last_fit))
 
 
-def _m2po_update_pass(
-    logprobs: Tensor,
-    behaviour_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    m2_threshold: float,
-    aggregation: str = DEFAULT_AGGREGATION,
-) -> dict[str, Tensor]:
-    """``m2_mask`` [B, T]: the M2PO mask over the whole update's tokens."""
-    terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
-    return {"m2_mask": m2po_mask(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)}
+def _update_pass(
+    key: str, compute: Callable[[Tensor, Tensor, Tensor, float], Tensor]
+) -> Callable[..., dict[str, Tensor]]:
+    """An M2PO update pass: ``{key: compute(log ρ, A, mask, τ_M2)}`` over the whole update's tokens."""
+
+    def update_pass(
+        logprobs: Tensor,
+        behaviour_logprobs: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        *,
+        m2_threshold: float,
+        aggregation: str = DEFAULT_AGGREGATION,
+    ) -> dict[str, Tensor]:
+        terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
+        return {key: compute(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)}
+
+    return update_pass
 
 
-def _m2po_clip_update_pass(
-    logprobs: Tensor,
-    behaviour_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    m2_threshold: float,
-    aggregation: str = DEFAULT_AGGREGATION,
-) -> dict[str, Tensor]:
-    """``m2_clip_sq_bound`` (0-d): τ² of the released M2PO code over the whole update's tokens."""
-    terms = token_terms(logprobs, behaviour_logprobs, advantages, response_mask)
-    return {"m2_clip_sq_bound": m2_clip_bound(terms.log_ratio, terms.advantages, terms.mask, m2_threshold)}
+_m2po_update_pass = _update_pass("m2_mask", m2po_mask)
+"""``m2_mask`` [B, T]: the M2PO mask over the whole update's tokens."""
+_m2po_clip_update_pass = _update_pass("m2_clip_sq_bound", m2_clip_bound)
+"""``m2_clip_sq_bound`` (0-d): τ² of the released M2PO code over the whole update's tokens."""
 
 
 def _m2_stats(terms: TokenTerms, kept_sq: Tensor, kept: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
