@@ -41,6 +41,7 @@ from megatron_mugrpo.rollout.engine import (
     responses_per_prompt,
     validate_generations,
 )
+from megatron_mugrpo.rollout.routes import RoutedGeneration, RouteRecorder
 
 if TYPE_CHECKING:  # transformers is imported when an engine is built, not when the config is loaded
     from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
@@ -84,6 +85,8 @@ class TransformersEngine:
             slow, kept to check that the cache does not change the log-probs).
         eos_token_ids: tokens that end a response; None reads the generation config / config.
         attn_implementation: 'sdpa' or 'eager'.
+        record_routes: record the experts every token went through (a mixture-of-experts model under
+            ``moe.routing_replay: rollout``); generations are then ``RoutedGeneration``s.
     """
 
     name = "transformers"
@@ -100,6 +103,7 @@ class TransformersEngine:
         use_cache: bool = True,
         eos_token_ids: Sequence[int] | None = None,
         attn_implementation: str = "sdpa",
+        record_routes: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
@@ -110,6 +114,8 @@ class TransformersEngine:
         self.attn_implementation = attn_implementation
         self._eos_override = list(eos_token_ids) if eos_token_ids is not None else None
         self.model: PreTrainedModel | None = None
+        self.record_routes = record_routes
+        self.recorder: RouteRecorder | None = None
         self.load_hf_dir(str(hf_dir))
 
     # ------------------------------------------------------------------ weights
@@ -168,6 +174,9 @@ class TransformersEngine:
         if self.model is None:
             return
         self.model = None
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -177,6 +186,9 @@ class TransformersEngine:
         self._config = model.config
         self._param_dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        if self.recorder is not None:
+            self.recorder.close()
+        self.recorder = RouteRecorder(self.model) if self.record_routes else None
 
     def _live_model(self) -> PreTrainedModel:
         if self.model is None:
@@ -252,7 +264,11 @@ class TransformersEngine:
         decode_mask_4d = cache is not None and self.attn_implementation == "sdpa" and _all_preallocated(cache)
         step_ids, step_pos = input_ids, position_ids_from_mask(prompt_mask)
         next_pos = step_pos[:, -1:] + 1  # [A, 1]: position of the next input token
+        if self.recorder is not None:
+            self.recorder.begin([len(p) for p in prompts])
         for step in range(steps):
+            if self.recorder is not None:
+                self.recorder.step(rows)  # the rows this forward feeds (done rows stay until compaction)
             if cache is None:
                 step_mask = mask[:, : step_ids.shape[1]]
             elif step > 0 and decode_mask_4d:
@@ -288,7 +304,14 @@ class TransformersEngine:
                 step_ids, step_pos, next_pos = step_ids[keep], step_pos[keep], next_pos[keep]
                 if cache is not None:
                     cache.batch_select_indices(keep)
-        return _to_generations(tokens, logprobs, lengths, stopped)
+        gens = _to_generations(tokens, logprobs, lengths, stopped)
+        if self.recorder is None:
+            return gens
+        # A done row may have been fed past its EOS before it left: keep the trainer's input only.
+        return [
+            RoutedGeneration(**vars(g), routes=self.recorder.routes(b)[: len(prompts[b]) + len(g.response_ids) - 1])
+            for b, g in enumerate(gens)
+        ]
 
     def teacher_forced_logprobs(
         self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperature: float

@@ -174,3 +174,36 @@ def test_run_configs_where_replay_cannot_work_are_refused_naming_the_key():
         "moe.routing_replay='rollout' needs the experts"
     )
     assert routing_replay_problem("none", engine="vllm", mode="async", tiny_arch="qwen2") == ""
+
+
+def test_transformers_engine_records_each_responses_routes_as_the_trainer_feeds_them(model, tmp_path):
+    """The engine's own decode loop (preallocated cache, rows leaving at EOS after compaction) under
+    ``record_routes=True``: each generation carries len(prompt) + len(response) - 1 rows of routes,
+    equal to a teacher-forced forward's, also for rows fed past their EOS before they left the batch."""
+    from megatron_mugrpo.rollout.engine import SamplingParams
+    from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
+
+    model.save_pretrained(tmp_path)
+    eos = [3, 17, 41, 60, 99, 120, 200]  # common enough that rows stop at different steps
+    engine = TransformersEngine(tmp_path, dtype=torch.float32, device="cpu", eos_token_ids=eos, record_routes=True)
+    plain = TransformersEngine(tmp_path, dtype=torch.float32, device="cpu", eos_token_ids=eos)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+    groups = engine.generate(PROMPTS, 3, params)
+    assert [[g.response_ids for g in group] for group in groups] == [
+        [g.response_ids for g in group] for group in plain.generate(PROMPTS, 3, params)
+    ]  # recording changes nothing that is sampled
+    lengths = {len(g.response_ids) for group in groups for g in group}
+    assert len(lengths) > 2 and any(g.finish_reason == "stop" for group in groups for g in group)
+    checker = RouteRecorder(engine.model)
+    try:
+        for prompt, group in zip(PROMPTS, groups):
+            for gen in group:
+                assert isinstance(gen, RoutedGeneration)
+                assert gen.routes.shape == (len(prompt) + len(gen.response_ids) - 1, 2, TOPK)
+                expected = _teacher_forced(engine.model, checker, prompt + gen.response_ids[:-1])
+                np.testing.assert_array_equal(gen.routes, expected)
+    finally:
+        checker.close()
+    engine.release()
+    assert engine.recorder is None
+    assert not isinstance(plain.generate(PROMPTS[:1], 1, params)[0][0], RoutedGeneration)
