@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from megatron_mugrpo.rollout.routes import pad_routes
 
 @dataclass(kw_only=True)
 class RolloutSample:
@@ -35,6 +37,10 @@ class RolloutSample:
     old_logprobs: list[float] | None = None
     """Per-token log π_train(θ_old): the trainer's own log-prob at the stage's starting weights. Only
     attached (never stored in the rollout shards) when the loss uses the rollout correction."""
+    routes: np.ndarray | None = None
+    """[len(prompt) + len(response) - 1, moe_layers, k] uint8 / int16: the experts the rollout engine routed
+    each input token to (``rollout.routes``), recorded under ``moe.routing_replay=rollout``; None for dense
+    models. The row count needs the prompt, so it is checked where samples are built and stored."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.behaviour_logprobs):
@@ -43,6 +49,8 @@ class RolloutSample:
             )
         if self.old_logprobs is not None and len(self.old_logprobs) != len(self.response_ids):
             raise ValueError(f"response has {len(self.response_ids)} tokens but {len(self.old_logprobs)} old log-probs")
+        if self.routes is not None and self.routes.ndim != 3:
+            raise ValueError(f"routes of shape {self.routes.shape} must be [tokens, moe_layers, k]")
 
 
 @dataclass(kw_only=True)
@@ -123,10 +131,19 @@ _BATCH_FIELDS = ("tokens", "targets", "response_mask", "behaviour_logprobs", "ad
 
 
 def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -> TrainBatch:
-    """Flatten prompt groups into one right-padded TrainBatch (one row per response)."""
+    """Flatten prompt groups into one right-padded TrainBatch (one row per response).
+
+    Routes (when every response carries them) line up with ``tokens``: row b's P + T - 1 routes are
+    those of ``tokens[b, :P + T - 1]``, the inputs whose targets are real."""
     rows = [(g_idx, g.prompt_ids, s) for g_idx, g in enumerate(groups) for s in g.samples]
     if not rows:
         raise ValueError("collate() got no responses: every group is empty")
+    routed = [s.routes is not None for _, _, s in rows]
+    if any(routed) and not all(routed):
+        raise ValueError(
+            f"{routed.count(False)} of {len(rows)} responses carry no routes: a batch replays the engine's routes "
+            "for every response or for none (were groups without routes mixed in, e.g. from the replay buffer?)"
+        )
     length = max(len(p) + len(s.response_ids) for _, p, s in rows)
     length = -(-length // pad_to_multiple) * pad_to_multiple
     batch = len(rows)
@@ -154,4 +171,5 @@ def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -
         advantages=torch.tensor([s.advantage for _, _, s in rows], dtype=torch.float32),
         group_index=torch.tensor([g for g, _, _ in rows], dtype=torch.long),
         old_logprobs=old,
+        routes=pad_routes([s.routes for _, _, s in rows], length) if all(routed) else None,
     )
