@@ -41,6 +41,10 @@ class RolloutSample:
     """[len(prompt) + len(response) - 1, moe_layers, k] uint8 / int16: the experts the rollout engine routed
     each input token to (``rollout.routes``), recorded under ``moe.routing_replay=rollout``; None for dense
     models. The row count needs the prompt, so it is checked where samples are built and stored."""
+    versions: list[int] | None = None
+    """Per-token policy version (trainer updates behind the weights that sampled each token), for a
+    response sampled across weight publications (async.partial_rollout); None: every token has the
+    group's ``policy_version``. Same length as response_ids."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.behaviour_logprobs):
@@ -49,6 +53,8 @@ class RolloutSample:
             )
         if self.old_logprobs is not None and len(self.old_logprobs) != len(self.response_ids):
             raise ValueError(f"response has {len(self.response_ids)} tokens but {len(self.old_logprobs)} old log-probs")
+        if self.versions is not None and len(self.versions) != len(self.response_ids):
+            raise ValueError(f"response has {len(self.response_ids)} tokens but {len(self.versions)} token versions")
         if self.routes is not None and self.routes.ndim != 3:
             raise ValueError(f"routes of shape {self.routes.shape} must be [tokens, moe_layers, k]")
 
