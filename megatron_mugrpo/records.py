@@ -15,6 +15,7 @@ import torch
 
 from megatron_mugrpo.rollout.routes import pad_routes
 
+
 @dataclass(kw_only=True)
 class RolloutSample:
     """One sampled response to one prompt."""
