@@ -25,7 +25,7 @@ import importlib
 import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -91,6 +91,36 @@ class Generation:
     """Behaviour log-prob of each generated token at temperature T; same length as response_ids."""
     finish_reason: str
     """'stop' or 'length' (see FINISH_REASONS)."""
+    versions: list[int] | None = field(default=None, kw_only=True)
+    """Policy version of the weights that sampled each token, when the engine was given an ``Interrupt``
+    (partial rollouts: weights may change between two tokens); None otherwise. Keyword-only, so that
+    subclasses (``RoutedGeneration``) add fields without defaults after it."""
+
+
+KV_MODES = ("recompute", "keep")
+"""What a partial rollout does with a sequence's KV cache when the weights change mid-sequence:
+recompute it under the new weights (the tokens after the switch are sampled from exactly the new
+policy) or keep the old weights' keys and values (no extra forward; those tokens' log-probs are then
+the engine's, not the new policy's: the trainer's first ratio is off by the gap)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interrupt:
+    """Partial rollouts: what an engine does between two decode steps (``async.partial_rollout``).
+
+    The engine calls ``between_steps()`` before every decode forward; it applies newly published weights
+    when there are some (``load_weights``) and returns True when it did. In-flight sequences then go on
+    under the new weights, their KV cache recomputed or kept (``kv``), and every token records
+    ``version()``, the version of the weights that sampled it (``Generation.versions``).
+    """
+
+    between_steps: Callable[[], bool]
+    version: Callable[[], int]
+    kv: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.kv not in KV_MODES:
+            raise ValueError(f"Interrupt.kv={self.kv!r} is not one of {KV_MODES}")
 
 
 @runtime_checkable
@@ -192,6 +222,8 @@ def _generation_problem(gen: Generation, vocab_size: int, max_new_tokens: int) -
     """Describe what is wrong with one response, or return '' when it is valid."""
     if len(gen.response_ids) != len(gen.logprobs):
         return f"{len(gen.response_ids)} token ids but {len(gen.logprobs)} log-probs"
+    if gen.versions is not None and len(gen.versions) != len(gen.response_ids):
+        return f"{len(gen.response_ids)} token ids but {len(gen.versions)} token versions"
     if gen.finish_reason not in FINISH_REASONS:
         return f"finish_reason {gen.finish_reason!r} is not one of {FINISH_REASONS}"
     if len(gen.response_ids) > max_new_tokens:

@@ -17,6 +17,14 @@ The loop is faster than ``model.generate`` on the same model and batch (issue #2
 for the whole response instead of grown by concatenation every step, a decoding step hands SDPA a
 view of the mask instead of having the model rebuild it, finished rows are dropped a few times per
 batch instead of at almost every step, and the loop runs in inference mode.
+
+Partial rollouts (``async.partial_rollout``): a rollout worker sets ``engine.interrupt``
+(``engine.Interrupt``), whose ``between_steps()`` the loop calls before every forward. When it applied
+new weights, the same rows go on under them: their KV cache is rebuilt by one prefill forward over
+prompt + the tokens fed so far (``kv="recompute"``: every later token is sampled from exactly the new
+policy, as a teacher-forced forward under it computes; tested) or kept (``kv="keep"``: no extra
+forward, but the tokens after the switch come from the new weights attending to the old weights' keys
+and values, a policy the trainer never computes). Every token records the version that sampled it.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import torch
 from megatron_mugrpo.errors import MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
+    Interrupt,
     ProgressCallback,
     SamplingParams,
     check_prompt_ids,
@@ -116,6 +125,9 @@ class TransformersEngine:
         self.model: PreTrainedModel | None = None
         self.record_routes = record_routes
         self.recorder: RouteRecorder | None = None
+        self.interrupt: Interrupt | None = None
+        """Partial rollouts (``async.partial_rollout``): set by a rollout worker, consulted before every
+        decode forward; generations then carry per-token ``versions``."""
         self.load_hf_dir(str(hf_dir))
 
     # ------------------------------------------------------------------ weights
@@ -243,12 +255,14 @@ class TransformersEngine:
         into [B, max_new_tokens] buffers; the mask and the cache are allocated once for the whole
         response (nothing grows by concatenation inside the loop).
         """
-        model = self._live_model()
+        model, interrupt = self._live_model(), self.interrupt
         input_ids, prompt_mask = left_pad(prompts, self.pad_token_id, self.device)
         batch, width, steps = len(prompts), input_ids.shape[1], params.max_new_tokens
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
         tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=self.device)
         logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
+        versions = torch.zeros((batch, steps), dtype=torch.long) if interrupt is not None else None
+        version = interrupt.version() if interrupt is not None else 0
         lengths = torch.full((batch,), steps, dtype=torch.long, device=self.device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
         # The whole response's mask at once: generated positions are always real tokens, and step s
@@ -267,6 +281,10 @@ class TransformersEngine:
         if self.recorder is not None:
             self.recorder.begin([len(p) for p in prompts])
         for step in range(steps):
+            if interrupt is not None and interrupt.between_steps():  # new weights: the same sequences go on
+                model, version = self._live_model(), interrupt.version()
+                if cache is not None and step > 0 and interrupt.kv == "recompute":
+                    cache = self._recompute_cache(model, input_ids[rows], tokens[rows, : step - 1], mask, width + steps)
             if self.recorder is not None:
                 self.recorder.step(rows)  # the rows this forward feeds (done rows stay until compaction)
             if cache is None:
@@ -285,6 +303,8 @@ class TransformersEngine:
             ).logits[:, -1]
             token, logprob = sample_with_logprob(logits, params.temperature, generator)
             tokens[rows, step], logprobs[rows, step] = token, logprob  # a done row's entries lie past its length
+            if versions is not None:
+                versions[rows.cpu(), step] = version
             hit_eos = torch.isin(token, eos) & ~done
             lengths[rows[hit_eos]] = step + 1
             stopped[rows[hit_eos]] = True
@@ -304,7 +324,7 @@ class TransformersEngine:
                 step_ids, step_pos, next_pos = step_ids[keep], step_pos[keep], next_pos[keep]
                 if cache is not None:
                     cache.batch_select_indices(keep)
-        gens = _to_generations(tokens, logprobs, lengths, stopped)
+        gens = _to_generations(tokens, logprobs, lengths, stopped, versions)
         if self.recorder is None:
             return gens
         # A done row may have been fed past its EOS before it left: keep the trainer's input only.
@@ -312,6 +332,29 @@ class TransformersEngine:
             RoutedGeneration(**vars(g), routes=self.recorder.routes(b)[: len(prompts[b]) + len(g.response_ids) - 1])
             for b, g in enumerate(gens)
         ]
+
+    def _recompute_cache(
+        self, model: PreTrainedModel, prompt_ids: torch.Tensor, fed: torch.Tensor, mask: torch.Tensor, capacity: int
+    ) -> DynamicCache:
+        """The KV cache of the rows still computed, rebuilt under the weights just applied.
+
+        ``prompt_ids`` [A, width] (left padded) and ``fed`` [A, s - 1] are what the cache held: the prompt
+        and the tokens fed before decode step s (which feeds token s - 1); ``mask`` [A, width + steps].
+        One prefill forward; its logits are not used. A route recorder is disarmed here (it is armed
+        right before each decode forward), so the routes stay those of the forwards that sampled.
+        """
+        prefix = torch.cat([prompt_ids, fed], dim=1)
+        prefix_mask = mask[:, : prefix.shape[1]]
+        cache = preallocated_cache(model.config, capacity)
+        model(
+            input_ids=prefix,
+            attention_mask=prefix_mask,
+            position_ids=position_ids_from_mask(prefix_mask),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return cache
 
     def teacher_forced_logprobs(
         self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperature: float
@@ -502,15 +545,20 @@ def sample_with_logprob(
 
 
 def _to_generations(
-    tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    lengths: torch.Tensor,
+    stopped: torch.Tensor,
+    versions: torch.Tensor | None = None,
 ) -> list[Generation]:
-    """Cut [B, S] sampled tokens / log-probs to each row's length ([B])."""
+    """Cut [B, S] sampled tokens / log-probs (and per-token versions, when recorded) to each row's length ([B])."""
     tokens, logprobs, lengths, stopped = tokens.cpu(), logprobs.cpu(), lengths.tolist(), stopped.tolist()
     return [
         Generation(
             response_ids=tokens[b, : lengths[b]].tolist(),
             logprobs=logprobs[b, : lengths[b]].tolist(),
             finish_reason="stop" if stopped[b] else "length",
+            versions=versions[b, : lengths[b]].tolist() if versions is not None else None,
         )
         for b in range(tokens.shape[0])
     ]
