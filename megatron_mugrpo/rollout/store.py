@@ -11,6 +11,9 @@ Layout of a store directory::
     old_logprobs_00000.arrow  the trainer's log π_old of shard 0's responses (the stage reference,
                          ``training.stage_reference``), once computed; listed in the manifest's
                          ``old_logprobs`` with its checksum and the checksum of the shard it scored
+    routes_00000.arrow   only when the engine recorded routes (``moe.routing_replay=rollout``): the
+                         experts that routed every input token of shard 0's responses, written with
+                         the shard and named, with its checksum, in the shard's record
 
 Shard i holds the stage's groups [i·S, (i+1)·S) (S = shard_groups) and is sampled with seeds that
 derive from (run seed, stage, i) only, so its bytes do not depend on which host, or how many hosts,
@@ -46,6 +49,14 @@ every shard through its checksum). ``RolloutStore.minibatch(update_index, mini_g
 groups of one optimizer update from a seeded permutation: random access by update index, no
 iterator state, so a resumed run sees exactly the same data. The shard format itself (columns,
 dtypes) lives in ``rollout.shards``.
+
+Routes per shard (``rollout.routes``): one Arrow column, one row per group, [response][token] of
+fixed-size lists of moe_layers × k expert ids in the engine's dtype (uint8 up to 256 experts, else
+int16). In memory that is one array of the shard's token rows concatenated plus offsets per response
+and per group, so a row is read back as [tokens, moe_layers, k] views of the mapped file, without a
+copy. Each response holds len(prompt) + len(response) - 1 rows (the trainer's input); ``write_shard``
+refuses anything else before writing. A store without routes (dense models) has no such files and
+records without a ``routes`` key, as before they existed.
 
 log π_old per shard (one process, the coordinator, after the store is sealed): ``clear_old_logprobs``
 unlists any earlier listing (manifest rewritten first, so no record ever names a file being
@@ -90,7 +101,33 @@ SHARD_PATTERN = "shard_{:05d}.arrow"
 RECORD_PATTERN = "shard_{:05d}.json"
 CLAIM_PATTERN = "shard_{:05d}.claim"
 OLD_LOGPROBS_PATTERN = "old_logprobs_{:05d}.arrow"
+ROUTES_PATTERN = "routes_{:05d}.arrow"
+ROUTE_DTYPES = ("uint8", "int16")
+"""Expert id types a routes file holds (``rollout.routes.route_dtype``)."""
 FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(kw_only=True)
+class RoutesInfo:
+    """A shard's routes file, as the shard's record (and the sealed manifest) lists it."""
+
+    file: str
+    checksum: durable.Checksum
+    dtype: str
+    """Expert id type, one of ``ROUTE_DTYPES``."""
+    moe_layers: int
+    topk: int
+    tokens: int
+    """Token rows over the whole shard (sum over responses of prompt + response - 1)."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.moe_layers * self.topk * np.dtype(self.dtype).itemsize
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> RoutesInfo:
+        checksum, rest = durable.Checksum.split_record(values)
+        return cls(**rest, checksum=checksum)
 
 
 @dataclass(kw_only=True)
@@ -104,12 +141,22 @@ class ShardInfo:
     responses: int
     stats: dict[str, float] = field(default_factory=dict)
     """Summable statistics of the shard (see ``shard_stats``), so metrics never need a re-read."""
+    routes: RoutesInfo | None = None
+    """The shard's routes file, when the engine recorded routes."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The record; without a ``routes`` key when there are none (records of dense stores are unchanged)."""
+        data = asdict(self)
+        if self.routes is None:
+            del data["routes"]
+        return data
 
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> ShardInfo:
-        """A record as ``dataclasses.asdict`` wrote it; one of earlier versions holds a bare ``sha256``."""
+        """A record as ``to_json`` wrote it; one of earlier versions holds a bare ``sha256``."""
         checksum, rest = durable.Checksum.split_record(values)
-        return cls(**rest, checksum=checksum)
+        routes = rest.pop("routes", None)
+        return cls(**rest, checksum=checksum, routes=RoutesInfo.from_json(routes) if routes is not None else None)
 
 
 @dataclass(kw_only=True)
@@ -186,6 +233,7 @@ class StoreManifest:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data["shards"] = [info.to_json() for info in self.shards]
         data["num_prompts"] = self.num_groups
         data["num_responses"] = self.num_responses
         return data
@@ -277,6 +325,89 @@ def shard_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Routes (mixture-of-experts rollouts under moe.routing_replay=rollout)
+# ---------------------------------------------------------------------------------------------------
+
+
+def shard_routes(groups: Sequence[RolloutGroup], where: str) -> list[list[np.ndarray]] | None:
+    """Every response's routes ([group][response] arrays), None when no response carries any.
+
+    StoreError, before anything is written, when only some responses carry routes, or one's are not
+    [len(prompt) + len(response) - 1, moe_layers, k] of the shard's one shape and dtype with k
+    distinct experts per token."""
+    samples = [(g, j, s) for g in groups for j, s in enumerate(g.samples)]
+    missing = [f"prompt {g.prompt_id!r} response {j}" for g, j, s in samples if s.routes is None]
+    if len(missing) == len(samples):
+        return None
+    if missing:
+        raise StoreError(
+            f"{where}: {', '.join(missing[:3])} ({len(missing)} of {len(samples)} responses) carry no routes while "
+            "the others do; the engine must record routes for every response (moe.routing_replay=rollout)"
+        )
+    first = samples[0][2].routes
+    for g, j, sample in samples:
+        problem = _routes_problem(sample.routes, len(g.prompt_ids), len(sample.response_ids), first)
+        if problem:
+            raise StoreError(
+                f"{where}: prompt {g.prompt_id!r} response {j} has routes of shape {sample.routes.shape} with "
+                f"{problem}; the engine's route recording is broken, nothing was written"
+            )
+    return [[s.routes for s in g.samples] for g in groups]
+
+
+def _routes_problem(routes: np.ndarray, prompt_len: int, response_len: int, first: np.ndarray) -> str:
+    """What is wrong with one response's routes ('' when nothing); ``first``: the shard's first response's."""
+    rows = prompt_len + response_len - 1
+    if routes.dtype.name not in ROUTE_DTYPES:
+        return f"dtype {routes.dtype.name}, not one of {ROUTE_DTYPES} (rollout.routes.route_dtype)"
+    if routes.dtype != first.dtype or routes.shape[1:] != first.shape[1:]:
+        return f"[{routes.dtype.name}] {routes.shape[1:]} per token, the shard's first response {first.shape[1:]}"
+    if routes.shape[0] != rows:
+        return f"{routes.shape[0]} rows, not {rows} (prompt {prompt_len} + response {response_len} - 1)"
+    if routes.shape[2] > 1 and (np.diff(np.sort(routes, axis=-1), axis=-1) == 0).any():
+        return "an expert repeated within one token's top-k"
+    return ""
+
+
+def _routes_schema(dtype: str, width: int) -> pa.Schema:
+    """One row per group: [response][token] of ``width`` = moe_layers × k expert ids."""
+    return pa.schema([("routes", pa.list_(pa.list_(pa.list_(pa.from_numpy_dtype(np.dtype(dtype)), width))))])
+
+
+def write_routes(path: Path, per_group: list[list[np.ndarray]]) -> RoutesInfo:
+    """Write a shard's routes (``shard_routes``) as ``path``, durably; returns its record entry."""
+    responses = [r for group in per_group for r in group]
+    dtype, (layers, topk) = responses[0].dtype, responses[0].shape[1:]
+    flat = np.concatenate([r.reshape(-1) for r in responses])
+    tokens = pa.FixedSizeListArray.from_arrays(pa.array(flat), layers * topk)
+    token_offsets = np.cumsum([0] + [len(r) for r in responses], dtype=np.int32)
+    per_response = pa.ListArray.from_arrays(pa.array(token_offsets), tokens)
+    response_offsets = np.cumsum([0] + [len(group) for group in per_group], dtype=np.int32)
+    schema = _routes_schema(dtype.name, layers * topk)
+    column = pa.ListArray.from_arrays(pa.array(response_offsets), per_response).cast(schema.field("routes").type)
+    with durable.atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as ipc:
+        ipc.write_table(pa.Table.from_arrays([column], schema=schema))
+    return RoutesInfo(
+        file=path.name,
+        checksum=durable.Checksum.of_file(path),
+        dtype=dtype.name,
+        moe_layers=int(layers),
+        topk=int(topk),
+        tokens=int(token_offsets[-1]),
+    )
+
+
+def group_routes(table: pa.Table, row: int, info: RoutesInfo) -> list[np.ndarray]:
+    """Group ``row``'s routes from a mapped routes file: per response [tokens, moe_layers, k], read-only
+    views of the mapped pages (no copy)."""
+    per_response = table.column(0).slice(row, 1).combine_chunks().flatten()
+    return [
+        per_response[j].values.flatten().to_numpy(zero_copy_only=True).reshape(-1, info.moe_layers, info.topk)
+        for j in range(len(per_response))
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
 # Files
 # ---------------------------------------------------------------------------------------------------
 
@@ -319,7 +450,7 @@ def _read_record(store_dir: Path, index: int) -> ShardInfo | None:
 
 
 def _write_record(store_dir: Path, info: ShardInfo) -> None:
-    durable.atomic_write_json(store_dir / RECORD_PATTERN.format(info.index), asdict(info))
+    durable.atomic_write_json(store_dir / RECORD_PATTERN.format(info.index), info.to_json())
 
 
 def _shard_problem(store_dir: Path, info: ShardInfo, expected_groups: int) -> str:
@@ -331,13 +462,17 @@ def _shard_problem(store_dir: Path, info: ShardInfo, expected_groups: int) -> st
         return f"shard {path} records {info.groups} groups, the stage's shard {info.index} has {expected_groups}"
     try:
         info.checksum.verify_file(path, "shard")
+        if info.routes is not None:
+            info.routes.checksum.verify_file(store_dir / info.routes.file, "routes file")
+    except FileNotFoundError:
+        return f"routes file {store_dir / info.routes.file} of shard {path} is missing"
     except durable.ChecksumError as exc:
         return str(exc)
     return ""
 
 
 def _drop_shard(store_dir: Path, index: int) -> None:
-    for pattern in (SHARD_PATTERN, RECORD_PATTERN, CLAIM_PATTERN, OLD_LOGPROBS_PATTERN):
+    for pattern in (SHARD_PATTERN, RECORD_PATTERN, CLAIM_PATTERN, OLD_LOGPROBS_PATTERN, ROUTES_PATTERN):
         (store_dir / pattern.format(index)).unlink(missing_ok=True)
 
 
@@ -446,8 +581,8 @@ def _remove_leftovers(store_dir: Path, keep: set[int], keep_files: set[str]) -> 
             name.startswith("old_logprobs_") and name not in keep_files
         ):
             path.unlink(missing_ok=True)
-        elif name.startswith("shard_") and name.endswith((".arrow", ".json")):
-            index = name[len("shard_") :].split(".")[0]
+        elif name.startswith(("shard_", "routes_")) and name.endswith((".arrow", ".json")):
+            index = name.split("_", 1)[1].split(".")[0]
             if not index.isdigit() or int(index) not in keep:
                 path.unlink(missing_ok=True)
 
@@ -507,6 +642,7 @@ class ShardWriter:
                     f"{group.policy_version}, but {self.store_dir} holds stage {self.manifest.stage} / "
                     f"policy version {self.manifest.policy_version}"
                 )
+        routes = shard_routes(groups, where=f"shard {index} of {self.store_dir}")
         name = SHARD_PATTERN.format(index)
         info = ShardInfo(
             index=index,
@@ -515,8 +651,9 @@ class ShardWriter:
             groups=len(groups),
             responses=sum(len(g.samples) for g in groups),
             stats=shard_stats(groups),
+            routes=write_routes(self.store_dir / ROUTES_PATTERN.format(index), routes) if routes else None,
         )
-        _write_record(self.store_dir, info)
+        _write_record(self.store_dir, info)  # last: a record names only durable files
         return info
 
 
@@ -593,6 +730,7 @@ class RolloutStore:
         self.store_dir, self.manifest = store_dir, manifest
         self._starts = np.cumsum([0] + [info.groups for info in manifest.shards])
         self._mapped: dict[int, pa.Table] = {}
+        self._mapped_routes: dict[int, pa.Table] = {}
 
     @classmethod
     def open(cls, store_dir: str | Path, *, verify: bool = True) -> RolloutStore:
@@ -636,8 +774,28 @@ class RolloutStore:
         out = []
         for index in indices:
             shard, row = self.shard_of(index)
-            out.append(row_to_group(self._shard(shard).slice(row, 1).to_pylist()[0]))
+            group = row_to_group(self._shard(shard).slice(row, 1).to_pylist()[0])
+            routes = self.manifest.shards[shard].routes
+            if routes is not None:
+                for sample, sample_routes in zip(group.samples, group_routes(self._routes(shard), row, routes)):
+                    sample.routes = sample_routes
+            out.append(group)
         return out
+
+    def _routes(self, position: int) -> pa.Table:
+        """Shard ``position``'s routes table, mapped on first use."""
+        if position not in self._mapped_routes:
+            shard = self.manifest.shards[position]
+            info = shard.routes
+            try:
+                self._mapped_routes[position] = map_shard(
+                    self.store_dir / info.file,
+                    groups=shard.groups,
+                    schema=_routes_schema(info.dtype, info.moe_layers * info.topk),
+                )
+            except StoreError as exc:
+                raise StoreError(f"{exc}; rerun the stage to regenerate it") from exc
+        return self._mapped_routes[position]
 
     def _shard(self, position: int) -> pa.Table:
         """Shard ``position``'s table, mapped on first use (opening a store touches no shard)."""

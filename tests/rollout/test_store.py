@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from megatron_mugrpo.durable import Checksum
@@ -380,3 +381,116 @@ def test_minibatches_are_deterministic_and_cover_each_epoch(tmp_path):
     assert batch.num_sequences == 9
     with pytest.raises(StoreError, match="mini_groups=11"):
         store.minibatch(0, 11, seed=7)
+
+
+# ------------------------------------------------------------------ routes (moe.routing_replay=rollout)
+
+LAYERS, TOPK = 2, 2
+
+
+def routed_group(index: int, dtype=np.uint8, experts: int = 4) -> RolloutGroup:
+    """``make_group`` whose responses carry routes: [prompt + response - 1, LAYERS, TOPK] distinct ids."""
+    group = make_group(index)
+    for j, sample in enumerate(group.samples):
+        rows = len(group.prompt_ids) + len(sample.response_ids) - 1
+        first = (np.arange(rows)[:, None] + np.arange(LAYERS)[None, :] + index + j) % experts
+        sample.routes = np.stack([first, (first + 1 + j % (experts - 1)) % experts], axis=-1).astype(dtype)
+    return group
+
+
+def assert_same_routes(read: list[RolloutGroup], written: list[RolloutGroup]) -> None:
+    for got, want in zip(read, written, strict=True):
+        assert [s.response_ids for s in got.samples] == [s.response_ids for s in want.samples]
+        for a, b in zip(got.samples, want.samples, strict=True):
+            assert a.routes.dtype == b.routes.dtype and np.array_equal(a.routes, b.routes)
+
+
+@pytest.mark.parametrize(("dtype", "experts"), [(np.uint8, 4), (np.int16, 300)])
+def test_routes_round_trip_per_shard_listed_and_checksummed(tmp_path, dtype, experts):
+    groups = [routed_group(i, dtype, experts) for i in range(10)]
+    write_all(tmp_path, groups)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert sorted(p.name for p in tmp_path.glob("routes_*")) == [f"routes_0000{i}.arrow" for i in range(3)]
+    tokens = sum(len(s.routes) for g in groups for s in g.samples)
+    listed = [s["routes"] for s in manifest["shards"]]
+    assert [r["file"] for r in listed] == [f"routes_0000{i}.arrow" for i in range(3)]
+    assert sum(r["tokens"] for r in listed) == tokens
+    assert all(r["dtype"] == np.dtype(dtype).name and (r["moe_layers"], r["topk"]) == (LAYERS, TOPK) for r in listed)
+    store = RolloutStore.open(tmp_path)
+    assert store.manifest.shards[0].routes.bytes_per_token == LAYERS * TOPK * np.dtype(dtype).itemsize
+    assert_same_routes(store.groups(), groups)
+    assert_same_routes(store.groups([7, 2]), [groups[7], groups[2]])
+    batch = collate(store.minibatch(0, 4, seed=1), pad_id=0)
+    assert batch.routes is not None and batch.routes.shape[2:] == (LAYERS, TOPK)
+
+
+def test_a_store_without_routes_is_unchanged_on_disk(tmp_path):
+    write_all(tmp_path, [make_group(i) for i in range(10)])
+    assert not list(tmp_path.glob("routes_*"))
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert all("routes" not in s for s in manifest["shards"])
+    assert all(s.routes is None for g in RolloutStore.open(tmp_path).groups() for s in g.samples)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            lambda p: p.write_bytes(p.read_bytes()[:-7] + b"garbage"),
+            r"routes file .*routes_00001\.arrow does not match",
+        ),
+        (lambda p: p.unlink(), r"routes file .*routes_00001\.arrow of shard .* is missing"),
+    ],
+)
+def test_a_damaged_routes_file_is_found_on_open_and_regenerated(tmp_path, damage, message):
+    groups = [routed_group(i) for i in range(10)]
+    write_all(tmp_path, groups)
+    original = Checksum.of_file(tmp_path / "routes_00001.arrow")
+    damage(tmp_path / "routes_00001.arrow")
+    with pytest.raises(StoreError, match=message + ".*rerun the stage"):
+        RolloutStore.open(tmp_path)
+    plan = prepare_store(tmp_path, identity())
+    assert plan.missing == [1]
+    writer = ShardWriter(tmp_path, plan.manifest)
+    writer.claim(1)
+    writer.write_shard(1, [groups[i] for i in plan.manifest.shard_range(1)])
+    seal_store(tmp_path)
+    assert Checksum.of_file(tmp_path / "routes_00001.arrow") == original
+    assert_same_routes(RolloutStore.open(tmp_path).groups(), groups)
+
+
+def test_a_routes_file_of_another_layout_is_refused_when_read(tmp_path):
+    write_all(tmp_path, [routed_group(i) for i in range(10)])
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    manifest["shards"][0]["routes"]["topk"] = 3  # a record that does not describe its file
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=r"routes_00000\.arrow has columns .*rerun the stage"):
+        RolloutStore.open(tmp_path).groups([0])
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda s: setattr(s, "routes", s.routes[:-1]), r"response 1 has routes of shape .* rows, not \d+ \(prompt 3"),
+        (lambda s: setattr(s, "routes", s.routes.astype(np.int32)), "dtype int32"),
+        (lambda s: setattr(s, "routes", s.routes[:, :1]), r"per token, the shard's first response \(2, 2\)"),
+        (lambda s: s.routes.__setitem__((0, 1, 1), s.routes[0, 1, 0]), "an expert repeated"),
+        (lambda s: setattr(s, "routes", None), r"1 of 12 responses\) carry no routes"),
+    ],
+)
+def test_bad_routes_are_refused_before_writing(tmp_path, corrupt, message):
+    groups = [routed_group(i) for i in range(4)]
+    corrupt(groups[2].samples[1])
+    plan = prepare_store(tmp_path, identity(num_groups=4))
+    with pytest.raises(StoreError, match=message + ".*"):
+        ShardWriter(tmp_path, plan.manifest).write_shard(0, groups)
+    assert not list(tmp_path.glob("shard_*")) and not list(tmp_path.glob("routes_*"))
+
+
+def test_a_routes_file_without_its_record_is_cleared_as_a_leftover(tmp_path):
+    groups = [routed_group(i) for i in range(10)]
+    write_all(tmp_path, groups, only={0}, seal=False)
+    (tmp_path / "routes_00001.arrow").write_bytes(b"written before a crash took the record")
+    plan = prepare_store(tmp_path, identity())
+    assert plan.missing == [1, 2] and (tmp_path / "routes_00000.arrow").is_file()
+    assert not (tmp_path / "routes_00001.arrow").exists()
