@@ -54,7 +54,13 @@ def _load_engine(run: Run, tensors: NamedTensors) -> int:
         counted,
         engine_name=cfg.rollout.engine,
         hf_dir=run.hf_dir,
-        build=lambda hf_dir: build_engine_from_config(cfg.rollout, hf_dir, seed=cfg.seed, placement=run.placement),
+        build=lambda hf_dir: build_engine_from_config(
+            cfg.rollout,
+            hf_dir,
+            seed=cfg.seed,
+            placement=run.placement,
+            record_routes=cfg.moe.routing_replay == "rollout",  # the trainer replays them (rollout.routes)
+        ),
         quantizer=behaviour_quantizer(cfg.rollout, calibration, export_dir),
     )
     return counted.bytes

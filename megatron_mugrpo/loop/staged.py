@@ -37,6 +37,7 @@ from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage
 from megatron_mugrpo.rollout.placement import engine_threads
 from megatron_mugrpo.rollout.prompts import stage_prompts
 from megatron_mugrpo.rollout.store import RolloutStore, StorePlan
+from megatron_mugrpo.training.routing_replay import StageRoutingAgreement
 from megatron_mugrpo.training.stage_reference import OldLogprobs, prepare_stage_reference
 
 if TYPE_CHECKING:
@@ -70,13 +71,17 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
     with run.timer("perf/t_optimize_s"):
         run.checkpoints.poll()  # the stage-end checkpoint, written in the background during generation
         data = stage_data(run, stage, store)  # D_k, log π_old, and the buffered groups HDR accepts (if enabled)
+        agreement = StageRoutingAgreement(from_first_update=run.state.update_in_stage == 0)  # MoE only
         for update in progress_range(run, run.state.update_in_stage, mu, f"stage {stage} updates"):
             metrics = optimizer_update(run, data, stage, update)
+            agreement.add(metrics)
             run.logger.log(metrics, step=run.state.global_update)
             crash_point(f"update:{run.state.global_update}")
             run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
             if update + 1 < mu:  # the stage's last update is judged below, as the stage's end
                 evaluate_and_checkpoint(run, stage_end=False, last=False)
+        if routing := agreement.summary():  # train/routing_agreement_{first,stage_mean}
+            run.logger.log(routing, step=run.state.global_update)
     hdr.end_stage(run, stage, store)  # D_k's mixed-outcome groups enter the replay FIFO
     run.state = run.state.at_stage(stage + 1)
     evaluate_and_checkpoint(run, stage_end=True, last=stage + 1 == run.cfg.stages.num_stages)
@@ -151,6 +156,7 @@ def plan_rollout(run: Run, stage: int, prompts: list[PromptRecord]) -> StorePlan
         seed=run.cfg.stages.seed,
         vocab_size=int(run.hf_config["vocab_size"]),
         engine_name=run.cfg.rollout.engine,
+        routes=run.cfg.moe.routing_replay == "rollout",
     )
     return plan_stage(run.rollout_dir(stage), identity, run.hosts, keep_policy_version=True)
 

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from megatron_mugrpo.algorithms.advantages import assign_advantages
 from megatron_mugrpo.algorithms.allocation import (
     initial_allocation,
@@ -52,6 +54,7 @@ from megatron_mugrpo.rollout.engine import (
     validate_generations,
 )
 from megatron_mugrpo.rollout.placement import HostGroup
+from megatron_mugrpo.rollout.routes import RouteRecordingError
 from megatron_mugrpo.rollout.store import (
     ShardWriter,
     StoreManifest,
@@ -108,14 +111,18 @@ def stage_identity(
     seed: int,
     vocab_size: int,
     engine_name: str,
+    routes: bool = False,
 ) -> StoreManifest:
     """The manifest a stage's store must have: what a resumed store is checked against. ``reward``
-    names the reward and its options (``rewards.registry.reward_record``): other scores, another store."""
+    names the reward and its options (``rewards.registry.reward_record``): other scores, another store.
+    ``routes``: the engine records routes (``moe.routing_replay=rollout``); recorded only when on, so a
+    store with routes is never completed by shards without them, and stores without still resume."""
+    recorded = {"routes": True} if routes else {}
     return store_identity(
         stage=stage,
         policy_version=policy_version,
         engine=engine_name,
-        sampling=_sampling_record(cfg, seed) | {"reward": reward},
+        sampling=_sampling_record(cfg, seed) | recorded | {"reward": reward},
         num_groups=len(prompts),
         shard_groups=cfg.shard_groups,
         vocab_size=vocab_size,
@@ -334,6 +341,7 @@ def _sample_round(
         scores = reward_fn.score(texts, [pending[p].record.answer for p, _ in flat])
     for (p, gen), score in zip(flat, scores):
         reward, reason = score
+        prompt_ids = pending[p].record.prompt_ids
         pending[p].samples.append(
             RolloutSample(
                 response_ids=list(gen.response_ids),
@@ -342,8 +350,24 @@ def _sample_round(
                 reward=reward,
                 reward_reason=reason,
                 pass_fraction=getattr(score, "pass_fraction", None),
+                routes=_checked_routes(gen, len(prompt_ids), engine),
             )
         )
+
+
+def _checked_routes(gen: Generation, prompt_len: int, engine: RolloutEngine) -> np.ndarray | None:
+    """The generation's routes (``rollout.routes.RoutedGeneration``), None when the engine records none;
+    RouteRecordingError unless they cover the trainer's input, prompt + response minus its last token."""
+    routes = getattr(gen, "routes", None)
+    expected = prompt_len + len(gen.response_ids) - 1
+    if routes is not None and (routes.ndim != 3 or routes.shape[0] != expected):
+        raise RouteRecordingError(
+            f"engine {getattr(engine, 'name', type(engine).__name__)!r} returned routes of shape {routes.shape} "
+            f"for a {prompt_len}-token prompt and a {len(gen.response_ids)}-token response; routes need "
+            f"{expected} rows (prompt + response - 1), one per token the trainer feeds: the engine's route "
+            "recording is broken"
+        )
+    return routes
 
 
 def _sampling_record(cfg: RolloutConfig, seed: int) -> dict[str, Any]:

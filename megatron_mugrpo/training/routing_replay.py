@@ -312,12 +312,16 @@ class StageRoutingAgreement:
     The first update's agreement is the numerics-only mismatch (π_θ = β); later updates add the drift
     of θ away from β, which is what replay hides under staleness.
 
-        stage = StageRoutingAgreement()
+        stage = StageRoutingAgreement(from_first_update=update_in_stage == 0)
         for each update: stage.add(metrics)
         logger.log(stage.summary(), step=...)   # train/routing_agreement_{first,stage_mean}
+
+    A stage resumed after its first update has no first value to report (``from_first_update=False``):
+    its summary holds the mean of the updates this process made, and no ``_first``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, from_first_update: bool = True) -> None:
+        self.from_first_update = from_first_update
         self.values: list[float] = []
 
     def add(self, metrics: dict[str, float]) -> None:
@@ -327,7 +331,5 @@ class StageRoutingAgreement:
     def summary(self) -> dict[str, float]:
         if not self.values:
             return {}
-        return {
-            "train/routing_agreement_first": self.values[0],
-            "train/routing_agreement_stage_mean": sum(self.values) / len(self.values),
-        }
+        first = {"train/routing_agreement_first": self.values[0]} if self.from_first_update else {}
+        return first | {"train/routing_agreement_stage_mean": sum(self.values) / len(self.values)}

@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
+from megatron_mugrpo.rollout.config import RolloutConfig
+from megatron_mugrpo.rollout.generate import generate_groups, stage_identity
+from megatron_mugrpo.rollout.prompts import PromptRecord
+from megatron_mugrpo.rollout.routes import RoutedGeneration, RouteRecordingError
 from megatron_mugrpo.training.routing_replay import real_tokens, replay_rows
 
 LAYERS, TOPK, EXPERTS = 2, 2, 4
@@ -69,3 +73,71 @@ def test_sample_routes_must_be_tokens_by_layers_by_k():
         RolloutSample(
             response_ids=[1], behaviour_logprobs=[-1.0], finish_reason="stop", routes=np.zeros((2, 4), np.uint8)
         )
+
+
+class RoutingEngine:
+    """Answers every prompt with ``n`` responses of 3 tokens and routes of ``extra`` + P + 3 - 1 rows."""
+
+    name = "transformers"
+
+    def __init__(self, extra: int = 0):
+        self.extra = extra
+
+    def generate(self, prompts, n, params, progress=None):
+        return [
+            [
+                RoutedGeneration(
+                    response_ids=[5, 6, 7],
+                    logprobs=[-0.5] * 3,
+                    finish_reason="length",
+                    routes=routes_for(len(p) + 3 - 1 + self.extra, salt=k),
+                )
+                for k in range(count)
+            ]
+            for p, count in zip(prompts, n)
+        ]
+
+
+class ZeroReward:
+    def score(self, texts, answers):
+        return [(0.0, "wrong")] * len(texts)
+
+
+class Decoder:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def generate(engine):
+    prompts = [PromptRecord(prompt_id=f"q{i}", prompt_ids=[1] * (2 + i), answer="1", text="") for i in range(2)]
+    return generate_groups(
+        engine=engine,
+        records=prompts,
+        tokenizer=Decoder(),
+        reward_fn=ZeroReward(),
+        cfg=RolloutConfig(group_size=2, max_new_tokens=3, shard_groups=2),
+        seeds=(0,),
+        vocab_size=50,
+    )
+
+
+def test_generation_carries_the_engines_routes_into_the_samples():
+    groups = generate(RoutingEngine())
+    for group in groups:
+        for k, sample in enumerate(group.samples):
+            assert np.array_equal(sample.routes, routes_for(len(group.prompt_ids) + 2, salt=k))
+
+
+def test_routes_that_do_not_cover_the_trainers_input_are_refused():
+    with pytest.raises(RouteRecordingError, match=r"routes need 4 rows \(prompt \+ response - 1\)"):
+        generate(RoutingEngine(extra=1))
+
+
+def test_the_store_identity_names_routes_only_when_recorded():
+    prompts = [PromptRecord(prompt_id="q", prompt_ids=[1, 2], answer="1", text="")]
+    kwargs = dict(
+        cfg=RolloutConfig(group_size=2), reward={}, prompts=prompts, stage=0, policy_version=0, seed=0, vocab_size=50
+    )
+    plain = stage_identity(**kwargs, engine_name="transformers")
+    routed = stage_identity(**kwargs, engine_name="transformers", routes=True)
+    assert "routes" not in plain.sampling and routed.sampling["routes"] is True

@@ -269,3 +269,7 @@ def test_stage_agreement_reports_the_first_update_and_the_mean():
     assert stage.summary() == pytest.approx(
         {"train/routing_agreement_first": 0.9, "train/routing_agreement_stage_mean": 0.8}
     )
+    resumed = StageRoutingAgreement(from_first_update=False)  # a stage resumed after its first update
+    resumed.add({"train/routing_agreement": 0.5})
+    assert resumed.summary() == {"train/routing_agreement_stage_mean": 0.5}
+    assert StageRoutingAgreement().summary() == {}  # a dense model's stage logs nothing
