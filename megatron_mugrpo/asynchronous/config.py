@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_mugrpo.errors import require
+from megatron_mugrpo.rollout.engine import KV_MODES
 
 PUBLISH_MODES = ("memory", "disk")
+PARTIAL_ENGINES = ("transformers",)
+"""Rollout engines that can apply weights between two decode steps (``async.partial_rollout``)."""
 
 
 @dataclass(kw_only=True)
@@ -62,6 +65,19 @@ class AsyncConfig:
     verify_weights: bool = False
     """Workers hash the weights they loaded and the trainer checks the hash against the publication's
     (costs one pass over all weights per sync; the tests switch it on)."""
+    partial_rollout: bool = False
+    """Interruptible generation: a worker applies a staged publication between two decode steps and
+    continues the same sequences under it, instead of only between batches. Every token then records
+    the version that sampled it (its behaviour log-prob is that policy's), lag is measured per token
+    (rollout/token_lag_mean, rollout/token_lag_max) and max_lag applies to a group's oldest token.
+    Needs async.publish=memory and rollout.engine=transformers. Off by default: on this project's CPU
+    benchmark (benchmarks/partial_rollout.py) it makes tokens fresher, not the trainer less idle."""
+    partial_kv: str = "recompute"
+    """With partial_rollout, what happens to an in-flight sequence's KV cache at a switch. recompute: one
+    prefill forward under the new weights, so every later token is sampled from exactly the new policy
+    (its log-prob equals the trainer's at that version). keep: no extra forward, but the tokens after
+    the switch come from the new weights attending to the old weights' keys and values, a policy the
+    trainer never computes: their ratio at the first update is off by that gap."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_ranks", "queue_groups", "sync_every", "batch_groups"):
@@ -84,9 +100,31 @@ class AsyncConfig:
             self.progress_timeout_s is None or self.progress_timeout_s > 0,
             f"async.progress_timeout_s={self.progress_timeout_s} must be > 0 (or null: no hang detection)",
         )
+        require(
+            self.partial_kv in KV_MODES,
+            f"async.partial_kv={self.partial_kv!r} is not one of {KV_MODES} (recompute: rebuild an in-flight "
+            "sequence's KV cache under new weights; keep: keep the old one)",
+        )
+        require(
+            not self.partial_rollout or self.publish == "memory",
+            "async.partial_rollout=true needs async.publish=memory (weights staged in memory are applied between "
+            "two decode steps; a directory reload rebuilds the engine): set async.publish=memory or "
+            "async.partial_rollout=false",
+        )
         if self.first_batch_groups is not None:
             require(
                 self.first_batch_groups >= 1,
                 f"async.first_batch_groups={self.first_batch_groups} must be >= 1 (or null: every batch has "
                 "batch_groups groups)",
             )
+
+
+def partial_rollout_problem(cfg: AsyncConfig, engine: str) -> str:
+    """Why ``async.partial_rollout`` cannot run with ``rollout.engine=engine`` ('' when it can)."""
+    if not cfg.partial_rollout or engine in PARTIAL_ENGINES:
+        return ""
+    return (
+        f"async.partial_rollout=true is not supported with rollout.engine={engine}: only {PARTIAL_ENGINES} can "
+        "apply weights between two decode steps (SGLang's offline engine blocks in generate() and does not say "
+        "which weights sampled each token). Set async.partial_rollout=false or rollout.engine=transformers"
+    )

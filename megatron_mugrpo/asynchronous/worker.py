@@ -13,6 +13,11 @@ dispatches by role). Its loop, one queue shard per turn::
       stream (this worker is w) and every engine call is seeded from (stages.seed, w, b, round)
     → normalise advantages per group, tag every group with the policy version, append the shard
 
+With async.partial_rollout the engine also applies a staged publication between two decode steps
+(``Worker.between_steps``, handed to it as an ``engine.Interrupt``): the batch's in-flight sequences go
+on under the new weights, every token records the version that sampled it (``partial.VersionLedger``)
+and a group's version is its oldest token's.
+
 It never initialises torch.distributed's default group and never imports Megatron; with
 async.publish=memory a background thread joins the publication group and stages each publication
 (``publish.Staging``), which the loop applies where it loads new weights. Its engine has a seed of its own,
@@ -38,16 +43,24 @@ import torch
 
 from megatron_mugrpo.algorithms.advantages import assign_advantages
 from megatron_mugrpo.asynchronous.batches import lag_pause, prompt_range
-from megatron_mugrpo.asynchronous.config import AsyncConfig
+from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_rollout_problem
 from megatron_mugrpo.asynchronous.files import AsyncPaths, write_json
 from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer, advance
+from megatron_mugrpo.asynchronous.partial import VersionLedger
 from megatron_mugrpo.asynchronous.publish import Publication, Staging, Subscription, engine_digest, published_names
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.asynchronous.transport import Received
+from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rewards.registry import RewardFn, RewardSet
 from megatron_mugrpo.rollout.config import RolloutConfig
-from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config, derive_seed, shutdown_engine
+from megatron_mugrpo.rollout.engine import (
+    Interrupt,
+    RolloutEngine,
+    build_engine_from_config,
+    derive_seed,
+    shutdown_engine,
+)
 from megatron_mugrpo.rollout.generate import generate_groups
 from megatron_mugrpo.rollout.prompts import DataConfig, PromptRecord, load_prompts, prompt_slice
 from megatron_mugrpo.rollout.queue import QueueWriter
@@ -104,6 +117,9 @@ class Worker:
     """Memory publication (async.publish=memory): what the background thread has received."""
     applied: Publication | None = None
     """The last publication applied from memory (None: the engine holds the subscription's)."""
+    switch_s: float = 0.0
+    """Seconds spent applying publications between two decode steps (async.partial_rollout) since the
+    last batch was written."""
 
     @property
     def index(self) -> int:
@@ -122,16 +138,29 @@ class Worker:
         if self.subscription.current != before:
             self.applied = None  # a directory published after the memory ones (a resumed trainer)
             self._acknowledge()
+        received = self._staged()
+        return seconds + (self.apply(received) if received is not None else 0.0)
+
+    def between_steps(self) -> bool:
+        """Apply the newest staged publication, if any, between two decode steps (async.partial_rollout;
+        the engine's ``Interrupt``). Returns whether the weights changed."""
+        received = self._staged()
+        if received is None:
+            return False
+        self.switch_s += self.apply(received)
+        return True
+
+    def _staged(self) -> Received | None:
+        """The newest publication staged in memory and not yet applied (None without memory publication)."""
         if self.staging is None:
-            return seconds
+            return None
         try:
-            received = self.staging.take()
+            return self.staging.take()
         except RuntimeError:
             self.trainer.check()  # the trainer failed: its own message says why, not the broken connection
             if self.trainer.done:
-                return seconds
+                return None
             raise
-        return seconds + (self.apply(received) if received is not None else 0.0)
 
     def apply(self, received: Received) -> float:
         """Load a staged publication into the engine (the second phase of a memory publication)."""
@@ -215,6 +244,9 @@ class Worker:
 def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
     """Generate into the run's queue until the trainer is done (see the module docstring)."""
     paths, timeouts = AsyncPaths(run_dir), cfg.async_
+    problem = partial_rollout_problem(cfg.async_, cfg.rollout.engine)
+    if problem:
+        raise ConfigError(problem)
     with Heartbeat(paths.worker_heartbeat(role.worker_index)):  # a failure reaches the trainer with its message
         from transformers.utils import logging as transformers_logging
 
@@ -235,6 +267,10 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
             _setup(worker)
             if cfg.async_.publish == "memory":
                 worker.start_staging()
+            if cfg.async_.partial_rollout:
+                worker.engine.interrupt = Interrupt(
+                    between_steps=worker.between_steps, version=lambda: worker.holds.version, kv=cfg.async_.partial_kv
+                )
             worker_loop(worker, idle_s=first[1])
         finally:
             if worker.staging is not None:
@@ -268,14 +304,15 @@ def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
         started = time.perf_counter()
         groups = generate_batch(worker, batch)
         advance(f"writing batch {batch}")
+        switch_s, worker.switch_s = worker.switch_s, 0.0
         worker.queue.append(
             batch,
             groups,
             idle_s=idle_s + waited[1] + paused_s,
             paused_s=paused_s,
-            load_s=load_s + paused_load_s,
-            generate_s=time.perf_counter() - started,
-            publication=worker.holds.name,
+            load_s=load_s + paused_load_s + switch_s,
+            generate_s=time.perf_counter() - started - switch_s,
+            publication=worker.holds.name,  # the newest weights of the batch (partial rollouts: its last tokens')
             weights_digest=worker.digest,
         )
         batch, idle_s = batch + 1, 0.0
@@ -318,8 +355,9 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
     def responses(finished: int) -> None:  # the engine's progress: this worker's main loop moves
         advance(steps=finished)
 
+    partial = VersionLedger(worker.engine) if cfg.async_.partial_rollout else None
     groups = generate_groups(
-        engine=worker.engine,
+        engine=partial or worker.engine,
         records=records,
         tokenizer=worker.tokenizer,
         reward_fn=worker.reward_fn,
@@ -331,6 +369,8 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
     for group in groups:
         group.policy_version = publication.version
         group.stage = publication.version // cfg.stages.updates_per_stage
+    if partial is not None:  # the versions that sampled each token; a group's version is its oldest token's
+        partial.attach(groups, updates_per_stage=cfg.stages.updates_per_stage)
     assign_advantages(groups, cfg.algo.adv_eps)
     return groups
 

@@ -19,12 +19,13 @@ import copy
 import time
 from dataclasses import dataclass, field
 
-from megatron_mugrpo.asynchronous.config import AsyncConfig
+from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_rollout_problem
 from megatron_mugrpo.asynchronous.files import AsyncPaths
 from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError, advance
 from megatron_mugrpo.asynchronous.publish import Publication, publication_digests, publish_policy, send_policy
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.asynchronous.transport import Sender, host_group
+from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.evaluation import AVG_KEY
 from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.loop.actions import (
@@ -125,6 +126,9 @@ class Feed:
     @classmethod
     def open(cls, run: Run, role: ProcessRole) -> Feed:
         cfg = run.cfg.async_
+        problem = partial_rollout_problem(cfg, run.cfg.rollout.engine)
+        if problem:  # the workers refuse it too; the trainer stops with the same message, not waiting for them
+            raise ConfigError(problem)
         feed = cls(paths=AsyncPaths(run.run_dir), is_writer=run.is_writer, hosts=run.hosts, max_lag=cfg.max_lag)
         feed.verify_weights = cfg.verify_weights
         if run.is_writer:
@@ -238,6 +242,8 @@ class Feed:
             "perf/sample_wait_s": self.wait_s,
             "rollout/lag_mean": sum(taken.lags) / len(taken.lags),
             "rollout/lag_max": float(max(taken.lags)),
+            "rollout/token_lag_mean": taken.token_lag_mean,
+            "rollout/token_lag_max": float(taken.token_lag_max),
             "rollout/dropped_groups": float(taken.dropped),
         }
         if self.reader is None:

@@ -4,7 +4,8 @@ the trainer in arrival order through a cursor that the checkpoints carry.
 Layout of the queue directory (``RUN_DIR/rollouts/queue``)::
 
     w000_b0000012.arrow    batch 12 of worker 0: its prompt groups, one row each (the rollout store's
-                           SCHEMA, as an Arrow IPC file)
+                           SCHEMA, as an Arrow IPC file; with async.partial_rollout one more column,
+                           every token's policy version: VERSIONED_SCHEMA)
     w000_b0000012.json     the shard's record, written last: checksum, groups, behaviour policy version,
                            summable statistics, and the worker's idle / weight-load / generation seconds
     cursor.json            the trainer's progress: groups consumed so far (the workers' queue bound)
@@ -15,6 +16,10 @@ exactly when its record does, also after a power loss. A worker killed mid-write
 or a shard without a record; when it restarts it deletes them and continues at its next batch index,
 so nothing half-written is ever read. Workers pause while ``written − consumed`` groups reach ``async.queue_groups``,
 and before a batch whose groups would be too old when the trainer reaches them (``paused_s``).
+
+A group's policy version is its oldest token's (with partial rollouts a response may span several
+publications; ``RolloutSample.versions`` holds each token's). The trainer's drops and the lag figures
+use it; ``token_lags`` measures the lag of every token.
 
 The trainer (``QueueReader``, trainer rank 0) admits recorded shards in the order their records
 appeared (the record's modification time, then its name) and appends their names to the cursor;
@@ -40,17 +45,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from megatron_mugrpo import durable
 from megatron_mugrpo.asynchronous.files import read_json, write_json
 from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.records import RolloutGroup
-from megatron_mugrpo.rollout.shards import StoreError, map_shard, row_to_group, write_shard
+from megatron_mugrpo.rollout.shards import SCHEMA, StoreError, groups_to_table, map_shard, row_to_group, write_shard
 from megatron_mugrpo.rollout.store import shard_stats, validate_group
 
 FORMAT = "megatron_mugrpo.rollout_queue/1"
 CURSOR_FILE = "cursor.json"
 SHARD_SUFFIX, RECORD_SUFFIX = ".arrow", ".json"
 _NAME = re.compile(r"^w(\d{3,})_b(\d{7,})$")
+VERSIONS_FIELD = pa.field("token_versions", pa.list_(pa.list_(pa.int64())))
+VERSIONED_SCHEMA = SCHEMA.append(VERSIONS_FIELD)
+"""A queue shard whose tokens carry their policy versions ([response][token]; async.partial_rollout)."""
 
 
 def shard_name(worker: int, batch: int) -> str:
@@ -70,7 +80,8 @@ class ShardRecord:
     checksum: durable.Checksum
     """Of the shard file (records written before checksums named their algorithm hold ``sha256``)."""
     policy_version: int
-    """Trainer updates behind the weights that generated every group of the shard."""
+    """Trainer updates behind the weights that generated the shard's oldest token (without partial
+    rollouts: every token of the shard)."""
     stats: dict[str, float] = field(default_factory=dict)
     """Summable statistics of the groups (``rollout.store.shard_stats``)."""
     idle_s: float = 0.0
@@ -86,6 +97,8 @@ class ShardRecord:
     """Name of the weight publication the worker sampled with (``asynchronous.publish``)."""
     weights_digest: str = ""
     """``publish.weights_digest`` of the weights the worker had loaded (async.verify_weights), else ''."""
+    token_versions: bool = False
+    """The shard stores every token's policy version (VERSIONED_SCHEMA; async.partial_rollout)."""
     format: str = FORMAT
 
 
@@ -117,9 +130,13 @@ class Taken:
     versions: list[int]
     """Each group's behaviour policy version."""
     lags: list[int]
-    """Updates between each group's behaviour policy and the policy being updated (>= 0)."""
+    """Updates between each group's behaviour policy (its oldest token's) and the policy being updated (>= 0)."""
     dropped: int
     """Groups dropped as too old while assembling this update."""
+    token_lag_mean: float = 0.0
+    """Mean over the response tokens of the update of their lag (``token_lags``)."""
+    token_lag_max: int = 0
+    """Largest token lag of the update."""
 
 
 def group_lag(update: int, policy_version: int) -> int:
@@ -131,6 +148,16 @@ def group_lag(update: int, policy_version: int) -> int:
     off-policy sample; its lag counts as 0.
     """
     return max(update - policy_version, 0)
+
+
+def token_lags(group: RolloutGroup, update: int) -> list[int]:
+    """The lag (``group_lag``) of every response token of ``group`` for update ``update + 1``: each token's
+    own version where the samples carry them (partial rollouts), else the group's."""
+    lags = []
+    for sample in group.samples:
+        versions = sample.versions or [group.policy_version] * len(sample.response_ids)
+        lags.extend(group_lag(update, version) for version in versions)
+    return lags
 
 
 def scan(versions: Sequence[int], *, update: int, need: int, max_lag: int) -> tuple[list[int], list[int]]:
@@ -192,11 +219,31 @@ def _record(values: dict[str, Any], path: Path) -> ShardRecord:
 def read_shard(queue_dir: Path, record: ShardRecord) -> list[RolloutGroup]:
     """The groups of a recorded shard, after checking its checksum."""
     path = queue_dir / (record.name + SHARD_SUFFIX)
+    schema = VERSIONED_SCHEMA if record.token_versions else SCHEMA
     try:
-        table = map_shard(path, groups=record.groups, checksum=record.checksum)
+        table = map_shard(path, groups=record.groups, checksum=record.checksum, schema=schema)
     except StoreError as exc:
         raise StoreError(f"rollout queue: {exc}; the queue directory was modified or damaged") from exc
-    return [row_to_group(row) for row in table.to_pylist()]
+    groups = []
+    for row in table.to_pylist():
+        group = row_to_group(row)
+        for sample, versions in zip(group.samples, row.get(VERSIONS_FIELD.name) or []):
+            sample.versions = versions
+        groups.append(group)
+    return groups
+
+
+def _write_versioned_shard(path: Path, groups: Sequence[RolloutGroup]) -> durable.Checksum:
+    """``shards.write_shard`` plus the tokens' versions (VERSIONED_SCHEMA), as durably."""
+    versions = pa.array([[s.versions for s in g.samples] for g in groups], type=VERSIONS_FIELD.type)
+    table = groups_to_table(groups).append_column(VERSIONS_FIELD, versions)
+    with (
+        durable.atomic_path(path) as tmp,
+        pa.OSFile(str(tmp), "wb") as sink,
+        pa.ipc.new_file(sink, VERSIONED_SCHEMA) as ipc,
+    ):
+        ipc.write_table(table)
+    return durable.Checksum.of_file(path)
 
 
 def consumed_groups(queue_dir: Path) -> int:
@@ -252,11 +299,13 @@ class QueueWriter:
             raise StoreError(f"worker {self.worker} batch {batch}: a queue shard needs at least one group")
         for group in groups:
             validate_group(group, self.vocab_size)
+        tagged = _check_token_versions(groups, f"worker {self.worker} batch {batch}")
         versions = {g.policy_version for g in groups}
-        if len(versions) != 1:
+        if len(versions) != 1 and not tagged:
             raise StoreError(f"worker {self.worker} batch {batch} mixes policy versions {sorted(versions)}")
         name = shard_name(self.worker, batch)
-        checksum = write_shard(self.queue_dir / (name + SHARD_SUFFIX), groups)
+        path = self.queue_dir / (name + SHARD_SUFFIX)
+        checksum = _write_versioned_shard(path, groups) if tagged else write_shard(path, groups)
         info = ShardRecord(
             name=name,
             worker=self.worker,
@@ -264,14 +313,33 @@ class QueueWriter:
             groups=len(groups),
             responses=sum(len(g.samples) for g in groups),
             checksum=checksum,
-            policy_version=versions.pop(),
+            policy_version=min(versions),
             stats=shard_stats(groups),
+            token_versions=tagged,
             **record,
         )
         self.appended += 1
         crash_point(f"worker:{self.worker}:shard:{self.appended}")  # shard in place, record not yet
         write_json(self.queue_dir / (name + RECORD_SUFFIX), dataclasses.asdict(info))
         return info
+
+
+def _check_token_versions(groups: Sequence[RolloutGroup], where: str) -> bool:
+    """Whether the groups carry per-token versions (all of them or none), each group's version being its
+    oldest token's; StoreError otherwise."""
+    tagged = [s.versions is not None for g in groups for s in g.samples]
+    if not any(tagged):
+        return False
+    if not all(tagged):
+        raise StoreError(f"{where}: {tagged.count(False)} responses carry no token versions, the others do")
+    for group in groups:
+        oldest = min((v for s in group.samples for v in s.versions), default=group.policy_version)
+        if oldest != group.policy_version:
+            raise StoreError(
+                f"{where}: group {group.prompt_id} has policy version {group.policy_version} but its oldest "
+                f"token was sampled by version {oldest}"
+            )
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -295,6 +363,7 @@ class QueueReader:
         self.index = RecordIndex(queue_dir)
         self._buffer: deque[_Queued] = deque()
         self._pending: list[tuple[_Queued, int]] = []
+        self._token_lags: list[int] = []  # of the groups in _pending
         self._dropped_now = 0
         self._arrived: list[ShardRecord] = []  # recorded, not yet admitted
         self._published = -1  # the position last written to cursor.json
@@ -345,18 +414,22 @@ class QueueReader:
             queued = self._buffer.popleft()
             if index in chosen:
                 self._pending.append((queued, group_lag(update, queued.group.policy_version)))
+                self._token_lags.extend(token_lags(queued.group, update))
         self.cursor.position += scanned
         self.cursor.dropped += len(dropped)
         self._dropped_now += len(dropped)
         if len(self._pending) < count:
             return None
+        lags = self._token_lags or [0]
         result = Taken(
             groups=[queued.group for queued, _ in self._pending],
             versions=[queued.group.policy_version for queued, _ in self._pending],
             lags=[lag for _, lag in self._pending],
             dropped=self._dropped_now,
+            token_lag_mean=sum(lags) / len(lags),
+            token_lag_max=max(lags),
         )
-        self._pending, self._dropped_now = [], 0
+        self._pending, self._dropped_now, self._token_lags = [], 0, []
         return result
 
     @property
