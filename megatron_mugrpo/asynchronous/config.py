@@ -9,11 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_mugrpo.errors import require
-from megatron_mugrpo.rollout.engine import KV_MODES
+from megatron_mugrpo.rollout.engine import KV_MODES, interruptible
 
 PUBLISH_MODES = ("memory", "disk")
-PARTIAL_ENGINES = ("transformers",)
-"""Rollout engines that can apply weights between two decode steps (``async.partial_rollout``)."""
 
 
 @dataclass(kw_only=True)
@@ -121,10 +119,11 @@ class AsyncConfig:
 
 def partial_rollout_problem(cfg: AsyncConfig, engine: str) -> str:
     """Why ``async.partial_rollout`` cannot run with ``rollout.engine=engine`` ('' when it can)."""
-    if not cfg.partial_rollout or engine in PARTIAL_ENGINES:
+    if not cfg.partial_rollout or interruptible(engine):
         return ""
     return (
-        f"async.partial_rollout=true is not supported with rollout.engine={engine}: only {PARTIAL_ENGINES} can "
-        "apply weights between two decode steps (SGLang's offline engine blocks in generate() and does not say "
-        "which weights sampled each token). Set async.partial_rollout=false or rollout.engine=transformers"
+        f"async.partial_rollout=true is not supported with rollout.engine={engine}: only an engine that applies "
+        "weights between two decode steps can (transformers; SGLang's offline engine blocks in generate() and "
+        "does not say which weights sampled each token). Set async.partial_rollout=false or "
+        "rollout.engine=transformers"
     )

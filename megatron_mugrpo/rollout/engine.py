@@ -291,6 +291,12 @@ def engine_factory(name: str) -> EngineFactory:
     return factory
 
 
+def interruptible(name: str) -> bool:
+    """Whether the engine registered as ``name`` takes an ``Interrupt`` (applies new weights between two
+    decode steps: partial rollouts): its class says so with ``interruptible = True``."""
+    return bool(getattr(engine_factory(name), "interruptible", False))
+
+
 def engine_configs() -> dict[str, type]:
     """Engine name → the dataclass of its ``rollout.<name>.*`` knobs, for the engines that have knobs."""
     for name, config in list(_ENGINE_CONFIGS.items()):

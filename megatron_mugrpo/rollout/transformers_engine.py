@@ -99,6 +99,8 @@ class TransformersEngine:
     """
 
     name = "transformers"
+    interruptible = True
+    """Takes an ``Interrupt`` (``self.interrupt``): partial rollouts."""
     vocab_size: int
     """Rows of the output layer: every id the model can emit (set when a model is loaded)."""
 
