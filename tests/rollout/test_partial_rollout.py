@@ -106,7 +106,16 @@ def test_kept_cache_samples_the_tokens_after_a_switch_from_neither_policy(model_
     gaps = _gaps(groups, models)
     assert gaps[0] <= TOLERANCE
     assert gaps[1] > 100 * TOLERANCE, gaps
-    print(f"partial_kv=keep: max |log beta - log pi_new| over the tokens after the switch = {gaps[1]:.3g}")
+    after = [
+        float((torch.tensor(gen.logprobs[4:]) - forced[4:]).abs().mean())
+        for prompt, group in zip(PROMPTS, groups)
+        for gen in group
+        for forced in teacher_forced_logprobs(models[1], [prompt], [gen.response_ids], 1.0)
+    ]
+    print(
+        f"partial_kv=keep: |log beta - log pi_new| over the tokens after the switch: max {gaps[1]:.3g}, "
+        f"mean {sum(after) / len(after):.3g} (recompute: <= {TOLERANCE})"
+    )
 
 
 def test_without_an_interrupt_nothing_records_versions(model_dirs):
