@@ -177,6 +177,32 @@ def test_async_run_streams_groups_with_bounded_lag(tmp_path: Path, base_model: P
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_partial_rollouts_switch_weights_mid_batch(tmp_path: Path, base_model: Path):
+    """async.partial_rollout=true with a publication after every update: the worker applies some in the
+    middle of a batch, so responses span two versions; every token's version reaches the trainer, whose
+    drops and lags use a group's oldest token, and every group is still accounted for."""
+    from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
+
+    run_dir = tmp_path / "partial"
+    extra = ["async.sync_every=1", "async.max_lag=3", "async.verify_weights=true", "async.partial_rollout=true"]
+    ok(start(run_dir, base_model, *extra))
+    updates = check_exactly_once(run_dir)
+    assert all(r["rollout/lag_max"] <= 3 for r in updates)  # max_lag holds for the oldest token
+    assert all(0 <= r["rollout/token_lag_mean"] <= r["rollout/token_lag_max"] <= r["rollout/lag_max"] for r in updates)
+    queue = run_dir / "rollouts" / "queue"
+    shards = RecordIndex(queue).refresh()
+    assert shards and all(record.token_versions for record in shards)
+    spans = [
+        sorted(set(sample.versions))
+        for record in shards
+        for group in read_shard(queue, record)
+        for sample in group.samples
+    ]
+    assert all(spans) and any(len(span) > 1 for span in spans), "no response spanned two publications"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_exactly_once_across_sigkill_of_each_side(tmp_path: Path, base_model: Path):
     """The trainer is killed after update 3 (checkpoint at 2); resumed, the worker is killed with a
     half-written shard; resumed again, the run ends with every group trained once or still queued."""
