@@ -27,9 +27,10 @@ class AsyncConfig:
     rollout/dropped_groups). Equal to sync_every: no staleness beyond the sync interval (async GRPO)."""
     sync_every: int = 4
     """The trainer publishes its weights every this many updates (the paper: 4); workers pick them up
-    between generation batches."""
+    between generation batches (with partial_rollout also between two decode steps)."""
     batch_groups: int = 64
-    """Prompt groups a worker generates per batch (one queue shard); weights never change within one."""
+    """Prompt groups a worker generates per batch (one queue shard); weights never change within one
+    unless partial_rollout."""
     first_batch_groups: int | None = None
     """Size of a worker's first batch; each next one is twice as large, up to batch_groups. The trainer
     then starts as soon as a small batch is ready instead of waiting for a full one (large batches

@@ -5,8 +5,8 @@ dispatches by role). Its loop, one queue shard per turn::
 
     wait for room in the queue (workers pause while async.queue_groups groups are unconsumed)
     → apply newly published weights, if any: the newest directory, or the newest publication staged
-      in memory (between batches only: a whole batch, every VIGOR round included, is sampled by one
-      policy)
+      in memory (without async.partial_rollout between batches only: a whole batch, every VIGOR round
+      included, is sampled by one policy)
     → pause (loading newer weights as they come) while the batch's groups would be dropped for
       their lag when the trainer reaches them (``batches.lag_pause``; counted in the shard's record)
     → generate and score batch b: its prompts are ``batches.prompt_range(async, b, w)`` of the seeded prompt
