@@ -43,6 +43,9 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.0"],
         "triton": ["triton>=3.7.1"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+        # benchmarks/vs_trl.py: the peer it measures against, pinned to the version its settings were read
+        # from (TRL's GRPOConfig defaults and loss options change between releases). Never in the main install.
+        "bench": ["trl==1.16.0", "accelerate==1.15.0"],
     },
     entry_points={"console_scripts": ["mugrpo=megatron_mugrpo.cli:main"]},
 )
