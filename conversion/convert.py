@@ -32,6 +32,7 @@ from megatron_mugrpo.conversion.megatron_io import (
 )
 
 from megatron_mugrpo.training.model import ModelConfigError, check_divisibility, check_supported
+from megatron_mugrpo.training.moe import MoeConfigError, check_moe, is_moe
 from megatron_mugrpo.training.parallel import ParallelGroups
 
 
@@ -41,11 +42,14 @@ def default_dtype(hf_config: dict) -> str:
 
 
 def check_convertible(hf_config: dict, tp: int, pp: int) -> None:
-    """ConversionError when the architecture is unsupported or TP / PP cannot split this model."""
+    """ConversionError when the architecture is unsupported or TP / PP cannot split this model (a MoE
+    model's experts and shared expert included), naming the config.json key."""
     try:
         check_supported(hf_config)
         check_divisibility(hf_config, tp, pp)
-    except ModelConfigError as err:
+        if is_moe(hf_config):
+            check_moe(hf_config, tensor_parallel=tp, expert_parallel=1)
+    except (ModelConfigError, MoeConfigError) as err:
         raise ConversionError(str(err)) from err
 
 

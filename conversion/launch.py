@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron_mugrpo.conversion.errors import ConversionError
 
-from megatron_mugrpo.training.model import ModelConfigError
+from megatron_mugrpo.errors import InputError
 
 
 def _free_port() -> int:
@@ -49,7 +49,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], tp: int, pp: int, port: int, e
         fn(groups, *args)
         parallel.destroy_parallel(destroy_process_group=True)
     except BaseException as err:  # the parent re-raises the first rank's error
-        kind = "conversion" if isinstance(err, (ConversionError, ModelConfigError)) else "other"
+        kind = "conversion" if isinstance(err, InputError) else "other"  # model / MoE config errors too
         message = str(err) if kind == "conversion" else traceback.format_exc()
         errors.put((rank, kind, message))
         raise SystemExit(1) from None

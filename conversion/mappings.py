@@ -15,7 +15,11 @@ Mixture-of-experts layers (Qwen3-MoE) are more entries of the same kind: an expe
 ``{expert}`` standing for its global index (``mlp.experts.{expert}.gate_proj`` etc. in HF, Megatron's
 ``mlp.experts.local_experts.{expert}.linear_fc1``), the router is replicated, and the sparse layer's
 ``pre_mlp_layernorm`` is a norm of its own (TE cannot fuse it into the experts), so it keeps its name.
-Which layers are sparse is the config's (``training.moe.moe_layer_pattern``).
+Which layers are sparse is the config's (``training.moe.moe_layer_pattern``). Qwen2-MoE's shared expert
+is three more entries of the same kinds: its gate / up / down projections map like a dense MLP's
+(``mlp.shared_expert.*`` ↔ ``mlp.shared_experts.linear_fc1`` / ``linear_fc2``, TP-split like any gated
+MLP, replicated over EP), and its sigmoid gate's [1, hidden] weight (``mlp.shared_expert_gate``) is
+replicated as megatron-core's ``mlp.shared_experts.gate_weight``.
 
 Export works per rank: ``hf_pieces`` cuts this rank's part of each HF tensor out of its shard
 (views where the layout allows), and the HF tensor is the concatenation of every rank's piece
@@ -130,6 +134,15 @@ _SPARSE_MLP = (
     ),
     TensorMap(_MG_EXPERT + "linear_fc2.weight", (_HF_EXPERT + "down_proj.weight",), "row"),
 )
+_MG_SHARED = _MG_LAYER + "mlp.shared_experts."
+_HF_SHARED = _HF_LAYER + "mlp.shared_expert."
+_SHARED_EXPERT = (
+    TensorMap(
+        _MG_SHARED + "linear_fc1.weight", (_HF_SHARED + "gate_proj.weight", _HF_SHARED + "up_proj.weight"), "gated_fc1"
+    ),
+    TensorMap(_MG_SHARED + "linear_fc2.weight", (_HF_SHARED + "down_proj.weight",), "row"),
+    TensorMap(_MG_SHARED + "gate_weight", (_HF_LAYER + "mlp.shared_expert_gate.weight",), "replicated"),
+)
 _EMBEDDING = TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
 _FINAL_NORM = TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
 _OUTPUT = TensorMap("output_layer.weight", ("lm_head.weight",), "vocab")
@@ -140,9 +153,13 @@ ARCHITECTURES: dict[str, tuple[TensorMap, ...]] = {
     "llama": _DECODER_LAYER,
     "qwen3": _DECODER_LAYER + _QK_NORM,
     "qwen3_moe": _DECODER_LAYER + _QK_NORM,  # its dense layers (mlp_only_layers)
+    "qwen2_moe": _DECODER_LAYER + _QKV_BIAS,
 }
 """Per-layer maps by HF ``model_type``; the embedding, final norm and LM head are shared by all."""
-SPARSE_ARCHITECTURES: dict[str, tuple[TensorMap, ...]] = {"qwen3_moe": _ATTENTION + _QK_NORM + _SPARSE_MLP}
+SPARSE_ARCHITECTURES: dict[str, tuple[TensorMap, ...]] = {
+    "qwen3_moe": _ATTENTION + _QK_NORM + _SPARSE_MLP,
+    "qwen2_moe": _ATTENTION + _QKV_BIAS + _SPARSE_MLP + _SHARED_EXPERT,
+}
 """Per-layer maps of the mixture-of-experts layers, by HF ``model_type``."""
 _EXPERT_INDEX = re.compile(r"\.local_experts\.(\d+)\.")
 
@@ -335,6 +352,7 @@ def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     hidden, ffn = hf_config["hidden_size"], hf_config["intermediate_size"]
     experts = moe_provider.num_experts(hf_config) if moe_provider.is_moe(hf_config) else 0
     expert_ffn = int(hf_config.get("moe_intermediate_size") or 0)
+    shared_ffn = moe_provider.shared_expert_width(hf_config)
     q_rows, kv_rows = dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
     by_suffix = {
         "embed_tokens.weight": (dims.vocab_size, hidden),
@@ -354,15 +372,26 @@ def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "up_proj.weight": (ffn, hidden),
         "down_proj.weight": (hidden, ffn),
         "mlp.gate.weight": (experts, hidden),
+        "mlp.shared_expert_gate.weight": (1, hidden),
     }
     by_expert_suffix = {
         "gate_proj.weight": (expert_ffn, hidden),
         "up_proj.weight": (expert_ffn, hidden),
         "down_proj.weight": (hidden, expert_ffn),
     }
+    by_shared_suffix = {
+        "gate_proj.weight": (shared_ffn, hidden),
+        "up_proj.weight": (shared_ffn, hidden),
+        "down_proj.weight": (hidden, shared_ffn),
+    }
     shapes = {}
     for name in expected_hf_tensors(hf_config):
-        table = by_expert_suffix if ".mlp.experts." in name else by_suffix
+        if ".mlp.experts." in name:
+            table = by_expert_suffix
+        elif ".mlp.shared_expert." in name:
+            table = by_shared_suffix
+        else:
+            table = by_suffix
         suffix = next(s for s in table if name.endswith(s))
         shapes[name] = table[suffix]
     return shapes

@@ -1,8 +1,9 @@
 """Model provider: a Megatron-core ``GPTModel`` built from a Hugging Face ``config.json`` dict.
 
 Supported architectures (``model_type``): ``qwen2`` (Qwen2 / Qwen2.5: QKV bias), ``llama`` (Llama 3.x,
-including ``rope_scaling`` of type ``llama3``), ``qwen3`` (q/k RMSNorm, explicit ``head_dim``) and
-``qwen3_moe`` (Qwen3 attention with mixture-of-experts MLPs, see ``training.moe``).
+including ``rope_scaling`` of type ``llama3``), ``qwen3`` (q/k RMSNorm, explicit ``head_dim``),
+``qwen3_moe`` (Qwen3 attention with mixture-of-experts MLPs, see ``training.moe``) and ``qwen2_moe``
+(Qwen2 attention, mixture-of-experts MLPs plus a sigmoid-gated shared expert).
 All are pre-norm decoders with RMSNorm, RoPE, grouped-query attention and SwiGLU MLPs (or experts)
 without biases, which is what the Megatron config below expresses.
 
@@ -47,7 +48,8 @@ from megatron_mugrpo.training.moe import (
 )
 from megatron_mugrpo.training.routing_replay import install_routing_hooks
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe")
+_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 VOCAB_DIVISIBLE_BY = 128
 """Megatron pads the vocabulary to a multiple of this × TP so every TP shard is GEMM-friendly."""
@@ -131,6 +133,11 @@ def check_supported(hf_config: dict[str, Any]) -> str:
         raise ModelConfigError("use_sliding_window=true is not supported; set it to false in config.json")
     if arch in ("llama", *_QK_NORM_TYPES) and hf_config.get("attention_bias"):
         raise ModelConfigError(f"{arch} with attention_bias=true is not supported")
+    if arch == "qwen2_moe" and not hf_config.get("qkv_bias", True):
+        raise ModelConfigError(
+            "qwen2_moe with qkv_bias=false is not supported (released Qwen2-MoE models have QKV biases); "
+            "remove qkv_bias from config.json or set it to true"
+        )
     if hf_config.get("mlp_bias"):
         raise ModelConfigError("mlp_bias=true is not supported")
     rope = rope_parameters(hf_config)
@@ -170,7 +177,7 @@ def transformer_config_from_hf(
     fp8: str = "none",
     **overrides: Any,
 ) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` equivalent to a Qwen2 / Llama / Qwen3 / Qwen3-MoE ``config.json``.
+    """Megatron ``TransformerConfig`` equivalent to a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Qwen2-MoE ``config.json``.
 
     ``tensor_parallel`` / ``pipeline_parallel`` / ``expert_parallel``: the TP/PP/EP sizes the model is
     split over (the caller's ``groups.tp`` / ``groups.pp`` / ``groups.ep``; 1 outside any parallel
@@ -196,7 +203,7 @@ def transformer_config_from_hf(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch == "qwen2",
+        add_qkv_bias=arch in _QKV_BIAS_TYPES,
         qk_layernorm=arch in _QK_NORM_TYPES,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -466,11 +473,29 @@ _TINY_ARCH: dict[str, dict[str, Any]] = {
         "router_aux_loss_coef": 0.001,
         "output_router_logits": False,
     },
+    # Qwen1.5-MoE / Qwen2-57B-A14B: Qwen2 attention (QKV bias), routed experts plus one sigmoid-gated
+    # shared expert per sparse layer. Widths differ on purpose (dense 128, expert 32, shared 48) so a
+    # tensor mapped to the wrong role fails on its shape; norm_topk_prob False as released.
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "qkv_bias": True,
+        "use_sliding_window": False,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+    },
 }
 
 
 def tiny_hf_config(arch: str, **overrides: Any) -> dict[str, Any]:
-    """A small Hugging Face ``config.json`` dict for ``arch`` in ('qwen2', 'llama', 'qwen3', 'qwen3_moe').
+    """A small Hugging Face ``config.json`` dict for ``arch`` in ('qwen2', 'llama', 'qwen3', 'qwen3_moe', 'qwen2_moe').
 
     The shapes (hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 256) build and run in well under a
     second on CPU. Keys use the released-checkpoint format (``rope_theta`` / ``rope_scaling``), which

@@ -1,9 +1,18 @@
-"""Mixture-of-experts models: Qwen3-MoE config → Megatron MoE fields, expert-load and aux-loss metrics.
+"""Mixture-of-experts models: Qwen3-MoE / Qwen2-MoE config → Megatron MoE fields, expert-load and aux-loss metrics.
 
 A Hugging Face ``config.json`` with ``model_type: qwen3_moe`` describes a decoder whose MLPs are
 sparse: every token goes to the top ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts of width
 ``moe_intermediate_size``. Layers listed in ``mlp_only_layers`` (or not on the ``decoder_sparse_step``
 grid) keep a dense MLP of width ``intermediate_size``. There is no shared expert.
+
+``model_type: qwen2_moe`` (Qwen1.5-MoE, Qwen2-57B-A14B) routes the same way and adds, in every sparse
+layer, one shared SwiGLU expert of width ``shared_expert_intermediate_size`` that every token goes
+through, scaled by a per-token sigmoid gate: ``sigmoid(x · w_gate) · shared_expert(x)`` with
+``w_gate`` [1, hidden] (transformers' ``Qwen2MoeSparseMoeBlock``). megatron-core's ``SharedExpertMLP``
+with ``moe_shared_expert_gate=True`` computes exactly that function on the same input (the sparse
+layer's pre-MLP-normed hidden states): ``sigmoid(linear(x, gate_weight [1, hidden])) · MLP(x)``, added
+to the routed experts' output (``SHARED_EXPERT_GATE`` names the source lines; checked numerically by
+tests/training/test_qwen2_moe.py). Its attention is Qwen2's (QKV bias, ``qkv_bias``).
 
 Routing follows the model: softmax scores; with ``norm_topk_prob`` the top-k probabilities are
 renormalised, which Megatron expresses as softmax *after* the top-k (``moe_router_pre_softmax=False``);
@@ -16,12 +25,13 @@ the objective, and the routing of a pretrained model is already balanced.
 
 Metrics (``train/``): ``moe_load_min`` / ``moe_load_max``, the smallest and largest share of routed
 token slots any expert of any MoE layer received during the update (1/E when perfectly balanced;
-padding tokens are routed too and are counted), and, when their coefficients are on,
-``moe_aux_loss`` / ``moe_z_loss`` from megatron-core's aux-loss tracker (mean over MoE layers and
-micro-batches, unscaled by the coefficient).
+padding tokens are routed too and are counted; the shared expert is not routed and is not counted),
+and, when their coefficients are on, ``moe_aux_loss`` / ``moe_z_loss`` from megatron-core's aux-loss
+tracker (mean over MoE layers and micro-batches, unscaled by the coefficient).
 
 ``moe.routing_replay: rollout`` (R3) replays the rollout engine's routes in the trainer
-(``training.routing_replay``, which also measures ``train/routing_agreement``).
+(``training.routing_replay``, which also measures ``train/routing_agreement``); a shared expert has
+no route to replay.
 """
 
 from __future__ import annotations
@@ -35,7 +45,15 @@ import torch.distributed as dist
 from megatron_mugrpo.errors import InputError, require
 from megatron_mugrpo.training.routing_replay import reset_routing_agreement, routing_agreement
 
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+SHARED_EXPERT_MODEL_TYPES = ("qwen2_moe",)
+"""MoE architectures with one sigmoid-gated shared expert per sparse layer (``shared_expert_intermediate_size``)."""
+SHARED_EXPERT_GATE = (
+    "megatron/core/transformer/moe/shared_experts.py SharedExpertMLP.forward: "
+    "output * sigmoid(linear(hidden_states, gate_weight))"
+)
+"""Where megatron-core 0.16 computes the shared-expert gate; equal to transformers' Qwen2-MoE
+``F.sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (same input, same [1, hidden] weight, no bias)."""
 TOKEN_DISPATCHERS = ("alltoall", "allgather")
 ROUTING_REPLAY_MODES = ("none", "rollout")
 """``moe.routing_replay``: 'none' routes every forward freshly; 'rollout' replays the rollout engine's routes."""
@@ -83,6 +101,16 @@ def is_moe(hf_config: dict[str, Any]) -> bool:
     return hf_config.get("model_type") in MOE_MODEL_TYPES
 
 
+def has_shared_expert(hf_config: dict[str, Any]) -> bool:
+    """True for an architecture whose sparse layers carry a gated shared expert (Qwen2-MoE)."""
+    return hf_config.get("model_type") in SHARED_EXPERT_MODEL_TYPES
+
+
+def shared_expert_width(hf_config: dict[str, Any]) -> int:
+    """Width of the shared expert's gated MLP (``shared_expert_intermediate_size``); 0 without one."""
+    return int(hf_config.get("shared_expert_intermediate_size") or 0) if has_shared_expert(hf_config) else 0
+
+
 def num_experts(hf_config: dict[str, Any]) -> int:
     """Routed experts per MoE layer: ``num_experts`` in released Qwen3-MoE configs, ``num_local_experts``
     in those transformers 5 writes; 0 when neither is there."""
@@ -105,8 +133,7 @@ def check_moe(hf_config: dict[str, Any], *, tensor_parallel: int, expert_paralle
     experts, topk = num_experts(hf_config), int(hf_config["num_experts_per_tok"])
     if not 1 <= topk <= experts:
         raise MoeConfigError(f"num_experts_per_tok={topk} must be between 1 and num_experts={experts}")
-    if hf_config.get("shared_expert_intermediate_size"):
-        raise MoeConfigError("shared experts (shared_expert_intermediate_size) are not supported yet")
+    _check_shared_expert(hf_config, tensor_parallel)
     if experts % expert_parallel:
         raise MoeConfigError(
             f"expert parallel size {expert_parallel} must divide num_experts={experts}; "
@@ -117,6 +144,28 @@ def check_moe(hf_config: dict[str, Any], *, tensor_parallel: int, expert_paralle
         raise MoeConfigError(f"tensor parallel size {tensor_parallel} must divide moe_intermediate_size={width}")
     if not any(moe_layer_pattern(hf_config)):
         raise MoeConfigError("no layer is sparse (decoder_sparse_step / mlp_only_layers leave every MLP dense)")
+
+
+def _check_shared_expert(hf_config: dict[str, Any], tensor_parallel: int) -> None:
+    """MoeConfigError naming ``shared_expert_intermediate_size`` when the shared expert cannot be built as asked."""
+    arch, width = hf_config.get("model_type"), hf_config.get("shared_expert_intermediate_size")
+    if not has_shared_expert(hf_config):
+        if width:
+            raise MoeConfigError(
+                f"shared_expert_intermediate_size={width} with model_type={arch!r}: transformers' {arch} has no "
+                f"shared expert and ignores the key; remove it, or use a model type with shared experts "
+                f"{SHARED_EXPERT_MODEL_TYPES}"
+            )
+        return
+    if not isinstance(width, int) or width < 1:
+        raise MoeConfigError(
+            f"model_type={arch!r} needs shared_expert_intermediate_size >= 1 (the shared expert's width), got {width!r}"
+        )
+    if width % tensor_parallel:
+        raise MoeConfigError(
+            f"tensor parallel size {tensor_parallel} must divide shared_expert_intermediate_size={width}; "
+            "choose parallel.tensor_parallel among its divisors"
+        )
 
 
 def moe_transformer_fields(
@@ -140,6 +189,9 @@ def moe_transformer_fields(
         moe_grouped_gemm=grouped_gemm,
         expert_model_parallel_size=expert_parallel,
         moe_enable_routing_replay=moe.routing_replay == "rollout",
+        # Qwen2-MoE: sigmoid(x · w_gate) · shared_expert(x), added to the routed output (SHARED_EXPERT_GATE).
+        moe_shared_expert_intermediate_size=shared_expert_width(hf_config) or None,
+        moe_shared_expert_gate=has_shared_expert(hf_config),
     )
 
 
