@@ -240,12 +240,15 @@ def evaluate_final(cfg: RunConfig, hf_dir: Path) -> float:
     (engine, benchmarks, k, T, response cap), seeded with ``cfg.seed`` whichever model it scores."""
     from megatron_mugrpo.evaluation import AVG_KEY, evaluate
     from megatron_mugrpo.loop.setup import read_inputs
-    from megatron_mugrpo.rollout.engine import build_engine_from_config
+    from megatron_mugrpo.rollout.engine import build_engine_from_config, shutdown_engine
 
     inputs = read_inputs(cfg)
     try:
         engine = build_engine_from_config(cfg.rollout, str(hf_dir), seed=cfg.seed)
-        metrics = evaluate(engine, inputs.benchmarks, tokenizer=inputs.tokenizer, eval_cfg=cfg.eval, seed=cfg.seed)
+        try:
+            metrics = evaluate(engine, inputs.benchmarks, tokenizer=inputs.tokenizer, eval_cfg=cfg.eval, seed=cfg.seed)
+        finally:
+            shutdown_engine(engine)
     finally:
         inputs.reward_fn.close()
     return metrics[AVG_KEY]
