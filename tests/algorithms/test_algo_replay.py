@@ -424,3 +424,11 @@ def test_config_defaults_and_resolution() -> None:
 def test_config_validation_names_the_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, ["replay.enabled=true", override])
+
+
+def test_replay_with_routing_replay_is_refused_naming_both_keys() -> None:
+    """The buffer's copies of groups carry no routes: a replayed group would reach the collate without them."""
+    moe = ["model.tiny.arch=qwen3_moe", "moe.routing_replay=rollout"]
+    load_config(None, moe)  # each alone is fine
+    with pytest.raises(ConfigError, match=re.escape("replay.enabled cannot be combined with moe.routing_replay=")):
+        load_config(None, ["replay.enabled=true", *moe])
