@@ -282,11 +282,9 @@ class TransformersEngine:
         next_pos = step_pos[:, -1:] + 1  # [A, 1]: position of the next input token
         if self.recorder is not None:
             self.recorder.begin([len(p) for p in prompts])
+        if interrupt is not None and interrupt.between_steps():  # before the prefill: nothing to redo
+            model, version = self._live_model(), interrupt.version()
         for step in range(steps):
-            if interrupt is not None and interrupt.between_steps():  # new weights: the same sequences go on
-                model, version = self._live_model(), interrupt.version()
-                if cache is not None and step > 0 and interrupt.kv == "recompute":
-                    cache = self._recompute_cache(model, input_ids[rows], tokens[rows, : step - 1], mask, width + steps)
             if self.recorder is not None:
                 self.recorder.step(rows)  # the rows this forward feeds (done rows stay until compaction)
             if cache is None:
@@ -320,12 +318,18 @@ class TransformersEngine:
                 step_ids = torch.cat([step_ids, token[:, None]], dim=1)
                 step_pos = torch.cat([step_pos, next_pos], dim=1)
             next_pos = next_pos + 1
-            if finished >= _COMPACT_FRACTION * done.numel():
+            # Partial rollouts: new weights between two steps, the same sequences go on under them.
+            switched = interrupt is not None and step + 1 < steps and interrupt.between_steps()
+            if finished >= _COMPACT_FRACTION * done.numel() or (switched and finished):  # no recompute for done rows
                 keep = (~done).nonzero().squeeze(1)
                 rows, done, mask, attend = rows[keep], done[keep], mask[keep], attend[keep]
                 step_ids, step_pos, next_pos = step_ids[keep], step_pos[keep], next_pos[keep]
                 if cache is not None:
                     cache.batch_select_indices(keep)
+            if switched:
+                model, version = self._live_model(), interrupt.version()
+                if cache is not None and interrupt.kv == "recompute":  # it holds the prompt and tokens[:, :step]
+                    cache = self._recompute_cache(model, input_ids[rows], tokens[rows, :step], mask, width + steps)
         gens = _to_generations(tokens, logprobs, lengths, stopped, versions)
         if self.recorder is None:
             return gens
@@ -340,8 +344,8 @@ class TransformersEngine:
     ) -> DynamicCache:
         """The KV cache of the rows still computed, rebuilt under the weights just applied.
 
-        ``prompt_ids`` [A, width] (left padded) and ``fed`` [A, s - 1] are what the cache held: the prompt
-        and the tokens fed before decode step s (which feeds token s - 1); ``mask`` [A, width + steps].
+        ``prompt_ids`` [A, width] (left padded) and ``fed`` [A, s] are what the cache held after decode step
+        s: the prompt and tokens 0 .. s - 1 (step s + 1 feeds token s); ``mask`` [A, width + steps].
         One prefill forward; its logits are not used. A route recorder is disarmed here (it is armed
         right before each decode forward), so the routes stay those of the forwards that sampled.
         """
