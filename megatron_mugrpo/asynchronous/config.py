@@ -69,8 +69,10 @@ class AsyncConfig:
     continues the same sequences under it, instead of only between batches. Every token then records
     the version that sampled it (its behaviour log-prob is that policy's), lag is measured per token
     (rollout/token_lag_mean, rollout/token_lag_max) and max_lag applies to a group's oldest token.
-    Needs async.publish=memory and rollout.engine=transformers. Off by default: on this project's CPU
-    benchmark (benchmarks/partial_rollout.py) it makes tokens fresher, not the trainer less idle."""
+    Needs async.publish=memory and rollout.engine=transformers. Off by default: it makes tokens fresher
+    (lower token lag) at the cost of a KV-cache recompute per switch, but the trainer never waits for a
+    worker's in-flight sequences here (publications are staged while workers generate), so it is not
+    expected to make the trainer less idle; benchmarks/partial_rollout.py measures both."""
     partial_kv: str = "recompute"
     """With partial_rollout, what happens to an in-flight sequence's KV cache at a switch. recompute: one
     prefill forward under the new weights, so every later token is sampled from exactly the new policy
