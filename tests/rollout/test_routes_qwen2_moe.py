@@ -8,7 +8,8 @@ layers, the middle one dense, 8 experts top-2, a shared expert): the hooked modu
 sparse layers' routers; a teacher-forced forward's recorded ids equal the top-k of softmax(x · Wᵀ)
 computed from each router's input; the transformers engine's decode loop with ``record_routes=True``
 gives each generation the routes of a teacher-forced forward over prompt + response - 1.
-Measured: equal at every token and layer.
+Measured: equal at every token and layer. The engine's weight sync (``copy_weights``) fills a fresh
+model's fused experts and its shared expert from released-checkpoint names: logits bit-identical.
 """
 
 from __future__ import annotations
@@ -105,3 +106,24 @@ def test_transformers_engine_records_qwen2_moe_routes_as_the_trainer_feeds_them(
     finally:
         checker.close()
     engine.release()
+
+
+def test_weight_sync_fills_fused_experts_and_the_shared_expert(model, tmp_path):
+    """The trainer → engine sync sends released-checkpoint names (``mlp.experts.{e}.*``,
+    ``mlp.shared_expert.*``, ``mlp.shared_expert_gate.weight``); the engine's model must end up equal."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_mugrpo.rollout.transformers_engine import copy_weights
+
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.layers.2.mlp.shared_expert_gate.weight" in saved
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tmp_path))).eval()
+    copy_weights(fresh, saved.items())
+    ids = torch.tensor([[1, 7, 9, 11, 13]])
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+    partial = {k: v for k, v in saved.items() if k != "model.layers.0.mlp.shared_expert.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"shared_expert\.up_proj"):
+        copy_weights(fresh, partial.items())

@@ -11,14 +11,18 @@ trainer's model through the converter. Checked:
   weights: equal to the formula and to transformers' ``Qwen2MoeSparseMoeBlock`` parts);
 - the whole model's float32 logits equal transformers' on a padded batch;
 - one spawn at EP=2 (each rank 2 experts, the shared expert replicated) reproduces the single-rank
-  logits, log-probs, gradients and one AdamW step; the shared expert learns (its weights change).
+  logits, log-probs, gradients and one AdamW step; the shared expert learns (its weights change);
+- routing replay (R3) end to end: the routes the rollout engines' ``RouteRecorder`` records from
+  transformers' model, replayed with ``moe.routing_replay=rollout``, agree with the trainer's own
+  routing and leave its log-probs as they are; rotated routes change them.
 
 Measured (2 busy cores, float32, torch 2.13, megatron-core 0.16.1, transformers 5.23): the shared
 expert equals the formula and transformers' parts bit for bit; logits vs transformers max |Δ| 1.7e-6;
 EP=2 vs EP=1: logits bit-identical, log-probs (micro-batches of 2) within 9.5e-7 (2 ulp at |log p| ≈ 5),
 |Δgrad| <= 2.6e-8, |Δw| after one AdamW step <= 1.9e-6 (Adam's first step is lr · g / (|g| + ε): a
 gradient within a few ε of zero turns its 1e-8 difference into a weight difference of that order),
-loss relative 1.7e-7; every shared-expert weight moved by >= 1e-3.
+loss relative 1.7e-7; every shared-expert weight moved by >= 1e-3. Replay: routing agreement 1.0,
+replayed vs fresh log-probs 9.5e-7, rotated routes move log-probs by up to 0.60.
 """
 
 from __future__ import annotations
@@ -186,6 +190,61 @@ def _run(rank: int, world_size: int, hf_dir: str, out: str) -> None:
         torch.save(result, Path(out) / f"ep{world_size}.pt")
 
 
+def _recorded_routes(hf_dir: str) -> torch.Tensor:
+    """The routes transformers' model takes on the test batch ([B, L, 2 layers, k], uint8), recorded by
+    the rollout engines' ``RouteRecorder`` over each whole (padded) row: what R3 hands the trainer."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_mugrpo.rollout.routes import RouteRecorder
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tokens = make_batch(10, groups=2, group_size=4).tokens
+    recorder = RouteRecorder(model)
+    try:
+        recorder.begin([tokens.shape[1]] * tokens.shape[0])
+        recorder.step(range(tokens.shape[0]))
+        with torch.no_grad():
+            model(input_ids=tokens)
+        return torch.stack([torch.from_numpy(recorder.routes(row)) for row in range(tokens.shape[0])])
+    finally:
+        recorder.close()
+
+
+def _replay(rank: int, world_size: int, hf_dir: str, out: str) -> None:
+    """moe.routing_replay=rollout: log-probs replaying transformers' routes and rotated ones, and one
+    update's agreement with transformers' routes."""
+    import dataclasses
+
+    from megatron_mugrpo.conversion import load_hf_into_model
+
+    from megatron_mugrpo.training.parallel import initialize_parallel
+    from megatron_mugrpo.training.setup import build_policy
+    from megatron_mugrpo.training.train_step import forward_logprobs, train_step
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    groups = initialize_parallel(1, 1, seed=1234)
+    moe = MoeConfig(aux_loss_coeff=1e-2, routing_replay="rollout")
+    policy = build_policy(config, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR), moe=moe)
+    load_hf_into_model(policy.unwrapped(), hf_dir, groups)
+    policy.weights_loaded()
+    routes = torch.load(Path(out) / "routes.pt")
+    batch = dataclasses.replace(make_batch(10, groups=2, group_size=4), routes=routes)
+    rotated = dataclasses.replace(batch, routes=(routes + 1) % EXPERTS)  # still k distinct experts
+    result = {
+        "own": forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=MICRO_BATCH),
+        "rotated": forward_logprobs(policy, rotated, temperature=1.0, micro_batch_size=MICRO_BATCH),
+    }
+    result["metrics"] = train_step(
+        policy,
+        batch,
+        loss_name="mu_grpo",
+        loss_options=AlgoConfig().loss_options(),
+        temperature=1.0,
+        micro_batch_size=MICRO_BATCH,
+    )
+    torch.save(result, Path(out) / "replay.pt")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("qwen2_moe")
@@ -194,7 +253,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     run_distributed(_run, 1, str(hf_dir), str(root))
     run_distributed(_run, 2, str(hf_dir), str(root))
-    return {"hf_dir": hf_dir, "ep1": torch.load(root / "ep1.pt"), "ep2": torch.load(root / "ep2.pt")}
+    torch.save(_recorded_routes(str(hf_dir)), root / "routes.pt")
+    run_distributed(_replay, 1, str(hf_dir), str(root))
+    return {"hf_dir": hf_dir, **{name: torch.load(root / f"{name}.pt") for name in ("ep1", "ep2", "replay")}}
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -234,3 +295,14 @@ def test_ep2_matches_ep1_and_the_shared_expert_learns(runs):
     for name in shared:
         assert float(ref["grads"][name].abs().max()) > 1e-6, name
         assert not torch.equal(ref["params"][name], ref["init"][name]), name
+
+
+@pytest.mark.multiprocess
+def test_replaying_transformers_routes_reproduces_fresh_routing(runs):
+    """R3 end to end on Qwen2-MoE: transformers' recorded routes are the trainer's own choice, so replaying
+    them leaves the log-probs as they are (the shared expert is not routed and is unaffected); routes
+    that are not the router's own change them."""
+    replay, fresh = runs["replay"], runs["ep1"]["logprobs"]
+    assert replay["metrics"]["train/routing_agreement"] == 1.0
+    torch.testing.assert_close(replay["own"], fresh, atol=EP_LOGPROB_ATOL, rtol=0)
+    assert float((replay["rotated"] - fresh).abs().max()) > 1e-3
