@@ -51,8 +51,11 @@ Settings that cannot be matched (TRL 1.16.0, ``trl/trainer/grpo_trainer.py``):
   durable on-disk store and checkpoints in the background every ``checkpoint.every_stages``; TRL
   generates with the training model itself and keeps rollouts in memory (no checkpoints here:
   ``save_strategy='no'``).
-* Threads: ours sets its engine's threads (``rollout.cpu_threads``); TRL runs in this process with
-  torch's default thread count.
+* Threads: TRL runs in this process with torch's default thread count (the cores); ours trains with
+  the same default and samples with ``rollout.cpu_threads`` threads (default 0: the cores as well).
+  Measure on an otherwise idle machine: with other work on the cores, a process running as many
+  threads as there are cores stalls at every parallel region (the ``--smoke`` TRL training took 3 s
+  with 1 thread and 36–72 s with 2 on the 2 cores at load average 10–15).
 * Weight decay: both skip biases and norm weights; TRL/transformers decide by parameter name, ours by
   Megatron's ``wd_mult = 0`` rule.
 """
