@@ -9,7 +9,9 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 RUN_DIR ?= runs/demo
-PYTEST_ARGS ?=
+# Two pytest-xdist workers: most tests (and every end-to-end run) use one core, so two workers use
+# the CI machine's two; the 20 slowest tests are listed at the end.
+PYTEST_ARGS ?= -n 2 --durations=20
 
 .PHONY: demo test lint env clean
 

@@ -1,11 +1,17 @@
 """Session fixtures of the end-to-end tests: a warm-started base model and one finished small run.
 
+Under pytest-xdist (``make test`` runs two workers) every worker would build its own session
+fixtures; ``built_once`` makes the workers share one directory per fixture instead: the first worker
+to take its lock builds it, the others wait and reuse it (``e2e_runs.built_once``).
+
 Also makes ``e2e_runs`` (the CLI helpers) and ``tests/dist_utils.py`` importable whatever pytest's
 import mode.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +23,7 @@ for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parent.p
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from e2e_runs import DEMO, EASY_TASK, train  # noqa: E402
+from e2e_runs import DEMO, EASY_TASK, built_once, train  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +37,8 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return prepare_base_model(cfg, tmp_path_factory.mktemp("base") / "model")
+        with built_once(tmp_path_factory, "base") as shared:
+            return prepare_base_model(cfg, shared / "model")  # reused when its marker matches
     finally:
         torch.set_num_threads(threads)
 
@@ -44,12 +51,19 @@ def easy_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from megatron_mugrpo.warmstart import prepare_base_model
 
     cfg = load_config(DEMO, ["warmstart.steps=80", f"data.builtin_task={EASY_TASK}"])
-    return prepare_base_model(cfg, tmp_path_factory.mktemp("easy_base") / "model")
+    with built_once(tmp_path_factory, "easy_base") as shared:
+        return prepare_base_model(cfg, shared / "model")
 
 
 @pytest.fixture(scope="session")
 def uninterrupted(
     tmp_path_factory: pytest.TempPathFactory, base_model: Path
 ) -> tuple[Path, subprocess.CompletedProcess]:
-    run_dir = tmp_path_factory.mktemp("runs") / "full"
-    return run_dir, train(run_dir, base_model)
+    with built_once(tmp_path_factory, "uninterrupted") as shared:
+        run_dir, done = shared / "full", shared / "process.json"
+        if not done.is_file():
+            shutil.rmtree(run_dir, ignore_errors=True)  # a worker's failed attempt
+            proc = train(run_dir, base_model)
+            done.write_text(json.dumps({"args": proc.args, "stdout": proc.stdout, "stderr": proc.stderr}))
+        kept = json.loads(done.read_text())
+        return run_dir, subprocess.CompletedProcess(kept["args"], 0, kept["stdout"], kept["stderr"])

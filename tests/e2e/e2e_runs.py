@@ -7,11 +7,15 @@ finished run) are in conftest.py.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -75,3 +79,17 @@ def records(run_dir: Path) -> list[dict]:
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "hf_final" / "model.safetensors"))
+
+
+@contextmanager
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """``name``'s directory, shared by every pytest-xdist worker of this session, held under an
+    exclusive lock: build into it unless a finished build is there. Without xdist: this session's own."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # xdist gives each worker its own basetemp under one common parent
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the build fails
+        yield path

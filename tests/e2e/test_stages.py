@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import free_port
-from e2e_runs import DEMO, EASY_TASK, ROOT, SMALL, final_weights, mugrpo, records, train
+from e2e_runs import DEMO, EASY_TASK, ROOT, SMALL, built_once, final_weights, mugrpo, records, train
 from safetensors.torch import load_file
 
 
@@ -229,9 +230,13 @@ closes it to a τ that rejects some of the same groups."""
 
 @pytest.fixture(scope="session")
 def replay_uninterrupted(tmp_path_factory: pytest.TempPathFactory, easy_base_model: Path) -> Path:
-    run_dir = tmp_path_factory.mktemp("runs") / "replay_full"
-    train(run_dir, easy_base_model, *REPLAY)
-    return run_dir
+    with built_once(tmp_path_factory, "replay_uninterrupted") as shared:
+        run_dir, done = shared / "replay_full", shared / "done"
+        if not done.is_file():
+            shutil.rmtree(run_dir, ignore_errors=True)  # a worker's failed attempt
+            train(run_dir, easy_base_model, *REPLAY)
+            done.touch()
+        return run_dir
 
 
 @pytest.mark.slow
