@@ -15,7 +15,7 @@ dispatches by role). Its loop, one queue shard per turn::
 
 With async.partial_rollout the engine also applies a staged publication between two decode steps
 (``Worker.between_steps``, handed to it as an ``engine.Interrupt``): the batch's in-flight sequences go
-on under the new weights, every token records the version that sampled it (``partial.VersionLedger``)
+on under the new weights, every token records the version that sampled it (``partial.group_versions``)
 and a group's version is its oldest token's.
 
 It never initialises torch.distributed's default group and never imports Megatron; with
@@ -46,7 +46,7 @@ from megatron_mugrpo.asynchronous.batches import lag_pause, prompt_range
 from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_rollout_problem
 from megatron_mugrpo.asynchronous.files import AsyncPaths, write_json
 from megatron_mugrpo.asynchronous.liveness import Heartbeat, Peer, advance
-from megatron_mugrpo.asynchronous.partial import VersionLedger
+from megatron_mugrpo.asynchronous.partial import group_versions
 from megatron_mugrpo.asynchronous.publish import Publication, Staging, Subscription, engine_digest, published_names
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.asynchronous.transport import Received
@@ -355,9 +355,8 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
     def responses(finished: int) -> None:  # the engine's progress: this worker's main loop moves
         advance(steps=finished)
 
-    partial = VersionLedger(worker.engine) if cfg.async_.partial_rollout else None
     groups = generate_groups(
-        engine=partial or worker.engine,
+        engine=worker.engine,
         records=records,
         tokenizer=worker.tokenizer,
         reward_fn=worker.reward_fn,
@@ -369,8 +368,8 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
     for group in groups:
         group.policy_version = publication.version
         group.stage = publication.version // cfg.stages.updates_per_stage
-    if partial is not None:  # the versions that sampled each token; a group's version is its oldest token's
-        partial.attach(groups, updates_per_stage=cfg.stages.updates_per_stage)
+    if cfg.async_.partial_rollout:  # the versions that sampled each token; a group's version is its oldest token's
+        group_versions(groups, engine=worker.engine.name, updates_per_stage=cfg.stages.updates_per_stage)
     assign_advantages(groups, cfg.algo.adv_eps)
     return groups
 

@@ -351,6 +351,7 @@ def _sample_round(
                 reward_reason=reason,
                 pass_fraction=getattr(score, "pass_fraction", None),
                 routes=_checked_routes(gen, len(prompt_ids), engine),
+                versions=gen.versions,  # per-token policy versions: async.partial_rollout only
             )
         )
 

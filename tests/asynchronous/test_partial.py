@@ -19,14 +19,14 @@ import torch
 
 from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_rollout_problem
 from megatron_mugrpo.asynchronous.files import AsyncPaths
-from megatron_mugrpo.asynchronous.partial import VersionLedger
+from megatron_mugrpo.asynchronous.partial import group_versions
 from megatron_mugrpo.asynchronous.publish import Publication
 from megatron_mugrpo.asynchronous.transport import Received
 from megatron_mugrpo.asynchronous.worker import Worker, generate_batch
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
 from megatron_mugrpo.rollout.config import RolloutConfig
-from megatron_mugrpo.rollout.engine import Generation, Interrupt
+from megatron_mugrpo.rollout.engine import Interrupt
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.queue import QueueReader, QueueWriter, token_lags
 from megatron_mugrpo.rollout.store import StoreError
@@ -151,15 +151,17 @@ def test_token_lags_count_each_tokens_own_version(tmp_path, models):
     assert taken.lags == [6 - g.policy_version for g in groups]  # max_lag: the oldest token
 
 
-def test_the_ledger_refuses_an_engine_without_versions():
-    class Plain:
-        name = "plain"
-
-        def generate(self, prompts, n, params, progress=None):
-            return [[Generation(response_ids=[5], logprobs=[-1.0], finish_reason="length")] for _ in prompts]
-
+def test_group_versions_refuse_a_response_without_versions_and_take_the_oldest_token():
+    tagged = RolloutSample(
+        response_ids=[4, 5], behaviour_logprobs=[-1.0, -1.0], finish_reason="length", versions=[3, 4]
+    )
+    group = RolloutGroup(prompt_id="p", prompt_ids=[1], answer="", samples=[tagged], policy_version=4)
+    group_versions([group], engine="transformers", updates_per_stage=2)
+    assert (group.policy_version, group.stage) == (3, 1)
+    plain = RolloutSample(response_ids=[5], behaviour_logprobs=[-1.0], finish_reason="length")
+    untagged = RolloutGroup(prompt_id="q", prompt_ids=[1], answer="", samples=[tagged, plain], policy_version=4)
     with pytest.raises(RuntimeError, match="without per-token versions"):
-        VersionLedger(Plain()).generate([[1]], 1, None)
+        group_versions([untagged], engine="plain", updates_per_stage=2)
 
 
 def test_queue_refuses_a_group_whose_version_is_not_its_oldest_token(tmp_path):
