@@ -3,10 +3,10 @@ and against ``model.generate`` at the demo's batch sizes.
 
 Large stages buy throughput: a frozen policy can generate its whole static dataset in big
 batches. This prints tokens/s per batch size and the ratio largest / smallest batch. Then, side by
-side in the same process (interleaved, best of --repeats each), our sampling loop and
-``model.generate`` (multinomial sampling at T, top-k/top-p off: the same distribution) at
---generate-batches: 256 rows is a standard-GRPO stage of the demo (32 groups × 8), 2048 the μ-GRPO
-demo's engine batch. ``vs_generate`` is our tokens/s over generate's, the smallest over those batch
+side in the same process (interleaved, best of --repeats each, each one batch of that many rows),
+our sampling loop and ``model.generate`` (multinomial sampling at T, top-k/top-p off: the same
+distribution) at --generate-batches: 256 rows is a standard-GRPO stage of the demo (32 groups × 8),
+2048 the μ-GRPO demo's engine batch. ``vs_generate`` is our tokens/s over generate's, the smallest over those batch
 sizes, by wall clock; the CPU-time ratio is printed too (steadier on a shared machine).
 
     python benchmarks/rollout_throughput.py                    # CPU default, < 2 minutes
@@ -123,6 +123,9 @@ def versus_generate(
     print(f"{'batch':>6} {'ours tok/s':>11} {'generate':>10} {'ratio':>6} {'cpu ratio':>10}")
     ratios = []
     for batch in batches:
+        # One engine batch of ``batch`` rows, as generate's single call (the μ-GRPO demo's engine batch
+        # is 2048 rows). Left at the sweep's largest size, 2048 rows would run as 8 batches of 256.
+        engine.batch_size = batch
         ours, theirs = [], []
         for _ in range(repeats):
             ours.append(measure(engine, prompts[:batch], params))
