@@ -172,11 +172,6 @@ class RunConfig:
         )
         require(not problem, problem)
         require(
-            not (self.replay.enabled and self.moe.routing_replay != "none"),
-            f"replay.enabled cannot be combined with moe.routing_replay={self.moe.routing_replay!r}: the replay "
-            "buffer's copies of groups do not carry the engine's routes; turn one of the two off",
-        )
-        require(
             not (self.replay.enabled and self.algo.rollout_correction.enabled),
             "replay.enabled cannot be combined with algo.rollout_correction: replayed groups do not carry the "
             "log π_old of the stage that generated them; turn one of the two off",

@@ -28,6 +28,12 @@ The buffer and the stage's decision (so a run resumed mid-stage replays the same
 the policy has moved since they were scored) are written into every checkpoint step directory by
 ``checkpoint_writer``, as ``replay/state.json`` plus ``replay/groups.parquet`` (the copied groups,
 the rollout store's row format). A run killed and resumed equals an uninterrupted one.
+
+Under ``moe.routing_replay=rollout`` every group carries the engine's routes per response: the
+buffer's in-memory copies keep them (deep copies), references read them back from their stage's
+store with the rest of the group, and a checkpoint writes the copies' routes as
+``replay/routes.arrow`` (the store's routes format, one row per copied group, entry order), named
+with its checksum in state.json and verified, with its shapes, on load.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from megatron_mugrpo import durable
@@ -57,8 +64,15 @@ from megatron_mugrpo.algorithms.replay import (
     selection_metrics,
 )
 from megatron_mugrpo.records import RolloutGroup, collate
-from megatron_mugrpo.rollout.shards import SCHEMA, SCHEMA_WITH_OLD, groups_to_table, row_to_group
-from megatron_mugrpo.rollout.store import RolloutStore
+from megatron_mugrpo.rollout.shards import SCHEMA, SCHEMA_WITH_OLD, StoreError, groups_to_table, map_shard, row_to_group
+from megatron_mugrpo.rollout.store import (
+    RolloutStore,
+    RoutesInfo,
+    _routes_schema,
+    group_routes,
+    shard_routes,
+    write_routes,
+)
 from megatron_mugrpo.training.checkpoint import CheckpointError
 from megatron_mugrpo.training.stage_reference import (
     OldLogprobs,
@@ -80,6 +94,8 @@ REPLAY_DIR = "replay"
 """Sub-directory of a checkpoint step directory holding the buffer."""
 STATE_FILE = "state.json"
 GROUPS_FILE = "groups.parquet"
+ROUTES_FILE = "routes.arrow"
+"""The copies' routes (mixture-of-experts runs with routing replay); absent when they carry none."""
 METRIC_PREFIX = "replay/"
 CANDIDATE_READ_GROUPS = 1024
 """Groups of D_k read at a time when collecting candidates (bounds memory on large stages)."""
@@ -307,12 +323,13 @@ def save_replay(state: ReplayState, step_dir: Path) -> None:
     out = step_dir / REPLAY_DIR
     out.mkdir(parents=True, exist_ok=True)
     copies = [e.group for e in state.buffer.entries() if e.group is not None]
-    groups_checksum = None
-    if copies:  # durable before state.json, which names it
+    groups_checksum = routes = None
+    if copies:  # durable before state.json, which names them
         with_old = any(s.old_logprobs is not None for g in copies for s in g.samples)
         with durable.atomic_path(out / GROUPS_FILE) as tmp:
             pq.write_table(groups_to_table(copies, old_logprobs=with_old), tmp)
         groups_checksum = asdict(durable.Checksum.of_file(out / GROUPS_FILE))
+        routes = _save_routes(copies, out)
     plan = (
         None
         if state.plan is None
@@ -323,6 +340,8 @@ def save_replay(state: ReplayState, step_dir: Path) -> None:
         }
     )
     record = {"format": FORMAT, "buffer": state.buffer.state_dict(), "plan": plan, "groups_checksum": groups_checksum}
+    if routes is not None:  # a buffer of dense groups keeps the record it had before routes existed
+        record["routes"] = asdict(routes)
     durable.atomic_write_json(out / STATE_FILE, record, indent=None)
 
 
@@ -344,6 +363,8 @@ def load_replay(replay_dir: Path, capacity: int) -> tuple[ReplayBuffer, StagePla
         if not (table.schema.equals(SCHEMA) or table.schema.equals(SCHEMA_WITH_OLD)):
             raise CheckpointError(f"{path} has columns {table.schema.names}, not the replay copies' {SCHEMA.names}")
         copies = [row_to_group(row) for row in table.to_pylist()]
+        if record.get("routes") is not None:
+            _load_routes(replay_dir, RoutesInfo.from_json(record["routes"]), copies)
     buffer = ReplayBuffer.from_state_dict(record["buffer"], copies, capacity=capacity)
     plan = record["plan"]
     if plan is None:
@@ -351,6 +372,40 @@ def load_replay(replay_dir: Path, capacity: int) -> tuple[ReplayBuffer, StagePla
     return buffer, StagePlan(
         stage=plan["stage"], accepted=[tuple(k) for k in plan["accepted"]], accepted_at=int(plan["accepted_at"])
     )
+
+
+def _save_routes(copies: list[RolloutGroup], out: Path) -> RoutesInfo | None:
+    """Write the copies' routes as ``out/routes.arrow`` (None, and no file, when they carry none).
+
+    Raises StoreError, before writing, when only some responses carry routes or one's are malformed."""
+    per_group = shard_routes(copies, where=f"replay buffer copies of {out}")
+    if per_group is None:
+        return None
+    return write_routes(out / ROUTES_FILE, per_group)
+
+
+def _load_routes(replay_dir: Path, info: RoutesInfo, copies: list[RolloutGroup]) -> None:
+    """Attach the routes file's rows to ``copies`` (in place), each response's an owned array, after
+    checking the file's checksum and that every response's routes fit its tokens; CheckpointError else."""
+    path = replay_dir / ROUTES_FILE
+    try:
+        info.checksum.verify_file(path, "replay copies' routes")
+        table = map_shard(path, groups=len(copies), schema=_routes_schema(info.dtype, info.moe_layers * info.topk))
+        for row, group in enumerate(copies):
+            routes = group_routes(table, row, info)
+            if len(routes) != len(group.samples):
+                raise StoreError(
+                    f"{path} row {row} holds routes of {len(routes)} responses, its group {len(group.samples)}"
+                )
+            for sample, sample_routes in zip(group.samples, routes):
+                # Owned copies: the checkpoint directory may be deleted (keep_last) while the buffer lives on.
+                sample.routes = np.array(sample_routes)
+        shard_routes(copies, where=str(path))  # shapes against each response's prompt + response tokens
+    except (OSError, durable.ChecksumError, StoreError) as exc:
+        raise CheckpointError(
+            f"the checkpoint's replay routes {path} are missing, corrupted or do not fit the copied groups in "
+            f"{GROUPS_FILE} ({exc}); resume from an older checkpoint"
+        ) from exc
 
 
 def _groups_checksum(record: dict[str, Any]) -> durable.Checksum | None:

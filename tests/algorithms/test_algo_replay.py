@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -426,9 +429,78 @@ def test_config_validation_names_the_key(override: str, message: str) -> None:
         load_config(None, ["replay.enabled=true", override])
 
 
-def test_replay_with_routing_replay_is_refused_naming_both_keys() -> None:
-    """The buffer's copies of groups carry no routes: a replayed group would reach the collate without them."""
-    moe = ["model.tiny.arch=qwen3_moe", "moe.routing_replay=rollout"]
-    load_config(None, moe)  # each alone is fine
-    with pytest.raises(ConfigError, match=re.escape("replay.enabled cannot be combined with moe.routing_replay=")):
-        load_config(None, ["replay.enabled=true", *moe])
+def _routed(group: RolloutGroup, seed: int, experts: int = 4) -> RolloutGroup:
+    """``group`` with routes on every response: [prompt + response - 1, 2 layers, top-2] distinct uint8 ids."""
+    rng = np.random.default_rng(seed)
+    for sample in group.samples:
+        rows = len(group.prompt_ids) + len(sample.response_ids) - 1
+        sample.routes = np.stack([rng.permutation(experts)[:2] for _ in range(rows * 2)]).reshape(rows, 2, 2)
+        sample.routes = sample.routes.astype(np.uint8)
+    return group
+
+
+def _assert_same_routes(read: list[RolloutGroup], written: list[RolloutGroup]) -> None:
+    for a_group, b_group in zip(read, written, strict=True):
+        for a, b in zip(a_group.samples, b_group.samples, strict=True):
+            assert a.routes.dtype == b.routes.dtype and a.routes.tobytes() == b.routes.tobytes()
+
+
+def test_replayed_groups_carry_their_routes_through_the_buffer_and_a_checkpoint(tmp_path) -> None:
+    """moe.routing_replay=rollout with replay.enabled: the buffer's copies keep each response's routes, a
+    checkpoint writes them (checksummed) and a load gives them back bit for bit; a batch of fresh and
+    replayed groups collates with routes; a damaged routes file is a CheckpointError."""
+    from megatron_mugrpo.loop.hdr import ROUTES_FILE, STATE_FILE, ReplayState, load_replay, save_replay
+    from megatron_mugrpo.training.checkpoint import CheckpointError
+
+    load_config(None, ["replay.enabled=true", "model.tiny.arch=qwen3_moe", "moe.routing_replay=rollout"])
+    stored = [_routed(_group(1, [1.0, 0.0, 1.0], prompt=f"p{i}"), seed=i) for i in range(3)]
+    entries = candidate_entries(enumerate(stored))
+    for group in stored:  # later changes to the stage's objects cannot reach the buffer's copies
+        group.samples[0].routes = group.samples[0].routes.copy()
+    buffer = ReplayBuffer(8)
+    buffer.push(entries)
+    _assert_same_routes([e.group for e in buffer.entries()], stored)
+    state = ReplayState(config=ReplayConfig(enabled=True), train_groups=4, buffer=buffer)
+    save_replay(state, tmp_path)
+    assert json.loads((tmp_path / "replay" / STATE_FILE).read_text())["routes"]["dtype"] == "uint8"
+    loaded, _ = load_replay(tmp_path / "replay", capacity=8)
+    _assert_same_routes([e.group for e in loaded.entries()], stored)
+
+    fresh = _routed(_group(2, [0.0, 1.0, 1.0], prompt="fresh"), seed=9)
+    fresh.samples[0].response_ids = [5, 6, 7]  # a longer response: routes pad with the tokens
+    fresh.samples[0].behaviour_logprobs = [-0.5, -1.0, -0.25]
+    fresh.samples[0].routes = np.concatenate([fresh.samples[0].routes, fresh.samples[0].routes[-1:]])
+    batch = collate([fresh, loaded.get((1, 2)).group], pad_id=0)
+    assert batch.routes is not None and tuple(batch.routes.shape) == (6, 5, 2, 2)  # lined up with tokens
+    assert batch.routes[3, :3].numpy().tobytes() == stored[2].samples[0].routes.tobytes()
+
+    routes_file = tmp_path / "replay" / ROUTES_FILE
+    routes_file.write_bytes(routes_file.read_bytes()[:-8] + bytes(8))
+    with pytest.raises(CheckpointError, match=r"replay routes .*routes\.arrow .*checksum.*older checkpoint"):
+        load_replay(tmp_path / "replay", capacity=8)
+    routes_file.unlink()
+    with pytest.raises(CheckpointError, match=r"replay routes .*routes\.arrow are missing"):
+        load_replay(tmp_path / "replay", capacity=8)
+
+
+def test_a_cross_stage_reference_reads_its_routes_back_from_the_store(tmp_path) -> None:
+    """replay.cross_stage keeps only (stage, index): resolving it reads the group, routes included, from D_stage."""
+    from megatron_mugrpo.loop.hdr import ReplayState, resolve_group
+    from megatron_mugrpo.rollout.store import RolloutStore, ShardWriter, prepare_store, seal_store, store_identity
+
+    groups = [_routed(_group(1, [1.0, 0.0, 1.0], prompt=f"p{i}"), seed=i) for i in range(3)]
+    wanted = store_identity(
+        stage=1, policy_version=0, engine="transformers", sampling={"seed": 1}, num_groups=3, shard_groups=2,
+        vocab_size=8,
+    )  # fmt: skip
+    plan = prepare_store(tmp_path / "stage_1", wanted)
+    writer = ShardWriter(tmp_path / "stage_1", plan.manifest)
+    for shard in plan.missing:
+        assert writer.claim(shard)
+        writer.write_shard(shard, [groups[i] for i in plan.manifest.shard_range(shard)])
+    seal_store(tmp_path / "stage_1")
+    buffer = ReplayBuffer(8)
+    buffer.push(candidate_entries(enumerate(RolloutStore.open(tmp_path / "stage_1").groups()), copy_groups=False))
+    state = ReplayState(config=ReplayConfig(enabled=True, cross_stage=True), train_groups=4, buffer=buffer)
+    run = SimpleNamespace(replay=state, rollout_dir=lambda stage: tmp_path / f"stage_{stage}")
+    _assert_same_routes([resolve_group(run, state, (1, i)) for i in (2, 0)], [groups[2], groups[0]])
