@@ -20,7 +20,11 @@ GPU machine may have only torch, triton and transformers) says so and counts as 
   weight sync in buckets inside SGLang's weight-update session, log-probs against the trainer,
   memory release and resume (``gpu_rollout_check.py``);
 * ``sglang_fp8`` (SGLang, ModelOpt): the FP8 behaviour policy over two stages, a new engine for each,
-  against the fake-quant model (``gpu_fp8_check.py``).
+  against the fake-quant model (``gpu_fp8_check.py``);
+* ``moe`` (megatron-core; Transformer Engine and SGLang for two of its parts): a tiny Qwen3-MoE's
+  grouped-GEMM experts against the sequential ones (logits, gradients), routing replay on the GPU,
+  and SGLang's recorded routes against transformers' top-k (``gpu_moe_check.py``; a part whose
+  library is absent prints ``SKIP`` and the others run).
 
 Which of these have ever run on a GPU is recorded in the README ("GPU checks").
 """
@@ -50,6 +54,7 @@ CHECKS = (
     Check("megatron", ("gpu_megatron_check.py",), 120),
     Check("sglang_rollout", ("gpu_rollout_check.py",), 150),
     Check("sglang_fp8", ("gpu_fp8_check.py",), 150),
+    Check("moe", ("gpu_moe_check.py",), 240),
 )
 
 
