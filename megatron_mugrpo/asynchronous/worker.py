@@ -94,6 +94,8 @@ class WorkerConfig(Protocol):
     model: Any
     algo: Any
     stages: Any
+    moe: Any
+    """``moe.routing_replay=rollout``: the engine records each response's routes, which the queue carries."""
     seed: int
 
 
@@ -115,6 +117,9 @@ class Worker:
     """``publish.weights_digest`` of the loaded weights (async.verify_weights), else ''."""
     staging: Staging | None = None
     """Memory publication (async.publish=memory): what the background thread has received."""
+    record_routes: bool = False
+    """The engine records each response's routes (``moe.routing_replay=rollout``); the queue carries them
+    to the trainer, which replays them (``rollout.routes``)."""
     applied: Publication | None = None
     """The last publication applied from memory (None: the engine holds the subscription's)."""
     switch_s: float = 0.0
@@ -223,6 +228,8 @@ class Worker:
             gpu = int(os.environ.get("LOCAL_RANK", "0"))
             overrides = _GPU_PLACEMENT.get(self.cfg.rollout.engine, lambda _: {})(gpu)
         seed = engine_seed(self.cfg.seed, self.index)
+        if self.record_routes:  # only then: an engine that records no routes need not know the keyword
+            overrides = {**overrides, "record_routes": True}
         return build_engine_from_config(self.cfg.rollout, path, seed=seed, **overrides)
 
     def first_weights(self) -> bool | None:
@@ -258,7 +265,14 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
             startup_s=timeouts.startup_timeout_s,
             progress_timeout_s=timeouts.progress_timeout_s,
         )
-        worker = Worker(cfg=cfg, role=role, paths=paths, trainer=trainer, subscription=Subscription(paths.weights))
+        worker = Worker(
+            cfg=cfg,
+            role=role,
+            paths=paths,
+            trainer=trainer,
+            subscription=Subscription(paths.weights),
+            record_routes=cfg.moe.routing_replay == "rollout",
+        )
         try:
             worker.warm_up()
             first = _wait(worker, worker.first_weights, "waiting for the trainer's first publication")

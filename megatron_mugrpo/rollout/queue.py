@@ -6,11 +6,15 @@ Layout of the queue directory (``RUN_DIR/rollouts/queue``)::
     w000_b0000012.arrow    batch 12 of worker 0: its prompt groups, one row each (the rollout store's
                            SCHEMA, as an Arrow IPC file; with async.partial_rollout one more column,
                            every token's policy version: VERSIONED_SCHEMA)
+    w000_b0000012.routes.arrow   only under moe.routing_replay=rollout: every response's routes, the
+                           rollout store's routes format (``rollout.store.write_routes``: one row per
+                           group, the engine's dtype), checksummed in the record
     w000_b0000012.json     the shard's record, written last: checksum, groups, behaviour policy version,
                            summable statistics, and the worker's idle / weight-load / generation seconds
     cursor.json            the trainer's progress: groups consumed so far (the workers' queue bound)
 
-A worker validates a batch with the rollout store's checks, writes the shard and then its record,
+A worker validates a batch with the rollout store's checks (routes included: all responses carry them
+or none, each [prompt + response - 1, moe_layers, k]), writes the shard (and its routes) and then its record,
 each under a temporary name, fsynced and renamed into place (``durable``): a shard exists for readers
 exactly when its record does, also after a power loss. A worker killed mid-write leaves temporaries
 or a shard without a record; when it restarts it deletes them and continues at its next batch index,
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from megatron_mugrpo import durable
@@ -52,11 +57,20 @@ from megatron_mugrpo.asynchronous.files import read_json, write_json
 from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rollout.shards import SCHEMA, StoreError, groups_to_table, map_shard, row_to_group, write_shard
-from megatron_mugrpo.rollout.store import shard_stats, validate_group
+from megatron_mugrpo.rollout.store import (
+    RoutesInfo,
+    _routes_schema,
+    group_routes,
+    shard_routes,
+    shard_stats,
+    validate_group,
+    write_routes,
+)
 
 FORMAT = "megatron_mugrpo.rollout_queue/1"
 CURSOR_FILE = "cursor.json"
 SHARD_SUFFIX, RECORD_SUFFIX = ".arrow", ".json"
+ROUTES_SUFFIX = ".routes.arrow"
 _NAME = re.compile(r"^w(\d{3,})_b(\d{7,})$")
 VERSIONS_FIELD = pa.field("token_versions", pa.list_(pa.list_(pa.int64())))
 VERSIONED_SCHEMA = SCHEMA.append(VERSIONS_FIELD)
@@ -99,7 +113,16 @@ class ShardRecord:
     """``publish.weights_digest`` of the weights the worker had loaded (async.verify_weights), else ''."""
     token_versions: bool = False
     """The shard stores every token's policy version (VERSIONED_SCHEMA; async.partial_rollout)."""
+    routes: RoutesInfo | None = None
+    """The shard's routes file (``ROUTES_SUFFIX``), when the engine recorded routes (moe.routing_replay=rollout)."""
     format: str = FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        """The record; without a ``routes`` key when there are none (records of dense runs are unchanged)."""
+        data = dataclasses.asdict(self)
+        if self.routes is None:
+            del data["routes"]
+        return data
 
 
 @dataclass(kw_only=True)
@@ -213,7 +236,8 @@ def _record(values: dict[str, Any], path: Path) -> ShardRecord:
     if values.get("format") != FORMAT:
         raise StoreError(f"{path}: format {values.get('format')!r} is not {FORMAT!r}; not a rollout queue record")
     checksum, rest = durable.Checksum.split_record(values)
-    return ShardRecord(**rest, checksum=checksum)
+    routes = rest.pop("routes", None)
+    return ShardRecord(**rest, checksum=checksum, routes=RoutesInfo.from_json(routes) if routes is not None else None)
 
 
 def read_shard(queue_dir: Path, record: ShardRecord) -> list[RolloutGroup]:
@@ -230,7 +254,29 @@ def read_shard(queue_dir: Path, record: ShardRecord) -> list[RolloutGroup]:
         for sample, versions in zip(group.samples, row.get(VERSIONS_FIELD.name) or []):
             sample.versions = versions
         groups.append(group)
+    if record.routes is not None:
+        _attach_routes(queue_dir, record, groups)
     return groups
+
+
+def _attach_routes(queue_dir: Path, record: ShardRecord, groups: list[RolloutGroup]) -> None:
+    """Give every response of ``groups`` (the shard's, in order) its routes from the shard's routes file,
+    after checking its checksum and that each response's routes fit its tokens; StoreError otherwise."""
+    info = record.routes
+    assert info is not None
+    path = queue_dir / (record.name + ROUTES_SUFFIX)
+    schema = _routes_schema(info.dtype, info.moe_layers * info.topk)
+    try:
+        table = map_shard(path, groups=record.groups, checksum=info.checksum, schema=schema)
+        for row, group in enumerate(groups):
+            routes = group_routes(table, row, info)
+            if len(routes) != len(group.samples):
+                raise StoreError(f"{path} row {row} holds routes of {len(routes)} responses, not {len(group.samples)}")
+            for sample, sample_routes in zip(group.samples, routes):
+                sample.routes = np.array(sample_routes)  # owned: the trainer ranks receive the groups pickled
+        shard_routes(groups, where=str(path))  # each response's rows against its prompt + response tokens
+    except StoreError as exc:
+        raise StoreError(f"rollout queue: {exc}; the queue directory was modified or damaged") from exc
 
 
 def _write_versioned_shard(path: Path, groups: Sequence[RolloutGroup]) -> durable.Checksum:
@@ -303,9 +349,11 @@ class QueueWriter:
         versions = {g.policy_version for g in groups}
         if len(versions) != 1 and not tagged:
             raise StoreError(f"worker {self.worker} batch {batch} mixes policy versions {sorted(versions)}")
+        routes = shard_routes(groups, where=f"worker {self.worker} batch {batch}")  # checked before writing
         name = shard_name(self.worker, batch)
         path = self.queue_dir / (name + SHARD_SUFFIX)
         checksum = _write_versioned_shard(path, groups) if tagged else write_shard(path, groups)
+        routes_info = write_routes(self.queue_dir / (name + ROUTES_SUFFIX), routes) if routes else None
         info = ShardRecord(
             name=name,
             worker=self.worker,
@@ -316,11 +364,12 @@ class QueueWriter:
             policy_version=min(versions),
             stats=shard_stats(groups),
             token_versions=tagged,
+            routes=routes_info,
             **record,
         )
         self.appended += 1
         crash_point(f"worker:{self.worker}:shard:{self.appended}")  # shard in place, record not yet
-        write_json(self.queue_dir / (name + RECORD_SUFFIX), dataclasses.asdict(info))
+        write_json(self.queue_dir / (name + RECORD_SUFFIX), info.to_json())
         return info
 
 

@@ -118,11 +118,7 @@ def routing_replay_problem(replay: str, *, engine: str, mode: str, tiny_arch: st
             f"rollout.engine={engine!r} does not record them; use one of {ROUTE_RECORDING_ENGINES} or "
             "moe.routing_replay=none"
         )
-    if mode == "async":
-        return (
-            f"moe.routing_replay={replay!r} with mode: async: the rollout queue does not carry routes yet; "
-            "use mode: staged or moe.routing_replay=none"
-        )
+    del mode  # both modes carry routes: the rollout store (staged) and the rollout queue (async)
     return ""
 
 

@@ -4,12 +4,14 @@ half-written shards, checksums."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from megatron_mugrpo.records import RolloutGroup, RolloutSample
+from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
 from megatron_mugrpo.rollout.queue import (
     CURSOR_FILE,
     QueueCursor,
@@ -137,6 +139,7 @@ def test_a_half_written_shard_is_discarded_and_its_batch_redone(tmp_path: Path) 
     append(writer, 1, version=0)
     # Killed while writing batch 2: its shard renamed but no record yet; batch 3's shard still a temporary.
     (tmp_path / "w000_b0000002.arrow").write_bytes(b"partial")
+    (tmp_path / "w000_b0000002.routes.arrow").write_bytes(b"partial")  # its routes (moe.routing_replay)
     (tmp_path / "w000_b0000003.arrow.tmp").write_bytes(b"partial")
     (tmp_path / "w001_b0000000.arrow.tmp").write_bytes(b"another worker's")
     reader = QueueReader(tmp_path)
@@ -145,6 +148,7 @@ def test_a_half_written_shard_is_discarded_and_its_batch_redone(tmp_path: Path) 
     assert restarted.resume_batch() == 2
     left = sorted(p.name for p in tmp_path.iterdir())
     assert "w000_b0000002.arrow" not in left and "w000_b0000003.arrow.tmp" not in left
+    assert "w000_b0000002.routes.arrow" not in left
     assert "w001_b0000000.arrow.tmp" in left  # another worker's files are its own business
     append(restarted, 2, version=4)
     assert [r.name for r in reader.admit()] == ["w000_b0000002"]
@@ -185,3 +189,65 @@ def test_records_carry_statistics_and_worker_times(tmp_path: Path) -> None:
     assert (record.idle_s, record.load_s) == (0.5, 0.25)
     reader = QueueReader(tmp_path)
     assert reader.admit()[0] == record
+
+
+# ------------------------------------------------------------------ routes (moe.routing_replay=rollout)
+
+
+def routed(group: RolloutGroup, seed: int, dtype=np.uint8, experts: int = 4) -> RolloutGroup:
+    """``group`` whose responses carry routes: [prompt + response - 1, 2 layers, top-2] distinct ids."""
+    rng = np.random.default_rng(seed)
+    for sample in group.samples:
+        rows = len(group.prompt_ids) + len(sample.response_ids) - 1
+        sample.routes = np.stack([rng.permutation(experts)[:2] for _ in range(rows * 2)]).reshape(rows, 2, 2)
+        sample.routes = sample.routes.astype(dtype)
+    return group
+
+
+def assert_same_routes(read: list[RolloutGroup], written: list[RolloutGroup]) -> None:
+    for a_group, b_group in zip(read, written, strict=True):
+        for a, b in zip(a_group.samples, b_group.samples, strict=True):
+            assert a.routes.dtype == b.routes.dtype and a.routes.tobytes() == b.routes.tobytes()
+
+
+@pytest.mark.parametrize(("dtype", "experts"), [(np.uint8, 4), (np.int16, 300)])
+def test_routes_round_trip_through_the_queue_into_collate(tmp_path: Path, dtype, experts) -> None:
+    """Under moe.routing_replay=rollout a worker's shard carries every response's routes in the engine's
+    dtype (a routes file next to it, checksummed in the record); the trainer reads them back bit for bit,
+    also after a resume, and collate fills TrainBatch.routes. A dense shard stays as it was."""
+    writer = QueueWriter(tmp_path, worker=0, vocab_size=VOCAB)
+    written = [routed(make_group(f"0/0/{i}", 0), seed=i, dtype=dtype, experts=experts) for i in range(3)]
+    record = writer.append(0, written)
+    assert record.routes is not None and record.routes.dtype == np.dtype(dtype).name
+    assert (tmp_path / "w000_b0000000.routes.arrow").is_file()
+    append(writer, 1, version=0)  # dense: no routes file, no routes key
+    assert not (tmp_path / "w000_b0000001.routes.arrow").exists()
+    assert "routes" not in json.loads((tmp_path / "w000_b0000001.json").read_text())
+    reader = QueueReader(tmp_path)
+    reader.admit()
+    taken = reader.take(update=0, count=2, max_lag=4)
+    assert_same_routes(taken.groups, written[:2])
+    batch = collate(taken.groups, pad_id=0)
+    assert batch.routes is not None and tuple(batch.routes.shape) == (4, 5, 2, 2)
+    resumed = QueueReader(tmp_path, reader.cursor)  # the third group is read again from the files
+    assert_same_routes(resumed.take(update=0, count=1, max_lag=4).groups, written[2:])
+
+
+def test_damaged_or_partial_routes_in_the_queue_are_errors_naming_them(tmp_path: Path) -> None:
+    writer = QueueWriter(tmp_path, worker=0, vocab_size=VOCAB)
+    half = [routed(make_group("a", 0), seed=0), make_group("b", 0)]
+    with pytest.raises(StoreError, match=r"worker 0 batch 0: prompt 'b' response 0.* carry no routes"):
+        writer.append(0, half)
+    short = routed(make_group("c", 0), seed=1)
+    short.samples[1].routes = short.samples[1].routes[:-1]
+    with pytest.raises(StoreError, match=r"response 1 has routes of shape .* rows, not 4"):
+        writer.append(0, [short])
+    assert list(tmp_path.iterdir()) == []
+    writer.append(0, [routed(make_group("d", 0), seed=2)])
+    routes_file = tmp_path / "w000_b0000000.routes.arrow"
+    routes_file.write_bytes(routes_file.read_bytes()[:-8] + bytes(8))
+    with pytest.raises(StoreError, match=r"rollout queue: .*routes\.arrow does not match .*checksum.*damaged"):
+        QueueReader(tmp_path).admit()
+    routes_file.unlink()
+    with pytest.raises(StoreError, match=r"rollout queue: .*routes\.arrow is missing"):
+        QueueReader(tmp_path).admit()
