@@ -167,9 +167,7 @@ class RunConfig:
             check_model_parallelism(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel)
         self._check_rewards()
         tiny_arch = None if self.model.hf_dir else self.model.tiny.arch
-        problem = routing_replay_problem(
-            self.moe.routing_replay, engine=self.rollout.engine, mode=self.mode, tiny_arch=tiny_arch
-        )
+        problem = routing_replay_problem(self.moe.routing_replay, engine=self.rollout.engine, tiny_arch=tiny_arch)
         require(not problem, problem)
         require(
             not (self.replay.enabled and self.algo.rollout_correction.enabled),

@@ -68,8 +68,8 @@ from megatron_mugrpo.rollout.shards import SCHEMA, SCHEMA_WITH_OLD, StoreError, 
 from megatron_mugrpo.rollout.store import (
     RolloutStore,
     RoutesInfo,
-    _routes_schema,
     group_routes,
+    routes_schema,
     shard_routes,
     write_routes,
 )
@@ -390,7 +390,7 @@ def _load_routes(replay_dir: Path, info: RoutesInfo, copies: list[RolloutGroup])
     path = replay_dir / ROUTES_FILE
     try:
         info.checksum.verify_file(path, "replay copies' routes")
-        table = map_shard(path, groups=len(copies), schema=_routes_schema(info.dtype, info.moe_layers * info.topk))
+        table = map_shard(path, groups=len(copies), schema=routes_schema(info.dtype, info.moe_layers * info.topk))
         for row, group in enumerate(copies):
             routes = group_routes(table, row, info)
             if len(routes) != len(group.samples):

@@ -59,8 +59,8 @@ from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rollout.shards import SCHEMA, StoreError, groups_to_table, map_shard, row_to_group, write_shard
 from megatron_mugrpo.rollout.store import (
     RoutesInfo,
-    _routes_schema,
     group_routes,
+    routes_schema,
     shard_routes,
     shard_stats,
     validate_group,
@@ -265,7 +265,7 @@ def _attach_routes(queue_dir: Path, record: ShardRecord, groups: list[RolloutGro
     info = record.routes
     assert info is not None
     path = queue_dir / (record.name + ROUTES_SUFFIX)
-    schema = _routes_schema(info.dtype, info.moe_layers * info.topk)
+    schema = routes_schema(info.dtype, info.moe_layers * info.topk)
     try:
         table = map_shard(path, groups=record.groups, checksum=info.checksum, schema=schema)
         for row, group in enumerate(groups):

@@ -99,7 +99,7 @@ def route_layout(hf_config: dict[str, Any]) -> RouteLayout:
     )
 
 
-def routing_replay_problem(replay: str, *, engine: str, mode: str, tiny_arch: str | None) -> str:
+def routing_replay_problem(replay: str, *, engine: str, tiny_arch: str | None) -> str:
     """Why ``moe.routing_replay`` cannot work with this run, naming the keys; '' when it can.
 
     ``tiny_arch``: ``model.tiny.arch`` of a run that builds its own tiny model, None for a model from
@@ -118,7 +118,6 @@ def routing_replay_problem(replay: str, *, engine: str, mode: str, tiny_arch: st
             f"rollout.engine={engine!r} does not record them; use one of {ROUTE_RECORDING_ENGINES} or "
             "moe.routing_replay=none"
         )
-    del mode  # both modes carry routes: the rollout store (staged) and the rollout queue (async)
     return ""
 
 

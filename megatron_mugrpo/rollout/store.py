@@ -369,7 +369,7 @@ def _routes_problem(routes: np.ndarray, prompt_len: int, response_len: int, firs
     return ""
 
 
-def _routes_schema(dtype: str, width: int) -> pa.Schema:
+def routes_schema(dtype: str, width: int) -> pa.Schema:
     """One row per group: [response][token] of ``width`` = moe_layers × k expert ids."""
     return pa.schema([("routes", pa.list_(pa.list_(pa.list_(pa.from_numpy_dtype(np.dtype(dtype)), width))))])
 
@@ -383,7 +383,7 @@ def write_routes(path: Path, per_group: list[list[np.ndarray]]) -> RoutesInfo:
     token_offsets = np.cumsum([0] + [len(r) for r in responses], dtype=np.int32)
     per_response = pa.ListArray.from_arrays(pa.array(token_offsets), tokens)
     response_offsets = np.cumsum([0] + [len(group) for group in per_group], dtype=np.int32)
-    schema = _routes_schema(dtype.name, layers * topk)
+    schema = routes_schema(dtype.name, layers * topk)
     column = pa.ListArray.from_arrays(pa.array(response_offsets), per_response).cast(schema.field("routes").type)
     with durable.atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as ipc:
         ipc.write_table(pa.Table.from_arrays([column], schema=schema))
@@ -791,7 +791,7 @@ class RolloutStore:
                 self._mapped_routes[position] = map_shard(
                     self.store_dir / info.file,
                     groups=shard.groups,
-                    schema=_routes_schema(info.dtype, info.moe_layers * info.topk),
+                    schema=routes_schema(info.dtype, info.moe_layers * info.topk),
                 )
             except StoreError as exc:
                 raise StoreError(f"{exc}; rerun the stage to regenerate it") from exc

@@ -171,11 +171,11 @@ def test_run_configs_where_replay_cannot_work_are_refused_naming_the_key():
     # async mode carries routes through the rollout queue (rollout.queue), HDR through its buffer (loop.hdr)
     assert load_config("configs/demo_cpu.yaml", [*moe, "mode=async"]).moe.routing_replay == "rollout"
     assert load_config("configs/demo_cpu.yaml", [*moe, "replay.enabled=true"]).replay.enabled
-    assert routing_replay_problem("rollout", engine="vllm", mode="staged", tiny_arch="qwen3_moe").startswith(
+    assert routing_replay_problem("rollout", engine="vllm", tiny_arch="qwen3_moe").startswith(
         "moe.routing_replay='rollout' needs the experts"
     )
-    assert routing_replay_problem("none", engine="vllm", mode="async", tiny_arch="qwen2") == ""
-    assert routing_replay_problem("rollout", engine="transformers", mode="async", tiny_arch="qwen3_moe") == ""
+    assert routing_replay_problem("none", engine="vllm", tiny_arch="qwen2") == ""
+    assert routing_replay_problem("rollout", engine="transformers", tiny_arch="qwen3_moe") == ""
 
 
 def test_transformers_engine_records_each_responses_routes_as_the_trainer_feeds_them(model, tmp_path):
