@@ -56,7 +56,15 @@ from megatron_mugrpo import durable
 from megatron_mugrpo.asynchronous.files import read_json, write_json
 from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.records import RolloutGroup
-from megatron_mugrpo.rollout.shards import SCHEMA, StoreError, groups_to_table, map_shard, row_to_group, write_shard
+from megatron_mugrpo.rollout.shards import (
+    SCHEMA,
+    StoreError,
+    groups_to_table,
+    map_shard,
+    row_to_group,
+    write_shard,
+    write_table,
+)
 from megatron_mugrpo.rollout.store import (
     RoutesInfo,
     group_routes,
@@ -282,14 +290,7 @@ def _attach_routes(queue_dir: Path, record: ShardRecord, groups: list[RolloutGro
 def _write_versioned_shard(path: Path, groups: Sequence[RolloutGroup]) -> durable.Checksum:
     """``shards.write_shard`` plus the tokens' versions (VERSIONED_SCHEMA), as durably."""
     versions = pa.array([[s.versions for s in g.samples] for g in groups], type=VERSIONS_FIELD.type)
-    table = groups_to_table(groups).append_column(VERSIONS_FIELD, versions)
-    with (
-        durable.atomic_path(path) as tmp,
-        pa.OSFile(str(tmp), "wb") as sink,
-        pa.ipc.new_file(sink, VERSIONED_SCHEMA) as ipc,
-    ):
-        ipc.write_table(table)
-    return durable.Checksum.of_file(path)
+    return write_table(path, groups_to_table(groups).append_column(VERSIONS_FIELD, versions))
 
 
 def consumed_groups(queue_dir: Path) -> int:

@@ -110,26 +110,27 @@ def row_to_group(row: dict[str, Any]) -> RolloutGroup:
     )
 
 
-def write_shard(path: Path, groups: Sequence[RolloutGroup]) -> durable.Checksum:
-    """Write ``groups`` as the Arrow shard ``path``, durably; returns the file's checksum.
+def write_table(path: Path, table: pa.Table) -> durable.Checksum:
+    """Write ``table`` as the Arrow IPC file ``path``, durably; returns the file's checksum.
 
     Only complete, fsynced bytes ever appear under ``path``; a crash leaves at most ``path.tmp``."""
-    table = groups_to_table(groups)
-    with durable.atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as ipc:
+    with (
+        durable.atomic_path(path) as tmp,
+        pa.OSFile(str(tmp), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as ipc,
+    ):
         ipc.write_table(table)
     return durable.Checksum.of_file(path)
+
+
+def write_shard(path: Path, groups: Sequence[RolloutGroup]) -> durable.Checksum:
+    """Write ``groups`` as the Arrow shard ``path``, durably; returns the file's checksum."""
+    return write_table(path, groups_to_table(groups))
 
 
 def write_logprob_shard(path: Path, per_group: Sequence[Sequence[Sequence[float]]]) -> durable.Checksum:
     """Write one rollout shard's log-probs ([group][response][token]) as ``path``, durably; returns its checksum."""
-    table = pa.Table.from_pydict({"old_logprobs": list(per_group)}, schema=LOGPROB_SCHEMA)
-    with (
-        durable.atomic_path(path) as tmp,
-        pa.OSFile(str(tmp), "wb") as sink,
-        pa.ipc.new_file(sink, LOGPROB_SCHEMA) as ipc,
-    ):
-        ipc.write_table(table)
-    return durable.Checksum.of_file(path)
+    return write_table(path, pa.Table.from_pydict({"old_logprobs": list(per_group)}, schema=LOGPROB_SCHEMA))
 
 
 def map_logprob_shard(path: Path, *, groups: int, checksum: durable.Checksum | None = None) -> pa.Table:

@@ -92,6 +92,7 @@ from megatron_mugrpo.rollout.shards import (
     row_to_group,
     write_logprob_shard,
     write_shard,
+    write_table,
 )
 
 FORMAT = "megatron_mugrpo.rollout_store/2"
@@ -385,11 +386,10 @@ def write_routes(path: Path, per_group: list[list[np.ndarray]]) -> RoutesInfo:
     response_offsets = np.cumsum([0] + [len(group) for group in per_group], dtype=np.int32)
     schema = routes_schema(dtype.name, layers * topk)
     column = pa.ListArray.from_arrays(pa.array(response_offsets), per_response).cast(schema.field("routes").type)
-    with durable.atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as ipc:
-        ipc.write_table(pa.Table.from_arrays([column], schema=schema))
+    checksum = write_table(path, pa.Table.from_arrays([column], schema=schema))
     return RoutesInfo(
         file=path.name,
-        checksum=durable.Checksum.of_file(path),
+        checksum=checksum,
         dtype=dtype.name,
         moe_layers=int(layers),
         topk=int(topk),
