@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from route_checks import assert_routes_are_teacher_forced, teacher_forced_routes
 
 from megatron_mugrpo.rollout.routes import (
     RoutedGeneration,
@@ -90,14 +91,6 @@ def _decode(model: torch.nn.Module, recorder: RouteRecorder, *, use_cache: bool 
     return responses
 
 
-@torch.no_grad()
-def _teacher_forced(model: torch.nn.Module, recorder: RouteRecorder, tokens: list[int]) -> np.ndarray:
-    recorder.begin([len(tokens)])
-    recorder.step([0])
-    model(input_ids=torch.tensor([tokens]))
-    return recorder.routes(0)
-
-
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_decode_routes_equal_teacher_forced_routes(model, use_cache):
     recorder = RouteRecorder(model)
@@ -108,7 +101,7 @@ def test_decode_routes_equal_teacher_forced_routes(model, use_cache):
         for row, (prompt, response) in enumerate(zip(PROMPTS, responses)):
             routes = recorded[row]
             assert routes.shape == (len(prompt) + len(response) - 1, 2, TOPK) and routes.dtype == np.uint8
-            expected = _teacher_forced(model, recorder, prompt + response[:-1])
+            expected = teacher_forced_routes(model, recorder, prompt + response[:-1])
             np.testing.assert_array_equal(routes, expected, err_msg=f"row {row}")
             assert (np.sort(routes, axis=-1)[..., 1:] != np.sort(routes, axis=-1)[..., :-1]).all()  # distinct
     finally:
@@ -196,16 +189,7 @@ def test_transformers_engine_records_each_responses_routes_as_the_trainer_feeds_
     ]  # recording changes nothing that is sampled
     lengths = {len(g.response_ids) for group in groups for g in group}
     assert len(lengths) > 2 and any(g.finish_reason == "stop" for group in groups for g in group)
-    checker = RouteRecorder(engine.model)
-    try:
-        for prompt, group in zip(PROMPTS, groups):
-            for gen in group:
-                assert isinstance(gen, RoutedGeneration)
-                assert gen.routes.shape == (len(prompt) + len(gen.response_ids) - 1, 2, TOPK)
-                expected = _teacher_forced(engine.model, checker, prompt + gen.response_ids[:-1])
-                np.testing.assert_array_equal(gen.routes, expected)
-    finally:
-        checker.close()
+    assert_routes_are_teacher_forced(engine.model, PROMPTS, groups, moe_layers=2, topk=TOPK)
     engine.release()
     assert engine.recorder is None
     assert not isinstance(plain.generate(PROMPTS[:1], 1, params)[0][0], RoutedGeneration)

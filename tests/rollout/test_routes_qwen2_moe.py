@@ -17,8 +17,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from route_checks import assert_routes_are_teacher_forced, teacher_forced_routes
 
-from megatron_mugrpo.rollout.routes import RoutedGeneration, RouteRecorder
+from megatron_mugrpo.rollout.routes import RouteRecorder
 from megatron_mugrpo.training.model import tiny_hf_config
 
 EXPERTS, TOPK = 8, 2
@@ -40,14 +41,6 @@ def model() -> torch.nn.Module:
             model.model.layers[layer].mlp.gate.weight.normal_(0.0, 1.0)
             model.model.layers[layer].mlp.shared_expert_gate.weight.normal_(0.0, 1.0)
     return model
-
-
-@torch.no_grad()
-def _teacher_forced(model: torch.nn.Module, recorder: RouteRecorder, tokens: list[int]) -> np.ndarray:
-    recorder.begin([len(tokens)])
-    recorder.step([0])
-    model(input_ids=torch.tensor([tokens]))
-    return recorder.routes(0)
 
 
 def test_recorder_hooks_the_routers_and_not_the_shared_expert_gate(model):
@@ -75,7 +68,7 @@ def test_recorded_ids_are_the_top_k_of_each_router_s_own_softmax(model):
     recorder = RouteRecorder(model)
     try:
         tokens = [5, 17, 33, 9, 41, 7, 3]
-        routes = _teacher_forced(model, recorder, tokens)
+        routes = teacher_forced_routes(model, recorder, tokens)
     finally:
         recorder.close()
         for handle in handles:
@@ -95,16 +88,7 @@ def test_transformers_engine_records_qwen2_moe_routes_as_the_trainer_feeds_them(
     eos = [3, 17, 41, 60, 99, 120, 200]  # common enough that rows stop at different steps
     engine = TransformersEngine(tmp_path, dtype=torch.float32, device="cpu", eos_token_ids=eos, record_routes=True)
     groups = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
-    checker = RouteRecorder(engine.model)
-    try:
-        for prompt, group in zip(PROMPTS, groups):
-            for gen in group:
-                assert isinstance(gen, RoutedGeneration)
-                assert gen.routes.shape == (len(prompt) + len(gen.response_ids) - 1, 2, TOPK)
-                expected = _teacher_forced(engine.model, checker, prompt + gen.response_ids[:-1])
-                np.testing.assert_array_equal(gen.routes, expected)
-    finally:
-        checker.close()
+    assert_routes_are_teacher_forced(engine.model, PROMPTS, groups, moe_layers=2, topk=TOPK)
     engine.release()
 
 
