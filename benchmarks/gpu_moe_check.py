@@ -13,9 +13,10 @@ a. **Grouped GEMM** (Transformer Engine): the Megatron MoE layer with ``moe_grou
    ``TEGroupedMLP``, the trainer's GPU path) against the sequential expert MLP (``SequentialMLP``)
    on the same weights: logits and the gradients of the summed target log-probs, in float32 (TF32
    off) and bfloat16, as max |Δ| relative to the sequential side's max |value| (``TOLERANCE``).
-   The sequential model is loaded through the converter; whether the converter also loads the
-   grouped model's ``linear_fc{1,2}.weight{e}`` is a check of its own, and the grouped model gets
-   the sequential weights by name either way.
+   The sequential model is loaded through the converter; whether the converter also loads and
+   exports the grouped model's ``linear_fc{1,2}.weight{e}`` (the trainer's default with TE,
+   ``moe.grouped_gemm``) is a check of its own, and the grouped model gets the sequential weights by
+   name either way.
 b. **Routing replay** (megatron-core): the trainer's own routes, captured from its routers in the
    micro-batches the schedule runs, replayed by a ``moe.routing_replay=rollout`` copy of the same
    weights give the same log-probs as fresh routing and ``train/routing_agreement`` 1.0 in an
@@ -185,7 +186,7 @@ def sequential_name(grouped_name: str) -> str:
 
 def grouped_vs_sequential(hf_dir: Path, hf_config: dict, batch, groups, dtype: torch.dtype) -> float:
     """Part (a) at ``dtype``; returns max |Δ| / max |sequential| over logits and gradients."""
-    from megatron_mugrpo.conversion import load_hf_into_model
+    from megatron_mugrpo.conversion import export_hf, load_hf_into_model
 
     from megatron_mugrpo.training.model import build_gpt_model
 
@@ -209,8 +210,12 @@ def grouped_vs_sequential(hf_dir: Path, hf_config: dict, batch, groups, dtype: t
             load_hf_into_model(grouped, hf_dir, groups)
             same = all(torch.equal(p, reference[sequential_name(n)]) for n, p in grouped.named_parameters())
             check("the converter loads HF experts into grouped GEMM", same, "weights equal the sequential model's")
+            exported = dict(export_hf(grouped, hf_config, groups))
+            back = dict(export_hf(sequential, hf_config, groups))
+            same = exported.keys() == back.keys() and all(torch.equal(t, back[n]) for n, t in exported.items())
+            check("the converter exports grouped GEMM's experts", same, "HF tensors equal the sequential model's")
         except Exception as exc:  # reported as this check's failure; the comparison goes on
-            check("the converter loads HF experts into grouped GEMM", False, f"{type(exc).__name__}: {exc}"[:300])
+            check("the converter maps grouped GEMM's experts", False, f"{type(exc).__name__}: {exc}"[:300])
     with torch.no_grad():
         for n, p in grouped.named_parameters():
             p.copy_(reference[sequential_name(n)])

@@ -162,6 +162,11 @@ SPARSE_ARCHITECTURES: dict[str, tuple[TensorMap, ...]] = {
 }
 """Per-layer maps of the mixture-of-experts layers, by HF ``model_type``."""
 _EXPERT_INDEX = re.compile(r"\.local_experts\.(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+"""Transformer Engine's grouped GEMM (``TEGroupedMLP``) keeps a layer's local experts in one module, expert
+e's weight as ``linear_fc1.weight{e}``: the same tensor, in the same layout, as ``SequentialMLP``'s
+``local_experts.{e}.linear_fc1.weight`` (megatron-core's own sharded state dicts of the two are
+interchangeable), so it is an alias of that name."""
 
 # Tensors some HF checkpoints carry that hold no weights (old RoPE caches).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -230,7 +235,8 @@ def canonical_megatron_name(
     ``layer_numbers`` maps the local layer index of a pipeline stage to its global index.
     ``expert_indices`` maps a sparse layer's local index to the global indices of the experts this
     rank holds (``MoELayer.local_expert_indices``: expert parallelism splits them); a sparse layer's
-    ``pre_mlp_layernorm`` keeps its name.
+    ``pre_mlp_layernorm`` keeps its name. Grouped GEMM's ``mlp.experts.linear_fc1.weight{e}`` is named
+    as the sequential experts' ``mlp.experts.local_experts.{e}.linear_fc1.weight``.
     """
     if not local_name.startswith("decoder.layers."):
         return local_name
@@ -240,6 +246,7 @@ def canonical_megatron_name(
         rest = _LOCAL_ALIASES.get(rest, rest)
     else:
         rest = _SPARSE_LOCAL_ALIASES.get(rest, rest)
+        rest = _GROUPED_EXPERT.sub(r"mlp.experts.local_experts.\2.\1.weight", rest)
         rest = _EXPERT_INDEX.sub(lambda m: f".local_experts.{experts[int(m.group(1))]}.", rest)
     return f"decoder.layers.{layer_numbers[int(index)]}.{rest}"
 

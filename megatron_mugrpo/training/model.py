@@ -225,18 +225,9 @@ def transformer_config_from_hf(
     )
     if is_moe(hf_config):
         check_moe(hf_config, tensor_parallel=tp, expert_parallel=expert_parallel)
-        fields.update(
-            moe_transformer_fields(
-                # Sequential experts everywhere for now: the converter maps SequentialMLP's names
-                # (``local_experts.{e}.linear_fc1.weight``), not grouped GEMM's (``linear_fc1.weight{e}``),
-                # so with grouped GEMM a Hugging Face model could not be loaded or synced to the engine.
-                # benchmarks/gpu_moe_check.py compares the two on a GPU.
-                hf_config,
-                moe or MoeConfig(),
-                expert_parallel=expert_parallel,
-                grouped_gemm=False,
-            )
-        )
+        moe = moe or MoeConfig()
+        grouped = moe.grouped_gemm and have_transformer_engine()  # benchmarks/gpu_moe_check.py compares the two
+        fields.update(moe_transformer_fields(hf_config, moe, expert_parallel=expert_parallel, grouped_gemm=grouped))
     fields.update(megatron_fp8_kwargs(fp8))  # checks TE and the GPU; clear error otherwise
     fields.update(overrides)
     return TransformerConfig(**fields)

@@ -82,6 +82,10 @@ class MoeConfig:
     backward's recompute included, uses the top-k experts the rollout engine chose for that token and
     layer (the batch's ``routes``); the router still computes the gate probabilities of those experts,
     so π_θ is evaluated with β's routes (docs/method.md). Needs a MoE model and an engine that records."""
+    grouped_gemm: bool = True
+    """Run each layer's local experts as one grouped GEMM (Transformer Engine's ``TEGroupedMLP``) when
+    Transformer Engine imports, i.e. on GPU; false, or without it: one expert after another
+    (``SequentialMLP``). Both hold the same weights under different names, which the converter maps alike."""
 
     def __post_init__(self) -> None:
         require(

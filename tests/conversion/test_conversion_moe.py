@@ -16,10 +16,12 @@ from conversion_helpers import make_hf_dir
 from megatron_mugrpo.conversion.convert import hf_to_megatron, megatron_to_hf
 from megatron_mugrpo.conversion.errors import ConversionError
 from megatron_mugrpo.conversion.mappings import (
+    ModelDims,
     canonical_megatron_name,
     entry_for,
     expected_hf_shapes,
     expected_hf_tensors,
+    shard_shape,
 )
 from megatron_mugrpo.conversion.verify import verify
 from safetensors import safe_open
@@ -76,6 +78,33 @@ def test_expert_names_map_through_the_rank_s_global_expert_indices() -> None:
     assert dense == "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
     with pytest.raises(ConversionError, match="no Hugging Face mapping"):
         entry_for("decoder.layers.1.mlp.router.weight", config)  # layer 1 is dense
+
+
+def test_grouped_gemm_expert_names_are_the_sequential_experts_names() -> None:
+    """Transformer Engine's grouped GEMM keeps expert e of a rank as ``mlp.experts.linear_fc1.weight{e}``;
+    it maps to the same HF tensors and TP shard shape as ``SequentialMLP``'s ``local_experts.{e}``."""
+    config = tiny_hf_config("qwen3_moe", **MOE)
+    dims = ModelDims.from_hf(config)
+    shapes = expected_hf_shapes(config)
+    # EP rank 1 of 2 (experts 2 and 3), local layer 0 = global layer 2, at TP 1 and TP 2.
+    for fc in ("linear_fc1", "linear_fc2"):
+        for local in (0, 1):
+            grouped = canonical_megatron_name(
+                f"decoder.layers.0.mlp.experts.{fc}.weight{local}", {0: 2}, expert_indices={0: [2, 3]}
+            )
+            sequential = canonical_megatron_name(
+                f"decoder.layers.0.mlp.experts.local_experts.{local}.{fc}.weight", {0: 2}, expert_indices={0: [2, 3]}
+            )
+            assert grouped == sequential == f"decoder.layers.2.mlp.experts.local_experts.{2 + local}.{fc}.weight"
+            entry = entry_for(grouped, config)
+            assert all(name.startswith(f"model.layers.2.mlp.experts.{2 + local}.") for name in entry.hf)
+            ffn, hidden = config["moe_intermediate_size"], config["hidden_size"]
+            for tp in (1, 2):  # TE's GroupedLinear holds each expert's [out, in] shard, as SequentialMLP does
+                want = (2 * ffn // tp, hidden) if fc == "linear_fc1" else (hidden, ffn // tp)
+                assert shard_shape(entry, [shapes[n] for n in entry.hf], dims, tp=tp) == want
+    # Only the experts' weights are grouped names: anything else under mlp.experts stays unmapped.
+    with pytest.raises(ConversionError, match="no Hugging Face mapping"):
+        entry_for(canonical_megatron_name("decoder.layers.0.mlp.experts.linear_fc1.bias0", {0: 0}, {0: [0]}), config)
 
 
 @pytest.mark.multiprocess
