@@ -28,7 +28,9 @@ Logging convention the training loop follows (the plots rely on it):
   with ``rollout/reward_mean`` and ``rollout/stage`` (0-based stage index; without it the records'
   order of appearance is used).
 - **Async updates** (``mode: async``): each update record also holds ``rollout/lag_mean``,
-  ``rollout/lag_max`` (updates between the behaviour policy and the trained one),
+  ``rollout/lag_max`` (updates between the behaviour policy and the trained one; a group's is its
+  oldest token's), ``rollout/token_lag_mean`` / ``_max`` (the same per response token, which differ
+  from the group's with partial rollouts),
   ``rollout/dropped_groups_total``, ``perf/trainer_idle_ratio`` (time waiting for and assembling samples
   / the update's time) and, when shards arrived during it, ``perf/rollout_idle_ratio``. With them come
   ``async_lag.png`` and ``idle_ratio.png``; the latter also draws every run's cumulative trainer idle
@@ -82,7 +84,13 @@ REPLAY_PANELS = (
 """Headroom-Drift Replay panels, one per tuple (the first key titles it; the others share its axes)."""
 REWARD = "rollout/reward_mean"
 STAGE = "rollout/stage"
-LAG_KEYS = ("rollout/lag_mean", "rollout/lag_max", "rollout/dropped_groups_total")
+LAG_KEYS = (
+    "rollout/lag_mean",
+    "rollout/lag_max",
+    "rollout/token_lag_mean",
+    "rollout/token_lag_max",
+    "rollout/dropped_groups_total",
+)
 IDLE_KEYS = ("perf/trainer_idle_ratio", "perf/rollout_idle_ratio")
 T_ROLLOUT, T_OPTIMIZE = "perf/t_rollout_s", "perf/t_optimize_s"
 FIGURE_DPI = 120

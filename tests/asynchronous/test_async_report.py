@@ -10,7 +10,7 @@ from megatron_mugrpo.metrics import MetricsLogger
 from megatron_mugrpo.report import idle_series, write_report
 
 
-def _async_run(run_dir: Path, updates: int = 8) -> None:
+def _async_run(run_dir: Path, updates: int = 8, token_lags: bool = True) -> None:
     """Records as the async loop logs them (see report.py's convention)."""
     with MetricsLogger(run_dir, tensorboard=False, console=False) as logger:
         for update in range(1, updates + 1):
@@ -21,6 +21,8 @@ def _async_run(run_dir: Path, updates: int = 8) -> None:
                 "rollout/dropped_groups_total": float(update // 3),
                 "perf/trainer_idle_ratio": 0.5 if update == 1 else 0.02,
             }
+            if token_lags:
+                record |= {"rollout/token_lag_mean": 1.2, "rollout/token_lag_max": float(update % 4)}
             if update % 2:
                 record["perf/rollout_idle_ratio"] = 0.3
             logger.log(record, step=update)
@@ -52,3 +54,17 @@ def test_async_and_staged_runs_get_the_lag_and_idle_plots(tmp_path: Path) -> Non
     assert all(p.stat().st_size > 1000 for p in written if p.suffix == ".png")
     staged_only = write_report([tmp_path / "staged"], tmp_path / "out_staged")
     assert not {"async_lag.png", "idle_ratio.png"} & {p.name for p in staged_only}
+
+
+def test_the_lag_plot_has_a_panel_per_lag_metric_present(tmp_path: Path) -> None:
+    """Group lag (mean, max), token lag (mean, max) and drops: five panels of equal width; a run
+    logged before token lags existed gets the other three."""
+    from PIL import Image
+
+    widths = {}
+    for token_lags in (True, False):
+        _async_run(tmp_path / f"async_{token_lags}", token_lags=token_lags)
+        write_report([tmp_path / f"async_{token_lags}"], tmp_path / f"out_{token_lags}")
+        with Image.open(tmp_path / f"out_{token_lags}" / "async_lag.png") as image:
+            widths[token_lags] = image.width
+    assert widths[True] / widths[False] == pytest.approx(5 / 3, rel=0.02)
