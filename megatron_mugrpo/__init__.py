@@ -6,3 +6,7 @@ ratio clipping ([0, 5]) and the negative-advantage veto. See README.md.
 """
 
 __version__ = "0.1.0"
+
+from megatron_mugrpo.training import mcore_jit as _mcore_jit
+
+_mcore_jit.install()  # before any of our modules imports megatron-core: no torch.compile at import on CPU
