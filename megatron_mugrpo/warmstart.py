@@ -336,7 +336,7 @@ def supervised_warmstart(
         loss.backward()
         optimizer.step()
         schedule.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return losses
 
