@@ -185,7 +185,7 @@ def test_partial_rollouts_switch_weights_mid_batch(tmp_path: Path, base_model: P
 
     run_dir = tmp_path / "partial"
     extra = ["async.sync_every=1", "async.max_lag=3", "async.verify_weights=true", "async.partial_rollout=true"]
-    ok(start(run_dir, base_model, *extra))
+    ok(start(run_dir, base_model, *extra, "eval.benchmarks=[]"))
     updates = check_exactly_once(run_dir)
     assert all(r["rollout/lag_max"] <= 3 for r in updates)  # max_lag holds for the oldest token
     assert all(0 <= r["rollout/token_lag_mean"] <= r["rollout/token_lag_max"] <= r["rollout/lag_max"] for r in updates)
@@ -203,11 +203,33 @@ def test_partial_rollouts_switch_weights_mid_batch(tmp_path: Path, base_model: P
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_async_moe_run_replays_the_routes_its_worker_recorded(tmp_path: Path):
+    """A tiny Qwen3-MoE (4 experts, top-2) in async mode with moe.routing_replay=rollout: the worker's
+    engine records every token's experts, each queue shard carries them in its .routes.arrow, and every
+    update replays them (train/routing_agreement says how often fresh routing would have agreed)."""
+    from megatron_mugrpo.rollout.queue import ROUTES_SUFFIX
+    from megatron_mugrpo.training.tiny import tiny_hf_dir
+
+    base = tiny_hf_dir(tmp_path / "moe" / "model", "qwen3_moe", seed=0, tie_word_embeddings=True)
+    run_dir = tmp_path / "moe_async"
+    ok(start(run_dir, base, "moe.routing_replay=rollout", "rollout.max_new_tokens=24", "eval.benchmarks=[]"))
+    updates = check_exactly_once(run_dir)
+    queue = run_dir / "rollouts" / "queue"
+    shards = sorted(p.name.removesuffix(".json") for p in queue.glob("w*_b*.json"))
+    assert shards and sorted(p.name.removesuffix(ROUTES_SUFFIX) for p in queue.glob(f"*{ROUTES_SUFFIX}")) == shards
+    assert all(0.0 < r["train/routing_agreement"] <= 1.0 for r in updates)
+    start_w = load_file(str(base / "model.safetensors"))
+    end_w = load_file(str(run_dir / "hf_final" / "model.safetensors"))
+    assert any(not torch.equal(start_w[k], end_w[k]) for k in start_w if ".mlp.experts." in k), "experts unchanged"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_exactly_once_across_sigkill_of_each_side(tmp_path: Path, base_model: Path):
     """The trainer is killed after update 3 (checkpoint at 2); resumed, the worker is killed with a
     half-written shard; resumed again, the run ends with every group trained once or still queued."""
     run_dir = tmp_path / "killed"
-    proc = start(run_dir, base_model, crash_at="update:3")
+    proc = start(run_dir, base_model, "eval.benchmarks=[]", crash_at="update:3")  # evaluation: tested elsewhere
     assert proc.returncode != 0 and "exitcode  : -9" in proc.stderr, proc.stderr[
         -3000:
     ]  # torchrun reports the SIGKILLed trainer
