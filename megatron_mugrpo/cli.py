@@ -200,9 +200,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             run.close()
     if run.is_writer:
         print_summary(result)
-        from megatron_mugrpo.report import write_report
+        if cfg.logging.report:
+            from megatron_mugrpo.report import write_report
 
-        write_report([run_dir], run_dir / "report")
+            write_report([run_dir], run_dir / "report")
     return 0
 
 

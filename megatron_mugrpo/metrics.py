@@ -69,6 +69,9 @@ class LoggingConfig:
     """Also write TensorBoard event files under ``<run_dir>/tensorboard``."""
     progress_bars: bool = True
     """tqdm progress bars on the console."""
+    report: bool = True
+    """Draw ``<run_dir>/report`` (PNG plots and a summary) when ``train`` finishes; ``mugrpo report
+    RUN_DIR`` draws the same at any time, so a sweep or a test can leave it off (a few seconds each)."""
     logprob_gap_tolerance: float = 1e-3
     """Warn when the first-update train-vs-rollout log-prob gap exceeds this (should be ~0)."""
 

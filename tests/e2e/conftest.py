@@ -63,7 +63,7 @@ def uninterrupted(
         run_dir, done = shared / "full", shared / "process.json"
         if not done.is_file():
             shutil.rmtree(run_dir, ignore_errors=True)  # a worker's failed attempt
-            proc = train(run_dir, base_model)
+            proc = train(run_dir, base_model, "logging.report=true")
             done.write_text(json.dumps({"args": proc.args, "stdout": proc.stdout, "stderr": proc.stderr}))
         kept = json.loads(done.read_text())
         return run_dir, subprocess.CompletedProcess(kept["args"], 0, kept["stdout"], kept["stderr"])

@@ -37,6 +37,7 @@ SMALL = [
     "checkpoint.every_updates=2",
     "logging.progress_bars=false",
     "logging.tensorboard=true",
+    "logging.report=false",  # the plots: the uninterrupted run and tests/test_report.py
     "optim.lr=1e-3",
     "rollout.cpu_threads=1",  # equal threads per engine whatever the engine count: comparable bits
 ]

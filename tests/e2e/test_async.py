@@ -40,6 +40,7 @@ SMALL = [
     "eval.benchmarks.0.k=2",
     "checkpoint.every_updates=2",
     "logging.progress_bars=false",
+    "logging.report=false",  # drawn by the bounded-lag run only
     "optim.lr=1e-4",
 ]
 TIMEOUT_S = 900
@@ -137,7 +138,7 @@ def test_async_run_streams_groups_with_bounded_lag(tmp_path: Path, base_model: P
     broadcast from memory (the default) and written to disk."""
     run_dir = tmp_path / "async"
     extra = ["async.sync_every=2", "async.max_lag=2", "async.verify_weights=true", f"async.publish={publish}"]
-    proc = ok(start(run_dir, base_model, *extra))
+    proc = ok(start(run_dir, base_model, *extra, "logging.report=true"))
     assert proc.stdout.strip().splitlines()[-1].startswith("acc_before=")
     assert "rollout queue:" in proc.stdout
 

@@ -124,6 +124,7 @@ def test_resume_after_sigkill_equals_uninterrupted(
     totals = [r["perf/t_total_s"] for r in recs if "perf/t_total_s" in r]
     assert totals == sorted(totals), f"perf/t_total_s went backwards: {totals}"
     assert totals[-1] > checkpoint["trainer_state"]["timers"]["perf/t_total_s"] > 0
+    assert not (run_dir / "report").exists(), "logging.report=false (e2e_runs.SMALL) draws nothing"
 
 
 @pytest.mark.slow
