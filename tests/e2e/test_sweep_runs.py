@@ -39,6 +39,7 @@ TINY = [
     "eval.benchmarks.0.k=2",
     "logging.progress_bars=false",
     "logging.tensorboard=false",
+    "logging.report=false",  # each run's own plots; the sweep draws its summary plots regardless
     "optim.lr=1e-3",
 ]
 RUNS = ["mu_grpo/seed_0", "mu_grpo/seed_1", "grpo/seed_0", "grpo/seed_1"]
