@@ -1,8 +1,12 @@
-"""``mugrpo convert``: Hugging Face <-> Megatron checkpoints with TP/PP resharding, and a numeric check.
+"""``mugrpo convert``: Hugging Face <-> Megatron checkpoints with TP/PP/EP resharding, and a numeric check.
 
     mugrpo convert hf-to-megatron --hf-dir D --out O --tp 2 --pp 2
     mugrpo convert megatron-to-hf --ckpt O --out D2
     mugrpo convert verify --hf-dir D --ckpt O --tp 2 --pp 2
+
+--ep N (mixture-of-experts models) spawns TP × PP × N ranks, each holding E / N experts of every MoE
+layer, so a large MoE converts with 1/N of its expert memory per rank; N must divide num_experts.
+megatron-to-hf and verify take --ep > 1 only with --tp 1.
 
 Also runnable as ``python -m megatron_mugrpo.conversion.cli convert ...``. Bad input prints one ``error:`` line and
 exits with status 2; a failed ``verify`` exits with status 1.
@@ -23,6 +27,9 @@ EXIT_BAD_INPUT = 2
 def _add_parallel_args(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size {what} (default 1)")
     parser.add_argument("--pp", type=int, default=1, help=f"pipeline-parallel size {what} (default 1)")
+    parser.add_argument(
+        "--ep", type=int, default=1, help=f"expert-parallel size {what} (MoE only: divides the experts; default 1)"
+    )
 
 
 def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -40,7 +47,7 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     to_mg.add_argument("--hf-dir", required=True, help="local Hugging Face directory (config.json + safetensors)")
     to_mg.add_argument("--out", required=True, help="new checkpoint root (must not exist or be empty)")
-    _add_parallel_args(to_mg, "to convert at; the result loads at any TP/PP")
+    _add_parallel_args(to_mg, "to convert at; the result loads at any TP/PP/EP")
     to_mg.add_argument(
         "--dtype",
         default=None,
@@ -87,7 +94,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Numeric arguments in range, before anything is read, spawned or written."""
     from megatron_mugrpo.conversion.errors import ConversionError
 
-    at_least_one = ("tp", "pp", "batch", "seq_len")
+    at_least_one = ("tp", "pp", "ep", "batch", "seq_len")
     for name in at_least_one:
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -107,11 +114,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     from megatron_mugrpo.conversion.hf_io import TOKENIZER_FILES
 
     if args.convert_verb == "hf-to-megatron":
-        step_dir = convert.hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype)
-        print(f"wrote {step_dir} (converted at tp={args.tp} pp={args.pp})")
+        step_dir = convert.hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype)
+        print(f"wrote {step_dir} (converted at tp={args.tp} pp={args.pp} ep={args.ep})")
         return EXIT_OK
     if args.convert_verb == "megatron-to-hf":
-        out = convert.megatron_to_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp, tokenizer_dir=args.tokenizer_dir)
+        out = convert.megatron_to_hf(
+            args.ckpt, args.out, tp=args.tp, pp=args.pp, ep=args.ep, tokenizer_dir=args.tokenizer_dir
+        )
         print(f"wrote {out}")
         if not any((out / name).is_file() for name in TOKENIZER_FILES):
             print(
@@ -126,13 +135,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         args.ckpt,
         tp=args.tp,
         pp=args.pp,
+        ep=args.ep,
         batch=args.batch,
         seq_len=args.seq_len,
         seed=args.seed,
         atol=verify.DEFAULT_ATOL if args.atol is None else args.atol,
         kl_tol=verify.DEFAULT_KL_TOL if args.kl_tol is None else args.kl_tol,
     )
-    print(f"verify tp={args.tp} pp={args.pp}: {result.line()} (atol={result.atol:g} kl_tol={result.kl_tol:g})")
+    sizes = f"tp={args.tp} pp={args.pp} ep={args.ep}"
+    print(f"verify {sizes}: {result.line()} (atol={result.atol:g} kl_tol={result.kl_tol:g})")
     return EXIT_OK if result.ok else EXIT_VERIFY_FAILED
 
 

@@ -1,13 +1,14 @@
 """Whole-checkpoint conversion: HF directory -> Megatron step directory, and back.
 
-hf -> megatron runs on TP × PP ranks (spawned unless already under torchrun): each rank builds its
+hf -> megatron runs on TP × PP × EP ranks (spawned unless already under torchrun): each rank builds its
 shard of the model, fills it from the safetensors files (reading only its stage's tensors) and
 saves it with dist_checkpointing, the format the trainer loads. Because dist_checkpointing stores
-global tensors with shard offsets, the result loads at any other TP × PP too; converting at the
-training TP × PP keeps each rank's memory at 1 / (TP × PP) of the model.
+global tensors with shard offsets, the result loads at any other TP × PP × EP too; converting at the
+training TP × PP keeps each rank's memory at 1 / (TP × PP) of the model, and EP (MoE models) keeps
+only E / EP experts of each layer on a rank.
 
-megatron -> hf loads a step directory at the requested TP × PP (default 1 × 1, one process) and
-streams ``export_hf`` into ``save_hf_dir`` on global rank 0.
+megatron -> hf loads a step directory at the requested TP × PP × EP (default 1 × 1 × 1, one process)
+and streams ``export_hf`` into ``save_hf_dir`` on global rank 0; EP > 1 exports only at TP = 1.
 
 Outputs are written under a temporary name and renamed when complete.
 """
@@ -41,16 +42,35 @@ def default_dtype(hf_config: dict) -> str:
     return str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
 
 
-def check_convertible(hf_config: dict, tp: int, pp: int) -> None:
-    """ConversionError when the architecture is unsupported or TP / PP cannot split this model (a MoE
-    model's experts and shared expert included), naming the config.json key."""
+def check_convertible(hf_config: dict, tp: int, pp: int, ep: int = 1) -> None:
+    """ConversionError when the architecture is unsupported or TP / PP / EP cannot split this model (a
+    MoE model's experts and shared expert included), naming the config.json key; checked before any
+    rank is spawned, so a bad size costs no imports and writes nothing."""
     try:
         check_supported(hf_config)
         check_divisibility(hf_config, tp, pp)
         if is_moe(hf_config):
-            check_moe(hf_config, tensor_parallel=tp, expert_parallel=1)
+            check_moe(hf_config, tensor_parallel=tp, expert_parallel=ep)
     except (ModelConfigError, MoeConfigError) as err:
         raise ConversionError(str(err)) from err
+    if ep > 1 and not is_moe(hf_config):
+        raise ConversionError(
+            f"--ep {ep}: expert parallelism splits a mixture-of-experts model's experts, but "
+            f"model_type={hf_config.get('model_type')!r} is dense (no experts); use --ep 1"
+        )
+
+
+def check_loadable_at(tp: int, ep: int) -> None:
+    """ConversionError for EP > 1 with TP > 1 when loading a checkpoint to export or run it.
+
+    ``export_hf`` refuses that combination (its expert broadcast assumes TP = 1); failing here says so
+    before any rank is spawned. A checkpoint loads at any TP / EP, so TP = 1 costs only memory per rank.
+    """
+    if ep > 1 and tp > 1:
+        raise ConversionError(
+            f"--ep {ep} with --tp {tp}: loading at expert_parallel > 1 with tensor_parallel > 1 is not supported "
+            f"yet (only EP > 1 at TP = 1, as the export); the checkpoint loads at any TP / EP, so use --tp 1 --ep {ep}"
+        )
 
 
 def hf_to_megatron_on_rank(groups: ParallelGroups, hf_dir: str, root: str, dtype_name: str) -> None:
@@ -61,19 +81,22 @@ def hf_to_megatron_on_rank(groups: ParallelGroups, hf_dir: str, root: str, dtype
     save_converted(root, chunks, ckpt.config, groups)
 
 
-def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str | None = None) -> Path:
+def hf_to_megatron(
+    hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None
+) -> Path:
     """Convert a HF directory into a Megatron checkpoint root ``out`` (step_00000000 + latest + tokenizer).
 
-    Validates everything it can before spawning ranks (architecture, TP/PP divisibility, missing or
-    extra tensors, shapes, output path). Returns the step directory.
+    Validates everything it can before spawning ranks (architecture, TP/PP/EP divisibility, missing or
+    extra tensors, shapes, output path). ``ep`` > 1 (MoE models) spreads each layer's experts over EP
+    ranks. Returns the step directory.
     """
     ckpt = HfCheckpoint(hf_dir)
-    check_convertible(ckpt.config, tp, pp)
+    check_convertible(ckpt.config, tp, pp, ep)
     ckpt.validate()
     dtype = dtype or default_dtype(ckpt.config)
     dtype_from_name(dtype)
     with atomic_output_dir(out) as tmp:
-        run_on_ranks(hf_to_megatron_on_rank, tp=tp, pp=pp, args=(str(ckpt.path), str(tmp), dtype))
+        run_on_ranks(hf_to_megatron_on_rank, tp=tp, pp=pp, ep=ep, args=(str(ckpt.path), str(tmp), dtype))
         _copy_tokenizer(ckpt.path, tmp / TOKENIZER_SUBDIR)
     return resolve_step_dir(out)
 
@@ -123,16 +146,24 @@ def megatron_to_hf_on_rank(
 
 
 def megatron_to_hf(
-    ckpt: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, tokenizer_dir: str | Path | None = None
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Convert a step directory (or checkpoint root) into a HF directory at ``out``.
 
     Tensors keep the checkpoint's dtype; tokenizer files come from ``tokenizer_dir``, else from where
-    ``tokenizer_dir_for`` finds them (next to the checkpoint, or the run's base model).
+    ``tokenizer_dir_for`` finds them (next to the checkpoint, or the run's base model). ``ep`` > 1
+    loads each layer's experts spread over EP ranks (TP = 1 only).
     """
+    check_loadable_at(tp, ep)
     step_dir = resolve_step_dir(ckpt)
     metadata = read_metadata(step_dir)
-    check_convertible(metadata["hf_config"], tp, pp)
+    check_convertible(metadata["hf_config"], tp, pp, ep)
     tokenizer = Path(tokenizer_dir) if tokenizer_dir else tokenizer_dir_for(step_dir, metadata)
     with atomic_output_dir(out) as tmp:
         # save_hf_dir writes atomically itself; it gets a fresh path inside our temporary directory.
@@ -140,6 +171,7 @@ def megatron_to_hf(
             megatron_to_hf_on_rank,
             tp=tp,
             pp=pp,
+            ep=ep,
             args=(str(step_dir), str(tmp / "hf"), metadata["dtype"], str(tokenizer) if tokenizer else None),
         )
         for item in (tmp / "hf").iterdir():

@@ -9,7 +9,7 @@ folder next to the step directories it writes::
       tokenizer/          tokenizer files copied from the source HF directory
 
 dist_checkpointing stores global tensors with shard offsets, so a step directory written at one
-TP × PP loads at any other (``training.checkpoint`` re-pads the vocabulary rows).
+TP × PP × EP loads at any other (``training.checkpoint`` re-pads the vocabulary rows).
 """
 
 from __future__ import annotations
@@ -65,12 +65,14 @@ def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype, groups: Pa
     """This rank's pipeline stage of the model (one chunk, eval mode), without random initialisation.
 
     Weights are about to be overwritten by a checkpoint or HF tensors, so Megatron's init is skipped.
+    A MoE model holds only this EP rank's E / ``groups.ep`` experts of each sparse layer.
     """
     model = build_gpt_model(
         hf_config,
         dtype=dtype,
         tensor_parallel=groups.tp,
         pipeline_parallel=groups.pp,
+        expert_parallel=groups.ep,
         pre_process=groups.is_first_stage,
         post_process=groups.is_last_stage,
         config_overrides={"perform_initialization": False},
@@ -96,7 +98,7 @@ def save_converted(
 
 
 def load_model(step_dir: str | Path, model_chunks: list[torch.nn.Module], groups: ParallelGroups) -> None:
-    """Collective: verify and load the model of ``step_dir`` at the current TP × PP (resharding on load)."""
+    """Collective: verify and load the model of ``step_dir`` at the current TP × PP × EP (resharding on load)."""
     try:
         trainer_checkpoint.load_checkpoint(step_dir, model_chunks, groups=groups, load_rng=False)
     except trainer_checkpoint.CheckpointError as err:

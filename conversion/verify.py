@@ -1,5 +1,5 @@
-"""Check a converted checkpoint numerically: Megatron (any TP × PP) and transformers logits on the
-same random tokens, reported as the max absolute logit difference and the mean KL divergence.
+"""Check a converted checkpoint numerically: Megatron (any TP × PP; EP > 1 at TP = 1) and transformers
+logits on the same random tokens, reported as the max absolute logit difference and the mean KL divergence.
 
 Both models run in float32, whatever the checkpoint dtype, so the comparison measures the
 conversion and not bf16 rounding. Only the true vocabulary is compared: Megatron's padded rows
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron_mugrpo.conversion.convert import check_convertible
+from megatron_mugrpo.conversion.convert import check_convertible, check_loadable_at
 from megatron_mugrpo.conversion.errors import ConversionError
 from megatron_mugrpo.conversion.hf_io import load_hf_config
 from megatron_mugrpo.conversion.launch import run_on_ranks
@@ -137,25 +137,28 @@ def verify(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     batch: int = 2,
     seq_len: int = 32,
     seed: int = 0,
     atol: float = DEFAULT_ATOL,
     kl_tol: float = DEFAULT_KL_TOL,
 ) -> VerifyResult:
-    """Compare the Megatron checkpoint ``ckpt`` (run at TP × PP) with the HF model in ``hf_dir``.
+    """Compare the Megatron checkpoint ``ckpt`` (run at TP × PP × EP) with the HF model in ``hf_dir``.
 
-    Spawns its own TP × PP ranks, so it must be called from a plain (non-distributed) process.
+    Spawns its own TP × PP × EP ranks, so it must be called from a plain (non-distributed) process.
+    Every rank forwards the same tokens; with EP > 1 they travel to the EP rank holding their experts.
     """
     if dist.is_initialized():
         raise ConversionError("verify spawns its own ranks: run it from a plain process, not under torchrun")
+    check_loadable_at(tp, ep)
     hf_config = load_hf_config(hf_dir)
     step_dir = resolve_step_dir(ckpt)
-    check_convertible(read_metadata(step_dir)["hf_config"], tp, pp)
+    check_convertible(read_metadata(step_dir)["hf_config"], tp, pp, ep)
     tokens = random_tokens(hf_config["vocab_size"], batch, seq_len, seed)
     reference = hf_logits(hf_dir, tokens)
     with tempfile.TemporaryDirectory(prefix="mugrpo-verify-") as tmp:
         out_file = str(Path(tmp) / "logits.pt")
-        run_on_ranks(megatron_logits_on_rank, tp=tp, pp=pp, args=(str(step_dir), tokens, out_file))
+        run_on_ranks(megatron_logits_on_rank, tp=tp, pp=pp, ep=ep, args=(str(step_dir), tokens, out_file))
         candidate = torch.load(out_file)
     return compare_logits(reference, candidate, atol=atol, kl_tol=kl_tol)
