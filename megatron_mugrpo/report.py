@@ -36,6 +36,10 @@ Logging convention the training loop follows (the plots rely on it):
   ``async_lag.png`` and ``idle_ratio.png``; the latter also draws every run's cumulative trainer idle
   ratio, ``perf/t_rollout_s / (perf/t_rollout_s + perf/t_optimize_s)`` from the timers of its eval
   records, against wall-clock seconds, so staged and async runs compare on one axis.
+- **Mixture-of-experts updates**: ``train/moe_load_min`` / ``_max`` (the smallest and largest share of
+  routed slots any expert got), ``train/routing_agreement`` (with routing replay) and
+  ``train/moe_aux_loss`` give ``moe.png``; the same bounds per layer (``train/moe_load_{min,max}_layer_NN``)
+  give ``moe_load_layers.png``.
 
 A metric missing from every run is skipped with a note (the async plots, without one, when no run is
 an async one); a directory without ``metrics.jsonl`` is an error.
@@ -51,6 +55,7 @@ import argparse
 import csv
 import io
 import math
+import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -92,6 +97,12 @@ LAG_KEYS = (
     "rollout/dropped_groups_total",
 )
 IDLE_KEYS = ("perf/trainer_idle_ratio", "perf/rollout_idle_ratio")
+MOE_PANELS = ("train/moe_load_min", "train/moe_load_max", "train/routing_agreement", "train/moe_aux_loss")
+"""Mixture-of-experts panels: the model's expert-load bounds, routing agreement with the engine, aux loss."""
+LAYER_LOAD = re.compile(r"^train/moe_load_(min|max)_layer_(\d+)$")
+"""Per-layer expert-load bounds (``training.moe.load_layer_key``)."""
+LAYER_LEGEND_MAX = 8
+"""Up to this many layers get a legend entry each; more are told apart by colour (early: dark)."""
 T_ROLLOUT, T_OPTIMIZE = "perf/t_rollout_s", "perf/t_optimize_s"
 FIGURE_DPI = 120
 SMOOTH_MIN_POINTS = 200
@@ -346,6 +357,58 @@ def _plot_async(runs: list[Run], out_dir: Path) -> list[Path]:
     return written
 
 
+def _plot_moe(runs: list[Run], out_dir: Path) -> list[Path]:
+    """``moe.png`` (expert-load bounds, routing agreement, aux loss per update) and ``moe_load_layers.png``
+    (every MoE layer's smallest and largest expert share, one panel per run); nothing for dense runs."""
+    keys = [key for key in MOE_PANELS if _present(runs, key)]
+    if not keys:
+        return []
+    panels = [
+        (key, [series(run.records, key) for run in runs], "loss" if "loss" in key else "fraction") for key in keys
+    ]
+    written = [_plot_panels(runs, panels, out_dir / "moe.png", xlabel="optimizer update")]
+    layered = [(run, _layer_loads(run.records)) for run in runs]
+    layered = [(run, loads) for run, loads in layered if loads]
+    if layered:
+        written.append(_plot_layer_loads(layered, out_dir / "moe_load_layers.png"))
+    return written
+
+
+def _layer_loads(records: list[dict[str, Any]]) -> dict[int, dict[str, Series]]:
+    """{layer: {"min": Series, "max": Series}} of the per-layer expert-load bounds in ``records``."""
+    out: dict[int, dict[str, Series]] = {}
+    for record in records:
+        for key, value in record.items():
+            if (match := LAYER_LOAD.match(key)) and "step" in record:
+                bound, layer = match.group(1), int(match.group(2))
+                points = out.setdefault(layer, {"min": Series(), "max": Series()})[bound]
+                points.x.append(float(record["step"]))
+                points.y.append(float(value))
+    return out
+
+
+def _plot_layer_loads(layered: list[tuple[Run, dict[int, dict[str, Series]]]], out_path: Path) -> Path:
+    """One panel per run: each layer's largest (solid) and smallest (dashed) expert share per update."""
+    fig, axes = plt.subplots(1, len(layered), figsize=(SUBPLOT_SIZE[0] * len(layered), SUBPLOT_SIZE[1]), squeeze=False)
+    for ax, (run, loads) in zip(axes[0], layered):
+        colours = plt.get_cmap("viridis")
+        for i, layer in enumerate(sorted(loads)):
+            colour = colours(i / max(1, len(loads) - 1))
+            label = f"layer {layer}" if len(loads) <= LAYER_LEGEND_MAX else None
+            ax.plot(loads[layer]["max"].x, loads[layer]["max"].y, color=colour, label=label, linewidth=0.9)
+            ax.plot(loads[layer]["min"].x, loads[layer]["min"].y, color=colour, linestyle="--", linewidth=0.9)
+        ax.set_title(f"{run.label}: expert share per MoE layer (max solid, min dashed)", fontsize="small")
+        ax.set_xlabel("optimizer update")
+        ax.set_ylabel("fraction of routed slots")
+        ax.grid(alpha=0.3)
+        if len(loads) <= LAYER_LEGEND_MAX:
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=FIGURE_DPI)
+    plt.close(fig)
+    return out_path
+
+
 def summary_table(runs: list[Run]) -> list[str]:
     """Markdown rows: updates, final / best eval/avg_pass@1 and perf/t_total_s per run."""
     rows = ["| run | updates | final avg pass@1 | best avg pass@1 | t_total_s |", "|---|---|---|---|---|"]
@@ -407,6 +470,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Pa
         *_plot_reward(runs, out, notes),
         *_plot_replay(runs, out),
         *_plot_async(runs, out),
+        *_plot_moe(runs, out),
     ]
     lines = ["# Run comparison", "", *summary_table(runs), "", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in written]

@@ -249,9 +249,32 @@ def test_every_metric_the_report_reads_is_spelled_by_its_producer():
     names = [
         report.EVAL_AVG, report.EVAL_X, report.REWARD, report.STAGE, report.TOKENS, report.RATIO_NEG,
         report.RATIO_POS, report.T_ROLLOUT, report.T_OPTIMIZE, *report.UPDATE_FRACTIONS, *report.LAG_KEYS,
-        *report.IDLE_KEYS, *(key for panel in report.REPLAY_PANELS for key in panel),
+        *report.IDLE_KEYS, *(key for panel in report.REPLAY_PANELS for key in panel), *report.MOE_PANELS,
     ]  # fmt: skip
     for name in names:
         rest = name.partition("/")[2]
         produced = name in sources or f'"{rest}"' in sources or f"{{prefix}}{rest}" in sources
         assert produced, f"the report reads {name!r}, which no module of the package produces"
+
+
+def test_a_moe_run_gets_load_and_per_layer_plots_and_a_dense_one_does_not(tmp_path: Path):
+    from megatron_mugrpo.training.moe import load_layer_key
+
+    with MetricsLogger(tmp_path / "moe", tensorboard=False, console=False) as logger:
+        for update in range(1, UPDATES + 1):
+            record = {"train/loss": 0.1, "train/moe_load_min": 0.1, "train/moe_load_max": 0.4}
+            record["train/routing_agreement"] = 1.0 - 0.01 * update
+            for layer in (1, 3):  # the sparse layers of a model whose layers 0 and 2 are dense
+                record[load_layer_key("min", layer)] = 0.1 + 0.01 * layer
+                record[load_layer_key("max", layer)] = 0.4 - 0.01 * layer
+            logger.log(record, step=update)
+    _fake_run(tmp_path / "dense", updates_per_stage=4, seconds_per_update=1.0)
+
+    written = {p.name: p for p in write_report([tmp_path / "moe", tmp_path / "dense"], tmp_path / "both")}
+    assert {"moe.png", "moe_load_layers.png"} <= set(written)
+    with Image.open(written["moe.png"]) as panels, Image.open(written["moe_load_layers.png"]) as layers:
+        # moe_load_min, moe_load_max, routing_agreement (no aux loss logged); one per-layer panel: the MoE run
+        assert panels.width / panels.height == pytest.approx(3 * 5.0 / 3.6, rel=0.02)
+        assert layers.width / layers.height == pytest.approx(5.0 / 3.6, rel=0.02)
+    dense = {p.name for p in write_report([tmp_path / "dense"], tmp_path / "dense_only")}
+    assert not {"moe.png", "moe_load_layers.png"} & dense

@@ -26,6 +26,7 @@ the objective, and the routing of a pretrained model is already balanced.
 Metrics (``train/``): ``moe_load_min`` / ``moe_load_max``, the smallest and largest share of routed
 token slots any expert of any MoE layer received during the update (1/E when perfectly balanced;
 padding tokens are routed too and are counted; the shared expert is not routed and is not counted),
+the same per MoE layer as ``moe_load_{min,max}_layer_NN`` (global 0-based layer index),
 and, when their coefficients are on, ``moe_aux_loss`` / ``moe_z_loss`` from megatron-core's aux-loss
 tracker (mean over MoE layers and micro-batches, unscaled by the coefficient).
 
@@ -36,6 +37,7 @@ no route to replay.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -260,6 +262,37 @@ def expert_load(model_chunks: list[torch.nn.Module], dp_group: Any) -> torch.Ten
     return counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
 
 
+def load_layer_key(bound: str, layer: int) -> str:
+    """``train/moe_load_{min,max}_layer_NN``: the load bound of one MoE layer (0-based global index)."""
+    return f"train/moe_load_{bound}_layer_{layer:02d}"
+
+
+def _load_metrics(model_chunks: list[torch.nn.Module], groups: Any, num_layers: int) -> dict[str, float]:
+    """Smallest and largest expert share, over the model and per MoE layer, equal on every rank.
+
+    Each pipeline stage fills the rows of its own layers (by the router's global ``layer_number``) of
+    a [layers, 2] table of (min, −max), which one MIN all-reduce over PP completes; dense layers keep
+    +inf and are left out.
+    """
+    load = expert_load(model_chunks, groups.dp_group)
+    table = torch.full((num_layers, 2), math.inf, dtype=torch.float64)
+    for router, row in zip(_routers(model_chunks), load):
+        table[router.layer_number - 1] = torch.stack([row.min(), -row.max()])
+    table = table.to(groups.device)
+    if groups.pp > 1:  # each stage holds other layers
+        dist.all_reduce(table, op=dist.ReduceOp.MIN, group=groups.pp_group)
+    sparse = [
+        (layer, float(low), -float(neg_high)) for layer, (low, neg_high) in enumerate(table.cpu()) if low < math.inf
+    ]
+    if not sparse:
+        return {"train/moe_load_min": 1.0, "train/moe_load_max": 0.0}
+    metrics = {"train/moe_load_min": min(low for _, low, _ in sparse), "train/moe_load_max": max(h for *_, h in sparse)}
+    for layer, low, high in sparse:
+        metrics[load_layer_key("min", layer)] = low
+        metrics[load_layer_key("max", layer)] = high
+    return metrics
+
+
 def _tracked_losses(config: Any, groups: Any, num_micro_batches: int) -> dict[str, float]:
     """Mean aux / z loss per MoE layer and micro-batch from megatron's tracker, equal on every rank.
 
@@ -295,16 +328,8 @@ def moe_step_metrics(model_chunks: list[torch.nn.Module], groups: Any, num_micro
 
     Collective over the DP and PP groups: every rank must call it.
     """
-    load = expert_load(model_chunks, groups.dp_group)
-    bounds = torch.tensor(
-        [float(load.min()) if load.numel() else 1.0, -float(load.max()) if load.numel() else 0.0],
-        dtype=torch.float64,
-        device=groups.device,
-    )
-    if groups.pp > 1:  # each stage holds other layers
-        dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=groups.pp_group)
-    metrics = {"train/moe_load_min": float(bounds[0]), "train/moe_load_max": -float(bounds[1])}
     config = _bare(model_chunks[0]).config
+    metrics = _load_metrics(model_chunks, groups, config.num_layers)
     metrics.update(_tracked_losses(config, groups, num_micro_batches))
     agreement = routing_agreement(model_chunks, groups)
     if agreement is not None:

@@ -36,7 +36,7 @@ from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training import checkpoint
 from megatron_mugrpo.training.model import ModelConfigError, build_gpt_model, transformer_config_from_hf
-from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError, moe_layer_pattern
+from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError, load_layer_key, moe_layer_pattern
 from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
 from megatron_mugrpo.training.routing_replay import routes_for_schedule, set_micro_batch_routes
 from megatron_mugrpo.training.setup import Policy, build_policy
@@ -224,7 +224,9 @@ def test_update_metrics_match_single_rank(runs, layout):
     ours, ref = runs[layout]["metrics"], runs["ep1"]["metrics"]
     for key in ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_z_loss"):
         assert ours[key] == pytest.approx(ref[key], rel=METRIC_RTOL), key
-    for key in ("train/moe_load_min", "train/moe_load_max"):
+    loads = sorted(key for key in ref if key.startswith("train/moe_load_"))
+    assert sorted(key for key in ours if key.startswith("train/moe_load_")) == loads  # per layer across PP too
+    for key in loads:
         assert ours[key] == pytest.approx(ref[key], abs=1e-12), key
 
 
@@ -258,6 +260,11 @@ def test_moe_metrics_are_plausible(runs):
     metrics = runs["ep1"]["metrics"]
     # 4 experts: shares around 1/4, the smallest below and the largest above it.
     assert 0.0 < metrics["train/moe_load_min"] <= 0.25 <= metrics["train/moe_load_max"] < 1.0
+    # Per MoE layer (both layers are sparse); the model's bounds are the layers' extremes.
+    per_layer = [(metrics[load_layer_key("min", i)], metrics[load_layer_key("max", i)]) for i in range(2)]
+    assert all(0.0 < low <= 0.25 <= high < 1.0 for low, high in per_layer)
+    assert metrics["train/moe_load_min"] == min(low for low, _ in per_layer)
+    assert metrics["train/moe_load_max"] == max(high for _, high in per_layer)
     # Switch aux loss is 1 for a perfectly balanced router and grows with imbalance.
     assert 0.99 < metrics["train/moe_aux_loss"] < 1.5
     assert metrics["train/moe_z_loss"] > 0.0
