@@ -14,8 +14,6 @@ import re
 import typing
 from pathlib import Path
 
-import pytest
-
 from megatron_mugrpo.algorithms.losses import available_losses, loss_spec
 from megatron_mugrpo.config import RunConfig
 from megatron_mugrpo.rollout.engine import available_engines, engine_factory
@@ -74,8 +72,8 @@ def test_every_engine_section_matches_its_constructor() -> None:
         assert not missing, f"rollout.{name} keys {missing} are not parameters of the {name} engine"
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU refusal")
-def test_sequence_parallel_is_refused_on_cpu_with_a_clear_error() -> None:
+def test_sequence_parallel_builds_on_cpu_with_norms_marked_for_the_tp_all_reduce() -> None:
+    """parallel.sequence_parallel=true is accepted without CUDA (tests/training/test_moe_tp_ep.py runs it)."""
     from dist_utils import run_distributed
 
     run_distributed(_build_with_sequence_parallel, 2)
@@ -84,11 +82,15 @@ def test_sequence_parallel_is_refused_on_cpu_with_a_clear_error() -> None:
 def _build_with_sequence_parallel(rank: int, world_size: int) -> None:
     import torch
 
-    from megatron_mugrpo.errors import ConfigError
     from megatron_mugrpo.training.model import tiny_hf_config
     from megatron_mugrpo.training.parallel import initialize_parallel
     from megatron_mugrpo.training.setup import build_policy
 
     groups = initialize_parallel(2, 1, seed=0)
-    with pytest.raises(ConfigError, match="sequence_parallel=true needs CUDA"):
-        build_policy(tiny_hf_config("qwen2"), groups=groups, dtype=torch.float32, optim=None, sequence_parallel=True)
+    policy = build_policy(
+        tiny_hf_config("qwen2"), groups=groups, dtype=torch.float32, optim=None, sequence_parallel=True
+    )
+    model = policy.unwrapped()[0]
+    assert model.config.sequence_parallel
+    norms = [p for name, p in model.named_parameters() if "layernorm" in name]
+    assert norms and all(getattr(p, "sequence_parallel", False) for p in norms)

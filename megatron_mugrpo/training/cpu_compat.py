@@ -31,18 +31,32 @@ nothing when ``torch.cuda.is_available()`` (a CUDA machine must run Megatron unc
   ``activate_moe()``, which the model provider calls when it builds a MoE model (dense runs do not
   import the dispatcher); a megatron-core without the helper fails it with a ``RuntimeError``.
 
-Not available on CPU (leave them off in the TransformerConfig): sequence_parallel,
-gradient_accumulation_fusion, persist_layer_norm, apply_rope_fusion, bias/activation fusions that
-need Apex or Transformer Engine.
+- Sequence-parallel norms (``sequence_parallel_norm``): Megatron's local spec builds its norms with
+  ``WrappedTorchNorm``, which asserts ``not config.sequence_parallel`` (torch_norm.py). It is built
+  from a copy of the config with the flag off, and its weights are marked ``sequence_parallel``
+  (as ``FusedLayerNorm`` / Transformer Engine mark theirs), so ``finalize_model_grads`` sums their
+  gradients over TP: each TP rank normalises its own slice of the sequence. gloo itself runs the
+  sequence-parallel all-gather / reduce-scatter (``all_gather_into_tensor``, ``reduce_scatter_tensor``).
+- Uneven TP gather / reduce-scatter (``moe_uneven_tp_collectives``): with TP > 1 the all-to-all
+  token dispatcher gathers tokens over TP with per-rank split sizes (``torch.distributed.all_gather``
+  of unequal parts, ``reduce_scatter`` in backward), which gloo rejects. Megatron's
+  ``_gather_along_first_dim`` pads every part to the largest and drops the padding;
+  ``_reduce_scatter_along_first_dim`` all-reduces and keeps this rank's rows (the same sums).
+  Applied by ``activate_moe()``; a megatron-core without the two helpers fails it naming them.
+
+Not available on CPU (leave them off in the TransformerConfig): gradient_accumulation_fusion,
+persist_layer_norm, apply_rope_fusion, bias/activation fusions that need Apex or Transformer Engine.
 
     from megatron_mugrpo.training import cpu_compat
-    counts = cpu_compat.activate()   # {"rng_tracker": 1, "torch_cuda_stubs": 8, "device_mode": 1}
-    cpu_compat.activate_moe()        # + {"moe_dispatch": 1}, for mixture-of-experts models
+    counts = cpu_compat.activate()   # {"rng_tracker": 1, "torch_cuda_stubs": 8, "device_mode": 1,
+                                     #  "sequence_parallel_norm": 1}
+    cpu_compat.activate_moe()        # + {"moe_dispatch": 1, "moe_uneven_tp_collectives": 2}, for MoE models
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,13 +86,15 @@ def activate() -> dict[str, int]:
         _PATCH_COUNTS["rng_tracker"] = _patch_rng_tracker()
         _PATCH_COUNTS["torch_cuda_stubs"] = _patch_torch_cuda()
         _PATCH_COUNTS["device_mode"] = _enter_device_mode()
+        _PATCH_COUNTS["sequence_parallel_norm"] = _patch_sequence_parallel_norm()
     return dict(_PATCH_COUNTS)
 
 
 def activate_moe() -> dict[str, int]:
-    """The MoE dispatcher patch on top of ``activate()``; idempotent, nothing unless the layer is active."""
+    """The MoE dispatcher patches on top of ``activate()``; idempotent, nothing unless the layer is active."""
     if is_active() and "moe_dispatch" not in _PATCH_COUNTS:
         _PATCH_COUNTS["moe_dispatch"] = _patch_moe_dispatch()
+        _PATCH_COUNTS["moe_uneven_tp_collectives"] = _patch_uneven_tp_collectives()
     return dict(_PATCH_COUNTS)
 
 
@@ -352,3 +368,96 @@ def _patch_moe_dispatch() -> int:
         )
     _patch(dispatcher, "maybe_move_tensor_to_cpu", _to_cpu_or_numpy(move))
     return 1
+
+
+# ---------------------------------------------------------------------- sequence-parallel norm
+
+
+def _sequence_parallel_norm(original_new: Any) -> Any:
+    """``WrappedTorchNorm.__new__`` that builds the torch norm under sequence parallelism too.
+
+    Megatron refuses (torch_norm.py: ``assert not config.sequence_parallel``) because a plain torch
+    norm does not mark its weight for the TP all-reduce that Megatron's own norms request: under
+    sequence parallelism each TP rank normalises its slice of the sequence, so its weight gradient is
+    a partial sum. Marking the weight ``sequence_parallel`` (as ``FusedLayerNorm`` and Transformer
+    Engine do) makes ``finalize_model_grads`` sum it over the TP group.
+    """
+
+    def build_norm(cls: type, config: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        if not getattr(config, "sequence_parallel", False):
+            return original_new(cls, config, *args, **kwargs)
+        plain = copy.copy(config)  # no __post_init__: MoE with TP > 1 insists on sequence parallelism
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return build_norm
+
+
+def _patch_sequence_parallel_norm() -> int:
+    """Let the local spec's torch norms run with sequence parallelism (see the module docstring)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    _patch(WrappedTorchNorm, "__new__", staticmethod(_sequence_parallel_norm(WrappedTorchNorm.__new__)))
+    return 1
+
+
+# --------------------------------------------------------------- uneven TP gather / reduce-scatter
+
+
+_MAPPINGS = "megatron.core.tensor_parallel.mappings"
+
+
+def _gather_uneven(original: Any) -> Any:
+    """``_gather_along_first_dim`` whose uneven case pads every part to the largest and drops the padding."""
+
+    def _gather_along_first_dim(
+        input_: torch.Tensor, group: Any, output_split_sizes: list[int] | None = None, use_global_buffer: bool = False
+    ) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:size] for part, size in zip(parts, output_split_sizes)])
+
+    return _gather_along_first_dim
+
+
+def _reduce_scatter_uneven(original: Any) -> Any:
+    """``_reduce_scatter_along_first_dim`` whose uneven case all-reduces and keeps this rank's rows."""
+
+    def _reduce_scatter_along_first_dim(
+        input_: torch.Tensor, group: Any, input_split_sizes: list[int] | None = None, use_global_buffer: bool = False
+    ) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.split(input_split_sizes)[group.rank()].contiguous()
+
+    return _reduce_scatter_along_first_dim
+
+
+def _patch_uneven_tp_collectives() -> int:
+    """Uneven first-dimension gather / reduce-scatter over TP in gloo terms (see the module docstring)."""
+    import importlib
+
+    mappings = importlib.import_module(_MAPPINGS)
+    shims = {"_gather_along_first_dim": _gather_uneven, "_reduce_scatter_along_first_dim": _reduce_scatter_uneven}
+    missing = [name for name in shims if not hasattr(mappings, name)]
+    if missing:
+        raise RuntimeError(
+            f"{_MAPPINGS} lacks {missing}: the CPU compatibility layer cannot run the MoE token dispatch over "
+            "TP > 1 on gloo; update megatron_mugrpo/training/cpu_compat.py for this megatron-core"
+        )
+    for name, shim in shims.items():
+        _patch(mappings, name, shim(getattr(mappings, name)))
+    return len(shims)

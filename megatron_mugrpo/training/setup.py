@@ -28,7 +28,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_model_config
 
-from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.training.model import build_gpt_model
 from megatron_mugrpo.training.moe import MoeConfig
 from megatron_mugrpo.training.optimizer import OptimConfig, build_optimizer
@@ -144,12 +143,9 @@ def build_policy(
     ``conversion.load_hf_into_model(policy.unwrapped(), hf_dir, groups)`` or
     ``checkpoint.load_checkpoint(step_dir, policy.model_chunks, ..., groups=groups)``.
     ``moe``: router losses and token dispatch of a mixture-of-experts model (``moe.*``; None: defaults).
+    ``sequence_parallel`` runs on CPU too (gloo; ``cpu_compat`` makes the torch norms and the MoE
+    dispatcher's uneven TP collectives work), so TP × EP MoE models are testable without a GPU.
     """
-    if sequence_parallel and groups.device.type != "cuda":
-        raise ConfigError(
-            "parallel.sequence_parallel=true needs CUDA: Megatron's sequence-parallel communication runs on "
-            "GPUs only; set parallel.sequence_parallel=false on CPU"
-        )
     chunks = build_model_chunks(
         hf_config,
         groups,
