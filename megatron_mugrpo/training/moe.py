@@ -250,16 +250,24 @@ def reset_moe_metrics(model_chunks: list[torch.nn.Module]) -> None:
     clear_aux_losses_tracker()
 
 
-def expert_load(model_chunks: list[torch.nn.Module], dp_group: Any) -> torch.Tensor:
-    """[local MoE layers, E] share of routed token slots per expert since the last reset, summed
-    over the data-parallel ranks (which route different tokens; TP ranks route the same ones)."""
+def expert_load(model_chunks: list[torch.nn.Module], dp_group: Any, sp_group: Any = None) -> torch.Tensor:
+    """[local MoE layers, E] share of routed token slots per expert since the last reset, summed over
+    the data-parallel ranks, which route different tokens. TP ranks route the same tokens, except
+    under sequence parallelism, where each routes its own slice of the sequence: ``sp_group`` (the TP
+    group then) sums those too."""
     routers = _routers(model_chunks)
     if not routers:
         return torch.zeros(0, 0, dtype=torch.float64)
     counts = torch.stack([getattr(r, _LOAD_ATTR) for r in routers])
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(counts, group=dp_group)
+    for group in (dp_group, sp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
     return counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
+
+
+def _sequence_parallel_group(config: Any, groups: Any) -> Any:
+    """The TP group when sequence parallelism splits the tokens over it, else None."""
+    return groups.tp_group if getattr(config, "sequence_parallel", False) and groups.tp > 1 else None
 
 
 def load_layer_key(bound: str, layer: int) -> str:
@@ -267,15 +275,15 @@ def load_layer_key(bound: str, layer: int) -> str:
     return f"train/moe_load_{bound}_layer_{layer:02d}"
 
 
-def _load_metrics(model_chunks: list[torch.nn.Module], groups: Any, num_layers: int) -> dict[str, float]:
+def _load_metrics(model_chunks: list[torch.nn.Module], groups: Any, config: Any) -> dict[str, float]:
     """Smallest and largest expert share, over the model and per MoE layer, equal on every rank.
 
     Each pipeline stage fills the rows of its own layers (by the router's global ``layer_number``) of
     a [layers, 2] table of (min, −max), which one MIN all-reduce over PP completes; dense layers keep
     +inf and are left out.
     """
-    load = expert_load(model_chunks, groups.dp_group)
-    table = torch.full((num_layers, 2), math.inf, dtype=torch.float64)
+    load = expert_load(model_chunks, groups.dp_group, _sequence_parallel_group(config, groups))
+    table = torch.full((config.num_layers, 2), math.inf, dtype=torch.float64)
     for router, row in zip(_routers(model_chunks), load):
         table[router.layer_number - 1] = torch.stack([row.min(), -row.max()])
     table = table.to(groups.device)
@@ -315,6 +323,11 @@ def _tracked_losses(config: Any, groups: Any, num_micro_batches: int) -> dict[st
             dist.all_reduce(values, group=groups.pp_group)
         if entry.get("reduce_group") is not None and dist.get_world_size(entry["reduce_group"]) > 1:
             dist.all_reduce(values, group=entry["reduce_group"])
+        elif (sp_group := _sequence_parallel_group(config, groups)) is not None:
+            # Each TP rank logged the mean over its own slice of the sequence (megatron divides the
+            # z-loss coefficient by the TP size): the mean of the slices' means is the whole's.
+            dist.all_reduce(values, group=sp_group)
+            values /= groups.tp
         if groups.dp > 1:
             dist.all_reduce(values, group=groups.dp_group)
             values /= groups.dp
@@ -329,7 +342,7 @@ def moe_step_metrics(model_chunks: list[torch.nn.Module], groups: Any, num_micro
     Collective over the DP and PP groups: every rank must call it.
     """
     config = _bare(model_chunks[0]).config
-    metrics = _load_metrics(model_chunks, groups, config.num_layers)
+    metrics = _load_metrics(model_chunks, groups, config)
     metrics.update(_tracked_losses(config, groups, num_micro_batches))
     agreement = routing_agreement(model_chunks, groups)
     if agreement is not None:
