@@ -63,13 +63,14 @@ def check_convertible(hf_config: dict, tp: int, pp: int, ep: int = 1) -> None:
 def check_loadable_at(tp: int, ep: int) -> None:
     """ConversionError for EP > 1 with TP > 1 when loading a checkpoint to export or run it.
 
-    ``export_hf`` refuses that combination (its expert broadcast assumes TP = 1); failing here says so
-    before any rank is spawned. A checkpoint loads at any TP / EP, so TP = 1 costs only memory per rank.
+    The trainer exports at TP × EP with sequence parallelism (``tests/training/test_moe_tp_ep.py``); the
+    converter builds its models without it and has not been run at TP × EP, so it refuses before any
+    rank is spawned. A checkpoint loads at any TP / EP, so TP = 1 costs only memory per rank.
     """
     if ep > 1 and tp > 1:
         raise ConversionError(
-            f"--ep {ep} with --tp {tp}: loading at expert_parallel > 1 with tensor_parallel > 1 is not supported "
-            f"yet (only EP > 1 at TP = 1, as the export); the checkpoint loads at any TP / EP, so use --tp 1 --ep {ep}"
+            f"--ep {ep} with --tp {tp}: the converter does not load at expert_parallel > 1 with "
+            f"tensor_parallel > 1 yet; the checkpoint loads at any TP / EP, so use --tp 1 --ep {ep}"
         )
 
 

@@ -171,6 +171,21 @@ def _expert_owners(local_names: set[str], groups: ParallelGroups) -> dict[str, i
     return {name: ep_rank for ep_rank, names in enumerate(per_rank) for name in names}
 
 
+def _check_expert_tp_is_tp(groups: ParallelGroups) -> None:
+    """At TP > 1 × EP > 1 an expert's TP shards are gathered over the TP group, which is right when the
+    experts' own TP group (megatron-core's ``expert_tensor_parallel``, TP by default) has the same
+    ranks; anything else is refused, naming both."""
+    from megatron.core import parallel_state
+
+    expert_tp = dist.get_process_group_ranks(parallel_state.get_expert_tensor_parallel_group())
+    tp = dist.get_process_group_ranks(groups.tp_group)
+    if sorted(expert_tp) != sorted(tp):
+        raise ConversionError(
+            f"export_hf: at expert_parallel={groups.ep} the experts' tensor-parallel group {expert_tp} is not the "
+            f"tensor-parallel group {tp}; exporting with expert_tensor_parallel != tensor_parallel is not supported"
+        )
+
+
 def _skip_on_export(entry: TensorMap, hf_config: dict[str, Any]) -> bool:
     """The tied output layer is a copy of the embedding: HF stores it once, as embed_tokens."""
     return entry.megatron == "output_layer.weight" and model_provider.tie_word_embeddings(hf_config)
@@ -185,17 +200,14 @@ def export_hf(
     Every rank yields every tensor (full HF shape, unpadded vocabulary, the parameters' dtype and
     device): TP pieces are all-gathered within the owning stage, then broadcast over the PP group.
     All ranks of the model-parallel group must iterate the generator to the end, in step, because
-    each tensor involves collectives. With expert parallelism (at TP = 1) an expert's weights are
-    broadcast over the EP group from the rank that holds that expert.
+    each tensor involves collectives. With expert parallelism an expert's weights are gathered over TP
+    by the ranks that hold that expert, then broadcast over the EP group from them.
 
     A yielded tensor may share memory with a live parameter (no copy is made where none is needed):
     read or copy it before the parameters change, and never write to it.
     """
     if groups.ep > 1 and groups.tp > 1:
-        raise ConversionError(
-            f"export_hf: exporting at expert_parallel={groups.ep} with tensor_parallel={groups.tp} is not supported "
-            "yet (only EP > 1 at TP = 1); load the checkpoint at tensor_parallel=1 to export it"
-        )
+        _check_expert_tp_is_tp(groups)
     chunks = as_chunks(model_chunks)
     local = {entry.megatron: (entry, param) for model in chunks for entry, param in live_parameters(model, hf_config)}
     if not local:

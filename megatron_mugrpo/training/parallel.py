@@ -51,7 +51,8 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations outside attention/MLP split along the sequence over
-    the TP group (less activation memory). Needs CUDA and tensor_parallel > 1."""
+    the TP group (less activation memory). Needs tensor_parallel > 1; megatron-core requires it for a
+    mixture-of-experts model at tensor_parallel > 1. On CPU it runs through ``cpu_compat``'s shims."""
     expert_parallel: int = 1
     """EP degree of a mixture-of-experts model: ranks (within one pipeline stage) that split each MoE
     layer's experts; must divide the number of experts. 1 for dense models."""

@@ -115,7 +115,7 @@ def test_ep_on_a_dense_model_names_the_model_type(
 def test_ep_with_tp_is_refused_before_loading(
     verb: str, moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_spawn: None
 ) -> None:
-    """export_hf refuses EP > 1 with TP > 1 on every rank; the CLI says so before spawning them."""
+    """The converter does not load at EP > 1 with TP > 1; the CLI says so before spawning any rank."""
     paths = {
         "megatron-to-hf": ["--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o")],
         "verify": ["--hf-dir", str(moe_dir), "--ckpt", str(tmp_path / "ckpt")],

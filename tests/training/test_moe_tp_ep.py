@@ -40,6 +40,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from megatron_mugrpo.conversion import export_hf
 
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.training.moe import MoeConfig
@@ -190,7 +191,11 @@ def _run(policy: Policy) -> dict[str, Any]:
     model = policy.unwrapped()[0]
     grads = _full(policy, {n: p.main_grad for n, p in model.named_parameters()})
     params = _full(policy, dict(model.named_parameters()))
-    return {"logits": logits, "logprobs": logprobs, "metrics": metrics, "grads": grads, "params": params}
+    exported = {name: t.clone() for name, t in export_hf(policy.unwrapped(), policy.hf_config, policy.groups)}
+    return {
+        "logits": logits, "logprobs": logprobs, "metrics": metrics, "grads": grads, "params": params,
+        "exported": exported,
+    }  # fmt: skip
 
 
 def _reference(rank: int, world_size: int, root: str) -> None:
@@ -262,6 +267,14 @@ def test_update_metrics_match_one_rank(runs, name):
     ours, ref = runs[name]["ours"]["metrics"], runs[name]["ref"]["metrics"]
     for key in ("train/loss", "train/grad_norm", "train/ratio_mean"):
         assert ours[key] == pytest.approx(ref[key], rel=METRIC_RTOL), key
+
+
+@pytest.mark.parametrize("name", EXACT_GRADIENTS)
+def test_the_engine_sync_export_equals_one_rank_s(runs, name):
+    """export_hf gathers every expert over TP and EP: the Hugging Face tensors the engine would load."""
+    ours, ref = runs[name]["ours"]["exported"], runs[name]["ref"]["exported"]
+    assert ours.keys() == ref.keys() and any(".mlp.experts.3." in key for key in ours) == (name == "moe")
+    assert _max_diff(ours, ref) < WEIGHT_ATOL
 
 
 @pytest.mark.parametrize("name", list(ROUTER_LOSSES))
