@@ -1,6 +1,7 @@
 """Quantized behaviour policy (rollout.quantization): the transformers engine samples from the
 fake-quant FP8 model and stores *its* log-probs exactly; exported checkpoints dequantize to the
-fake-quant weights; clear errors without ModelOpt or without a GPU.
+fake-quant weights; a quantized mixture of experts records the routes it sampled with; clear errors
+without ModelOpt or without a GPU.
 
 Tests that quantize need NVIDIA Model Optimizer (the ``fp8`` extra); they are skipped without it.
 """
@@ -14,7 +15,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from megatron_mugrpo.config import load_config
 from megatron_mugrpo.errors import ConfigError, InputError
@@ -155,6 +156,41 @@ def test_engine_logprobs_are_the_quantized_models(model_dir, tmp_path, name):
     stored = [torch.tensor(g.logprobs) for g in gens]
     assert max(float((s - q).abs().max()) for s, q in zip(stored, quantized)) <= LOGPROB_TOLERANCE
     assert max(float((s - f).abs().max()) for s, f in zip(stored, full)) > 1e-4
+
+
+@needs_modelopt
+def test_a_quantized_moe_engine_records_the_routes_its_quantized_routers_chose(tmp_path):
+    """FP8 rollouts × routing replay: a tiny Qwen3-MoE quantized by ModelOpt stores the quantized
+    model's log-probs and, per token, the experts the quantized model routed it to (the routes the
+    trainer then replays)."""
+    from route_checks import assert_routes_are_teacher_forced
+
+    moe_dir = tiny_hf_dir(tmp_path / "moe", "qwen3_moe", seed=0, tokenizer=False, **SHAPE)
+    source = AutoModelForCausalLM.from_pretrained(str(moe_dir)).eval()
+    engine = load_behaviour_policy(
+        None,
+        _named(source),
+        engine_name="transformers",
+        hf_dir=moe_dir,
+        build=lambda d: TransformersEngine(
+            d, dtype="float32", device="cpu", batch_size=4, eos_token_ids=[2, 3], record_routes=True
+        ),
+        quantizer=_quantizer("fp8", tmp_path),
+    )
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, seed=5)
+    groups = engine.generate(PROMPTS, 2, params)
+    prompts = [PROMPTS[i] for i, g in enumerate(groups) for _ in g]
+    gens = [gen for g in groups for gen in g]
+    responses = [g.response_ids for g in gens]
+    quantized = teacher_forced_logprobs(engine.model, prompts, responses, params.temperature)
+    full = teacher_forced_logprobs(source, prompts, responses, params.temperature)
+    stored = [torch.tensor(g.logprobs) for g in gens]
+    assert max(float((s - q).abs().max()) for s, q in zip(stored, quantized)) <= LOGPROB_TOLERANCE
+    assert max(float((s - f).abs().max()) for s, f in zip(stored, full)) > 1e-4  # it was quantized
+    config = engine.model.config
+    assert_routes_are_teacher_forced(
+        engine.model, PROMPTS, groups, moe_layers=config.num_hidden_layers, topk=config.num_experts_per_tok
+    )
 
 
 @needs_modelopt

@@ -6,7 +6,8 @@ routers; replayed into a replay-enabled copy of the same weights they reproduce 
 (which fails if the sequence-major rows are not transposed), while routes of another choice
 change them by > 1e-3. A full activation recompute replays the same routes in backward (gradients equal to no
 recompute); megatron's backward lists stay empty after every schedule; two replay-enabled models in
-one process do not see each other's routes; bad routes and missing routes are refused by name.
+one process do not see each other's routes; bad routes and missing routes are refused by name;
+every loss of the registry trains with replay.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
+from megatron_mugrpo.algorithms.losses import available_losses
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.model import build_gpt_model
@@ -118,6 +120,7 @@ def _body(rank: int, world_size: int, out: dict[str, Any]) -> None:
         forward_logprobs(replay_policy, batch, **score)
     except RoutingReplayError as exc:
         out["missing_error"] = str(exc)
+    out["every_loss"] = _every_loss_with_replay(groups, optim, batch, score)
     step = dict(loss_name="mu_grpo", loss_options=AlgoConfig().loss_options(), **score)
     out["metrics_own"] = train_step(replay_policy, dataclasses.replace(batch, routes=fresh), **step)
     out["metrics_other"] = train_step(replay_policy, dataclasses.replace(batch, routes=other), **step)
@@ -162,11 +165,40 @@ def _body(rank: int, world_size: int, out: dict[str, Any]) -> None:
     out["global_instances_after"] = len(RouterReplay.global_router_replay_instances)
 
 
+def _every_loss_with_replay(groups: Any, optim: OptimConfig, batch: TrainBatch, score: dict) -> dict[str, Any]:
+    """One update per registered loss, in turn, on two copies of one model: routing afresh, and replaying
+    the routes the fresh copy chose for this batch just before. Replaying a model's own routes must
+    change nothing, whatever the loss does with the log-probs: {loss: (fresh metrics, replay metrics)}."""
+    fresh = build_policy(CONFIG, groups=groups, dtype=torch.float32, optim=optim, moe=MoeConfig())
+    replay = build_policy(
+        CONFIG, groups=groups, dtype=torch.float32, optim=optim, moe=MoeConfig(routing_replay="rollout")
+    )
+    _copy_weights(fresh, replay)
+    out = {}
+    for loss in available_losses():
+        routes = _capture_fresh_routes(fresh, batch, MICRO_BATCH)
+        step = dict(loss_name=loss, loss_options=AlgoConfig(loss=loss).loss_options(), **score)
+        out[loss] = (
+            train_step(fresh, batch, **step),
+            train_step(replay, dataclasses.replace(batch, routes=routes), **step),
+        )
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
     out: dict[str, Any] = {}
     run_distributed(_body, 1, out)
     return out
+
+
+def test_every_loss_of_the_registry_trains_with_replay(runs):
+    """Each update replays routes equal to the fresh ones (agreement 1) and is that loss's fresh update."""
+    assert set(runs["every_loss"]) == set(available_losses())
+    for loss, (fresh, replay) in runs["every_loss"].items():
+        assert replay["train/routing_agreement"] == 1.0, loss
+        for key in ("train/loss", "train/grad_norm"):
+            assert replay[key] == pytest.approx(fresh[key], rel=1e-5, abs=1e-7), (loss, key)
 
 
 def test_replaying_the_trainers_own_routes_changes_nothing(runs):
