@@ -22,7 +22,7 @@ def active():
 
 
 def test_activate_counts_patches_and_is_idempotent(active):
-    assert active == {"rng_tracker": 1, "torch_cuda_stubs": 8, "device_mode": 1}
+    assert active == {"rng_tracker": 1, "torch_cuda_stubs": 8, "device_mode": 1, "sequence_parallel_norm": 1}
     assert cpu_compat.activate() == active
     assert cpu_compat.is_active()
 

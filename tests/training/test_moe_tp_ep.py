@@ -13,9 +13,10 @@ tokens are routed too and count in the router losses).
 
 Measured (2 cores, torch 2.13, megatron-core 0.16.1, float32; one spawn of 4 ranks ~23 s): MoE
 logits |Δ| ≤ 9e-8, log-probs ≤ 4.8e-7, |Δgrad| ≤ 5.2e-8, |Δw| after one AdamW step at lr 1e-3
-≤ 3.0e-6 (Adam's first step magnifies near-zero gradients), relative |Δloss| 2e-7, |Δgrad_norm|
-5e-8; dense logits ≤ 9e-8, log-probs 0, |Δgrad| ≤ 3e-8, |Δw| ≤ 2.8e-7. Bounds: as test_moe (1e-6 on
-logits and log-probs, 1e-5 on gradients, 5e-6 on weights, 1e-6 relative on the metrics).
+≤ 3.0e-6 (1.4e-5 with one thread per rank: Adam's first step magnifies near-zero gradients),
+relative |Δloss| 2e-7, |Δgrad_norm| 5e-8; dense logits ≤ 9e-8, log-probs 0, |Δgrad| ≤ 3e-8, |Δw| ≤
+2.8e-7. Bounds: as test_moe (1e-6 on logits and log-probs, 1e-5 on gradients, 1e-6 relative on the
+metrics), but 1e-4 on weights (``WEIGHT_ATOL``).
 
 Not equivalent, hence not asserted here: with a router loss on, the forward and the logged losses
 still match, but the router's gradients under sequence parallelism differ from one rank's. With the
@@ -54,7 +55,10 @@ pytestmark = pytest.mark.multiprocess
 
 LOGIT_ATOL = 1e-6
 GRAD_ATOL = 1e-5
-WEIGHT_ATOL = 5e-6
+WEIGHT_ATOL = 1e-4
+"""A tenth of one step at LR: Adam's first step is lr · g / (|g| + ε), so a weight whose gradient is near ε
+moves by up to lr on a gradient difference of 1e-8. Measured 3.0e-6 with 2 threads per rank, 1.4e-5 with
+1 (make test's workers); a step applied to the wrong shard or not at all is off by ~lr = 1e-3."""
 METRIC_RTOL = 1e-6
 LR = 1e-3
 MICRO_BATCH = 2
