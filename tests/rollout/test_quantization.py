@@ -146,8 +146,16 @@ def test_engine_logprobs_are_the_quantized_models(model_dir, tmp_path, name):
     batched decode and the recompute cross an FP8 rounding boundary (see rollout.quantization)."""
     original = _tiny_model(0)
     engine = _quantized_engine(model_dir, _named(original), name, tmp_path)
+    _assert_samples_are_the_quantized_models(engine, original, samples_per_prompt=3)
+
+
+def _assert_samples_are_the_quantized_models(
+    engine: TransformersEngine, original: torch.nn.Module, samples_per_prompt: int
+) -> list:
+    """Sample PROMPTS; the stored log-probs equal a teacher-forced pass of the engine's (quantized) model
+    and differ from the full-precision ``original``'s, so the quantization did happen. Returns the groups."""
     params = SamplingParams(max_new_tokens=10, temperature=0.9, seed=5)
-    groups = engine.generate(PROMPTS, 3, params)
+    groups = engine.generate(PROMPTS, samples_per_prompt, params)
     prompts = [PROMPTS[i] for i, g in enumerate(groups) for _ in g]
     gens = [gen for g in groups for gen in g]
     responses = [g.response_ids for g in gens]
@@ -156,6 +164,7 @@ def test_engine_logprobs_are_the_quantized_models(model_dir, tmp_path, name):
     stored = [torch.tensor(g.logprobs) for g in gens]
     assert max(float((s - q).abs().max()) for s, q in zip(stored, quantized)) <= LOGPROB_TOLERANCE
     assert max(float((s - f).abs().max()) for s, f in zip(stored, full)) > 1e-4
+    return groups
 
 
 @needs_modelopt
@@ -177,16 +186,7 @@ def test_a_quantized_moe_engine_records_the_routes_its_quantized_routers_chose(t
         ),
         quantizer=_quantizer("fp8", tmp_path),
     )
-    params = SamplingParams(max_new_tokens=10, temperature=0.9, seed=5)
-    groups = engine.generate(PROMPTS, 2, params)
-    prompts = [PROMPTS[i] for i, g in enumerate(groups) for _ in g]
-    gens = [gen for g in groups for gen in g]
-    responses = [g.response_ids for g in gens]
-    quantized = teacher_forced_logprobs(engine.model, prompts, responses, params.temperature)
-    full = teacher_forced_logprobs(source, prompts, responses, params.temperature)
-    stored = [torch.tensor(g.logprobs) for g in gens]
-    assert max(float((s - q).abs().max()) for s, q in zip(stored, quantized)) <= LOGPROB_TOLERANCE
-    assert max(float((s - f).abs().max()) for s, f in zip(stored, full)) > 1e-4  # it was quantized
+    groups = _assert_samples_are_the_quantized_models(engine, source, samples_per_prompt=2)
     config = engine.model.config
     assert_routes_are_teacher_forced(
         engine.model, PROMPTS, groups, moe_layers=config.num_hidden_layers, topk=config.num_experts_per_tok
