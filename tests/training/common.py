@@ -8,8 +8,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_mugrpo.config import AlgoConfig
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate
 from megatron_mugrpo.training.model import tiny_hf_config
+from megatron_mugrpo.training.train_step import train_step
 
 VOCAB = 100
 """True vocabulary: deliberately not a multiple of 128·tp, so every shard layout has padding rows."""
@@ -56,3 +58,16 @@ def gather_tp(
         ups = [s.chunk(2, dim=0)[1] for s in shards]
         return torch.cat(gates + ups, dim=0)
     return torch.cat(shards, dim=dim)
+
+
+def mu_grpo_step(policy: Any, batch: TrainBatch, micro_batch_size: int, **options: Any) -> dict[str, float]:
+    """One update with μ-GRPO's default loss options at temperature 1: the equivalence tests' update."""
+    return train_step(
+        policy,
+        batch,
+        loss_name="mu_grpo",
+        loss_options=AlgoConfig().loss_options(),
+        temperature=1.0,
+        micro_batch_size=micro_batch_size,
+        **options,
+    )

@@ -32,7 +32,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training import checkpoint
 from megatron_mugrpo.training.model import ModelConfigError, build_gpt_model, transformer_config_from_hf
@@ -40,9 +40,9 @@ from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError, load_layer_k
 from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
 from megatron_mugrpo.training.routing_replay import routes_for_schedule, set_micro_batch_routes
 from megatron_mugrpo.training.setup import Policy, build_policy
-from megatron_mugrpo.training.train_step import forward_logprobs, train_step
+from megatron_mugrpo.training.train_step import forward_logprobs
 
-from .common import hf_config, make_batch
+from .common import hf_config, make_batch, mu_grpo_step
 
 LOGIT_ATOL = 1e-6
 GRAD_ATOL = 1e-5
@@ -121,14 +121,7 @@ def _run(policy: Policy, replay: bool = False) -> dict[str, Any]:
             logits = bare(batch.tokens, positions, None)[..., : CONFIG["vocab_size"]].clone()
         bare.train()
     logprobs = forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=MICRO_BATCH)
-    metrics = train_step(
-        policy,
-        batch,
-        loss_name="mu_grpo",
-        loss_options=AlgoConfig().loss_options(),
-        temperature=1.0,
-        micro_batch_size=MICRO_BATCH,
-    )
+    metrics = mu_grpo_step(policy, batch, MICRO_BATCH)
     return {"logits": logits, "logprobs": logprobs, "metrics": metrics, "grads": _grads(policy)} | {
         "params": _params(policy)
     }

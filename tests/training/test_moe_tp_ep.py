@@ -43,13 +43,13 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from megatron_mugrpo.conversion import export_hf
 
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.training.moe import MoeConfig
 from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
-from megatron_mugrpo.training.train_step import forward_logprobs, pad_length, train_step
+from megatron_mugrpo.training.train_step import forward_logprobs, pad_length
 
-from .common import VOCAB, hf_config, make_batch
+from .common import VOCAB, hf_config, make_batch, mu_grpo_step
 
 pytestmark = pytest.mark.multiprocess
 
@@ -184,14 +184,7 @@ def _run(policy: Policy) -> dict[str, Any]:
     batch = pad_length(make_batch(10, groups=2, group_size=4), 2)  # the same tokens with and without SP
     logits = _logits(policy, batch.tokens)
     logprobs = forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=MICRO_BATCH)
-    metrics = train_step(
-        policy,
-        batch,
-        loss_name="mu_grpo",
-        loss_options=AlgoConfig().loss_options(),
-        temperature=1.0,
-        micro_batch_size=MICRO_BATCH,
-    )
+    metrics = mu_grpo_step(policy, batch, MICRO_BATCH)
     model = policy.unwrapped()[0]
     grads = _full(policy, {n: p.main_grad for n, p in model.named_parameters()})
     params = _full(policy, dict(model.named_parameters()))

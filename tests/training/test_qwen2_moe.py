@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
 
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.training.model import ModelConfigError, tiny_hf_config, transformer_config_from_hf
 from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError
 from megatron_mugrpo.training.tiny import tiny_hf_dir
 
-from .common import make_batch
+from .common import make_batch, mu_grpo_step
 
 LOGIT_ATOL = 1e-5
 """float32 HF vs Megatron: different summation orders (fused QKV, expert permutation), far below this."""
@@ -156,7 +156,7 @@ def _run(rank: int, world_size: int, hf_dir: str, out: str) -> None:
 
     from megatron_mugrpo.training.parallel import initialize_parallel
     from megatron_mugrpo.training.setup import build_policy
-    from megatron_mugrpo.training.train_step import forward_logprobs, train_step
+    from megatron_mugrpo.training.train_step import forward_logprobs
 
     torch.use_deterministic_algorithms(True)
     config = json.loads((Path(hf_dir) / "config.json").read_text())
@@ -177,14 +177,7 @@ def _run(rank: int, world_size: int, hf_dir: str, out: str) -> None:
     result["tokens"] = batch.tokens
     result["logprobs"] = forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=MICRO_BATCH)
     result["init"] = _params(policy)
-    result["metrics"] = train_step(
-        policy,
-        batch,
-        loss_name="mu_grpo",
-        loss_options=AlgoConfig().loss_options(),
-        temperature=1.0,
-        micro_batch_size=MICRO_BATCH,
-    )
+    result["metrics"] = mu_grpo_step(policy, batch, MICRO_BATCH)
     result["grads"], result["params"] = _grads(policy), _params(policy)
     if rank == 0:
         torch.save(result, Path(out) / f"ep{world_size}.pt")
@@ -219,7 +212,7 @@ def _replay(rank: int, world_size: int, hf_dir: str, out: str) -> None:
 
     from megatron_mugrpo.training.parallel import initialize_parallel
     from megatron_mugrpo.training.setup import build_policy
-    from megatron_mugrpo.training.train_step import forward_logprobs, train_step
+    from megatron_mugrpo.training.train_step import forward_logprobs
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     groups = initialize_parallel(1, 1, seed=1234)
@@ -234,14 +227,7 @@ def _replay(rank: int, world_size: int, hf_dir: str, out: str) -> None:
         "own": forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=MICRO_BATCH),
         "rotated": forward_logprobs(policy, rotated, temperature=1.0, micro_batch_size=MICRO_BATCH),
     }
-    result["metrics"] = train_step(
-        policy,
-        batch,
-        loss_name="mu_grpo",
-        loss_options=AlgoConfig().loss_options(),
-        temperature=1.0,
-        micro_batch_size=MICRO_BATCH,
-    )
+    result["metrics"] = mu_grpo_step(policy, batch, MICRO_BATCH)
     torch.save(result, Path(out) / "replay.pt")
 
 

@@ -16,7 +16,7 @@ import torch
 from dist_utils import run_distributed
 
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
 from megatron_mugrpo.rollout.store import (
     MANIFEST,
@@ -37,9 +37,9 @@ from megatron_mugrpo.training.stage_reference import (
     prepare_stage_reference,
     read_old_logprobs,
 )
-from megatron_mugrpo.training.train_step import forward_logprobs, train_step
+from megatron_mugrpo.training.train_step import forward_logprobs
 
-from .common import VOCAB, hf_config, make_batch
+from .common import VOCAB, hf_config, make_batch, mu_grpo_step
 
 SETTINGS = ScoreSettings(temperature=0.9, micro_batch_size=3, impl="fused", pad_id=0, chunk_groups=2)
 
@@ -184,15 +184,8 @@ def _corrected_first_update_sees_policy_ratio_one(rank: int, world_size: int, tm
     batch = make_batch(5)
     batch.old_logprobs = forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=4)
     correction = RolloutCorrectionConfig(tis_cap=2.0)
-    metrics = train_step(
-        policy,
-        batch,
-        loss_name="mu_grpo",
-        loss_options=AlgoConfig().loss_options(),
-        temperature=1.0,
-        micro_batch_size=batch.num_sequences,  # one micro-batch: its metrics are the batch's
-        rollout_correction=correction,
-    )
+    # one micro-batch: its metrics are the batch's
+    metrics = mu_grpo_step(policy, batch, batch.num_sequences, rollout_correction=correction)
     assert metrics["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     mask = batch.response_mask.bool()
     factor = (batch.old_logprobs - batch.behaviour_logprobs)[mask].double().exp()
