@@ -71,3 +71,14 @@ def mu_grpo_step(policy: Any, batch: TrainBatch, micro_batch_size: int, **option
         micro_batch_size=micro_batch_size,
         **options,
     )
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest |a - b| over same-named tensors; rows past the shorter one are vocabulary padding, which
+    grows with TP, and are left out."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    worst = 0.0
+    for name in a:
+        rows = min(a[name].shape[0], b[name].shape[0])
+        worst = max(worst, float((a[name][:rows] - b[name][:rows]).abs().max()))
+    return worst

@@ -42,7 +42,7 @@ from megatron_mugrpo.training.routing_replay import routes_for_schedule, set_mic
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import forward_logprobs
 
-from .common import hf_config, make_batch, mu_grpo_step
+from .common import hf_config, make_batch, max_abs_diff, mu_grpo_step
 
 LOGIT_ATOL = 1e-6
 GRAD_ATOL = 1e-5
@@ -180,11 +180,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max(float((a[name] - b[name]).abs().max()) for name in a)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
 def test_ep2_logits_and_logprobs_match_ep1(runs, dispatcher):
@@ -205,9 +200,9 @@ def test_gradients_and_optimizer_step_match_single_rank(runs, layout):
     expert_grads = [name for name in ref["grads"] if ".local_experts." in name]
     assert len(expert_grads) == 2 * EXPERTS * 2  # 2 layers × 4 experts × (fc1, fc2), all gathered
     assert min(float(ref["grads"][n].abs().max()) for n in expert_grads) > 1e-4  # every expert learns
-    grad_diff = _max_diff(ours["grads"], ref["grads"])
+    grad_diff = max_abs_diff(ours["grads"], ref["grads"])
     assert grad_diff < GRAD_ATOL, f"max |Δgrad| {layout} vs one rank = {grad_diff:.3g}"
-    weight_diff = _max_diff(ours["params"], ref["params"])
+    weight_diff = max_abs_diff(ours["params"], ref["params"])
     assert weight_diff < WEIGHT_ATOL, f"max |Δw| after one step = {weight_diff:.3g}"
 
 
@@ -230,9 +225,9 @@ def test_routing_replay_at_ep2_and_pp2_matches_single_rank(runs, layout):
     torch.testing.assert_close(ours["logprobs"], ref["logprobs"], atol=LOGIT_ATOL, rtol=0)
     if ours["logits"] is not None:
         torch.testing.assert_close(ours["logits"], ref["logits"], atol=LOGIT_ATOL, rtol=0)
-    grad_diff = _max_diff(ours["grads"], ref["grads"])
+    grad_diff = max_abs_diff(ours["grads"], ref["grads"])
     assert grad_diff < GRAD_ATOL, f"max |Δgrad| {layout} vs one rank, replaying = {grad_diff:.3g}"
-    assert _max_diff(ours["params"], ref["params"]) < WEIGHT_ATOL
+    assert max_abs_diff(ours["params"], ref["params"]) < WEIGHT_ATOL
     for key in ("train/loss", "train/grad_norm", "train/routing_agreement"):
         assert ours["metrics"][key] == pytest.approx(ref["metrics"][key], rel=METRIC_RTOL), key
     # the replayed routes are not the router's own: replay changed what the model computes

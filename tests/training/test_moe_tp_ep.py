@@ -49,7 +49,7 @@ from megatron_mugrpo.training.parallel import destroy_parallel, initialize_paral
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import forward_logprobs, pad_length
 
-from .common import VOCAB, hf_config, make_batch, mu_grpo_step
+from .common import VOCAB, hf_config, make_batch, max_abs_diff, mu_grpo_step
 
 pytestmark = pytest.mark.multiprocess
 
@@ -223,16 +223,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     return {name: {"ref": torch.load(root / f"{name}_tp1.pt"), "ours": torch.load(root / name)} for name in MODELS}
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest |a - b| over all tensors; rows past the shorter one are vocabulary padding (TP-dependent)."""
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    worst = 0.0
-    for name in a:
-        rows = min(a[name].shape[0], b[name].shape[0])
-        worst = max(worst, float((a[name][:rows] - b[name][:rows]).abs().max()))
-    return worst
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_logits_and_logprobs_match_one_rank(runs, name):
     ours, ref = runs[name]["ours"], runs[name]["ref"]
@@ -253,9 +243,9 @@ def test_gradients_and_optimizer_step_match_one_rank(runs, name):
         expert_grads = [n for n in ref["grads"] if ".local_experts." in n]
         assert len(expert_grads) == 2 * EXPERTS * 2  # 2 layers × 4 experts × (fc1, fc2), all gathered
         assert min(float(ref["grads"][n].abs().max()) for n in expert_grads) > 1e-4  # every expert learns
-    grad_diff = _max_diff(ours["grads"], ref["grads"])
+    grad_diff = max_abs_diff(ours["grads"], ref["grads"])
     assert grad_diff < GRAD_ATOL, f"max |Δgrad| {name} TP=2 vs one rank = {grad_diff:.3g}"
-    weight_diff = _max_diff(ours["params"], ref["params"])
+    weight_diff = max_abs_diff(ours["params"], ref["params"])
     assert weight_diff < WEIGHT_ATOL, f"max |Δw| {name} after one step = {weight_diff:.3g}"
 
 
@@ -271,7 +261,7 @@ def test_the_engine_sync_export_equals_one_rank_s(runs, name):
     """export_hf gathers every expert over TP and EP: the Hugging Face tensors the engine would load."""
     ours, ref = runs[name]["ours"]["exported"], runs[name]["ref"]["exported"]
     assert ours.keys() == ref.keys() and any(".mlp.experts.3." in key for key in ours) == (name == "moe")
-    assert _max_diff(ours, ref) < WEIGHT_ATOL
+    assert max_abs_diff(ours, ref) < WEIGHT_ATOL
 
 
 @pytest.mark.parametrize("name", list(ROUTER_LOSSES))

@@ -42,7 +42,7 @@ from megatron_mugrpo.training.model import ModelConfigError, tiny_hf_config, tra
 from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError
 from megatron_mugrpo.training.tiny import tiny_hf_dir
 
-from .common import make_batch, mu_grpo_step
+from .common import make_batch, max_abs_diff, mu_grpo_step
 
 LOGIT_ATOL = 1e-5
 """float32 HF vs Megatron: different summation orders (fused QKV, expert permutation), far below this."""
@@ -244,11 +244,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"hf_dir": hf_dir, **{name: torch.load(root / f"{name}.pt") for name in ("ep1", "ep2", "replay")}}
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max(float((a[name] - b[name]).abs().max()) for name in a)
-
-
 @pytest.mark.multiprocess
 def test_shared_expert_computes_transformers_sigmoid_gate(runs):
     shared = runs["ep1"]["shared"]
@@ -273,8 +268,8 @@ def test_ep2_matches_ep1_and_the_shared_expert_learns(runs):
     ours, ref = runs["ep2"], runs["ep1"]
     torch.testing.assert_close(ours["logits"], ref["logits"], atol=EP_LOGIT_ATOL, rtol=0)
     torch.testing.assert_close(ours["logprobs"], ref["logprobs"], atol=EP_LOGPROB_ATOL, rtol=0)
-    assert _max_diff(ours["grads"], ref["grads"]) < GRAD_ATOL
-    assert _max_diff(ours["params"], ref["params"]) < WEIGHT_ATOL
+    assert max_abs_diff(ours["grads"], ref["grads"]) < GRAD_ATOL
+    assert max_abs_diff(ours["params"], ref["params"]) < WEIGHT_ATOL
     assert ours["metrics"]["train/loss"] == pytest.approx(ref["metrics"]["train/loss"], rel=1e-6)
     shared = [name for name in ref["params"] if ".shared_experts." in name]
     assert len(shared) == 2 * 3  # 2 sparse layers × (fc1, fc2, gate_weight)
