@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -111,38 +111,54 @@ def load_hf_into_model(
     count = 0
     for model in as_chunks(model_chunks):
         for entry, param in live_parameters(model, ckpt.config):
-            expected = shard_shape(entry, [ckpt.shape(n) for n in entry.hf], dims, tp=groups.tp)
+            split = tp_split(entry, groups)
+            expected = shard_shape(entry, [ckpt.shape(n) for n in entry.hf], dims, tp=split.size)
             if expected != tuple(param.shape):
                 raise ConversionError(
                     f"{entry.megatron} (from {list(entry.hf)}): TP shard shape {expected} does not "
                     f"match the model's {tuple(param.shape)}; was the model built from this config.json?"
                 )
             hf = [ckpt.mapped(n) for n in entry.hf]
-            fill_megatron_shard(param.data, entry, hf, dims, tp=groups.tp, rank=groups.tp_rank)
+            fill_megatron_shard(param.data, entry, hf, dims, tp=split.size, rank=split.rank)
             count += 1
     return count
 
 
-def _gather_tp(entry: TensorMap, piece: Tensor, groups: ParallelGroups) -> Tensor:
-    """Every TP rank's ``piece`` concatenated along the entry's TP axis, gathered into the output tensor.
+class TpSplit(NamedTuple):
+    """The ranks one tensor is split over: its size, this rank's index, and their process group."""
 
-    TP = 1 or a replicated tensor: ``piece`` itself. Along rows (axis 0) the ranks' pieces land
+    size: int
+    rank: int
+    group: Any
+
+
+def tp_split(entry: TensorMap, groups: ParallelGroups) -> TpSplit:
+    """An expert's weights are split over the expert-TP group (``groups.etp``), everything else over TP."""
+    if ".local_experts." in entry.megatron:
+        return TpSplit(groups.etp, groups.etp_rank, groups.etp_group)
+    return TpSplit(groups.tp, groups.tp_rank, groups.tp_group)
+
+
+def _gather_tp(entry: TensorMap, piece: Tensor, split: TpSplit) -> Tensor:
+    """Every rank's ``piece`` of ``split`` concatenated along the entry's TP axis, gathered into the output.
+
+    One rank or a replicated tensor: ``piece`` itself. Along rows (axis 0) the ranks' pieces land
     directly in their rows of the result; along columns (row-parallel weights) they are gathered
     into a staging buffer first and interleaved into the result.
     """
-    axis = TP_AXIS[entry.kind]
-    if groups.tp == 1 or axis is None:
+    axis, size = TP_AXIS[entry.kind], split.size
+    if size == 1 or axis is None:
         return piece
     piece = piece.contiguous()
     if axis == 0:
-        out = piece.new_empty((groups.tp * piece.shape[0], *piece.shape[1:]))
-        dist.all_gather_into_tensor(out, piece, group=groups.tp_group)
+        out = piece.new_empty((size * piece.shape[0], *piece.shape[1:]))
+        dist.all_gather_into_tensor(out, piece, group=split.group)
         return out
     rows, cols = piece.shape
-    staging = piece.new_empty((groups.tp * rows, cols))
-    dist.all_gather_into_tensor(staging, piece, group=groups.tp_group)
-    out = piece.new_empty((rows, groups.tp * cols))
-    out.view(rows, groups.tp, cols).copy_(staging.view(groups.tp, rows, cols).transpose(0, 1))
+    staging = piece.new_empty((size * rows, cols))
+    dist.all_gather_into_tensor(staging, piece, group=split.group)
+    out = piece.new_empty((rows, size * cols))
+    out.view(rows, size, cols).copy_(staging.view(size, rows, cols).transpose(0, 1))
     return out
 
 
@@ -171,21 +187,6 @@ def _expert_owners(local_names: set[str], groups: ParallelGroups) -> dict[str, i
     return {name: ep_rank for ep_rank, names in enumerate(per_rank) for name in names}
 
 
-def _check_expert_tp_is_tp(groups: ParallelGroups) -> None:
-    """At TP > 1 × EP > 1 an expert's TP shards are gathered over the TP group, which is right when the
-    experts' own TP group (megatron-core's ``expert_tensor_parallel``, TP by default) has the same
-    ranks; anything else is refused, naming both."""
-    from megatron.core import parallel_state
-
-    expert_tp = dist.get_process_group_ranks(parallel_state.get_expert_tensor_parallel_group())
-    tp = dist.get_process_group_ranks(groups.tp_group)
-    if sorted(expert_tp) != sorted(tp):
-        raise ConversionError(
-            f"export_hf: at expert_parallel={groups.ep} the experts' tensor-parallel group {expert_tp} is not the "
-            f"tensor-parallel group {tp}; exporting with expert_tensor_parallel != tensor_parallel is not supported"
-        )
-
-
 def _skip_on_export(entry: TensorMap, hf_config: dict[str, Any]) -> bool:
     """The tied output layer is a copy of the embedding: HF stores it once, as embed_tokens."""
     return entry.megatron == "output_layer.weight" and model_provider.tie_word_embeddings(hf_config)
@@ -200,14 +201,13 @@ def export_hf(
     Every rank yields every tensor (full HF shape, unpadded vocabulary, the parameters' dtype and
     device): TP pieces are all-gathered within the owning stage, then broadcast over the PP group.
     All ranks of the model-parallel group must iterate the generator to the end, in step, because
-    each tensor involves collectives. With expert parallelism an expert's weights are gathered over TP
-    by the ranks that hold that expert, then broadcast over the EP group from them.
+    each tensor involves collectives. With expert parallelism an expert's weights are gathered over
+    the expert-TP group (``groups.etp``) by the ranks that hold that expert, then broadcast over the EP
+    group from them.
 
     A yielded tensor may share memory with a live parameter (no copy is made where none is needed):
     read or copy it before the parameters change, and never write to it.
     """
-    if groups.ep > 1 and groups.tp > 1:
-        _check_expert_tp_is_tp(groups)
     chunks = as_chunks(model_chunks)
     local = {entry.megatron: (entry, param) for model in chunks for entry, param in live_parameters(model, hf_config)}
     if not local:
@@ -225,8 +225,9 @@ def export_hf(
         owner = owners[entry.megatron]
         if owner == groups.pp_rank and entry.megatron in local:
             param = local[entry.megatron][1].detach()
-            pieces = hf_pieces(entry, param, dims, tp=groups.tp)
-            tensors = [hf_from_pieces(entry, [_gather_tp(entry, piece, groups)], dims) for piece in pieces]
+            split = tp_split(entry, groups)
+            pieces = hf_pieces(entry, param, dims, tp=split.size)
+            tensors = [hf_from_pieces(entry, [_gather_tp(entry, piece, split)], dims) for piece in pieces]
         else:
             tensors = [torch.empty(shapes[n], dtype=sample.dtype, device=sample.device) for n in entry.hf]
         if owner == groups.pp_rank and entry.megatron in expert_owners:  # from the EP rank holding the expert

@@ -65,7 +65,8 @@ def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype, groups: Pa
     """This rank's pipeline stage of the model (one chunk, eval mode), without random initialisation.
 
     Weights are about to be overwritten by a checkpoint or HF tensors, so Megatron's init is skipped.
-    A MoE model holds only this EP rank's E / ``groups.ep`` experts of each sparse layer.
+    A MoE model holds only this EP rank's E / ``groups.ep`` experts of each sparse layer, each split
+    over ``groups.etp`` ranks.
     """
     model = build_gpt_model(
         hf_config,
@@ -73,6 +74,7 @@ def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype, groups: Pa
         tensor_parallel=groups.tp,
         pipeline_parallel=groups.pp,
         expert_parallel=groups.ep,
+        expert_tensor_parallel=groups.etp,
         pre_process=groups.is_first_stage,
         post_process=groups.is_last_stage,
         config_overrides={"perform_initialization": False},

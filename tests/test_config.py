@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from megatron_mugrpo.config import (
     load_config,
     save_config,
 )
+from megatron_mugrpo.training.parallel import check_expert_parallel
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))
@@ -185,6 +187,13 @@ def test_moe_paper_settings(model: str, method: str, tmp_path: Path) -> None:
     assert (cfg.stages.mini_groups, cfg.rollout.group_size, cfg.optim.lr) == (32, 8, 1e-6)
     assert cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens == 8192
     assert cfg.algo.loss == method and cfg.stages.updates_per_stage == {"mu_grpo": 1024, "grpo": 4}[method]
+    assert cfg.moe.routing_replay == "rollout"  # the engines record routes, every update replays them
+    # The file's alternative for long contexts: TP 2 with whole experts still fills the node's 8 ranks.
+    wide = dataclasses.replace(cfg.parallel, tensor_parallel=2, sequence_parallel=True, expert_tensor_parallel=1)
+    check_hf_model_parallelism(cfg.model.hf_dir, wide)
+    check_expert_parallel(8, wide.tensor_parallel, 1, wide.expert_parallel, wide.expert_tensor_parallel)
+    with pytest.raises(ValueError, match=r"expert_parallel=8 × tensor_parallel=2 must divide the 8 ranks"):
+        check_expert_parallel(8, 2, 1, 8, None)  # expert TP following TP would need 16 ranks
     # A model whose expert count EP does not divide is refused, naming the key.
     (Path(cfg.model.hf_dir) / "config.json").write_text(json.dumps({**fields, "num_experts": 60}))
     with pytest.raises(ConfigError, match=r"parallel\.expert_parallel=8 does not divide the 60 experts"):
@@ -293,6 +302,27 @@ def test_round_trip_through_dict_and_yaml(tmp_path: Path) -> None:
 def test_validation_errors(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_expert_tensor_parallel_is_checked_against_the_model(tmp_path: Path) -> None:
+    """parallel.expert_tensor_parallel splits each expert: it must divide moe_intermediate_size, needs a
+    MoE model, and is >= 1 or null (null: tensor_parallel, megatron-core's default)."""
+    moe = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "dense").mkdir()
+    hf = _hf_dir(tmp_path / "moe", {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, **moe})
+    check_hf_model_parallelism(hf, ParallelConfig(expert_parallel=4, expert_tensor_parallel=2))
+    with pytest.raises(ConfigError, match=r"expert_tensor_parallel=5 does not divide moe_intermediate_size=48"):
+        check_hf_model_parallelism(hf, ParallelConfig(expert_tensor_parallel=5))
+    dense = _hf_dir(tmp_path / "dense", {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2})
+    with pytest.raises(ConfigError, match=r"expert_tensor_parallel=2 needs a mixture-of-experts model"):
+        check_hf_model_parallelism(dense, ParallelConfig(expert_tensor_parallel=2))
+    with pytest.raises(ConfigError, match=r"parallel\.expert_tensor_parallel must be >= 1 or null"):
+        load_config(None, ["parallel.expert_tensor_parallel=0"])
+    assert load_config(None, ["parallel.expert_tensor_parallel=1"]).parallel.expert_tensor_parallel == 1
+    assert load_config(None, []).parallel.expert_tensor_parallel is None
+    with pytest.raises(ValueError, match=r"expert_parallel=2 × expert_tensor_parallel=2 must divide the 2 ranks"):
+        check_expert_parallel(2, 1, 1, 2, 2)
 
 
 def test_tp_not_dividing_hf_heads(tmp_path: Path) -> None:

@@ -179,6 +179,7 @@ def open_run(
             cfg.seed,
             world_size=world_size,
             ep=parallel.expert_parallel,
+            etp=parallel.expert_tensor_parallel,
         )
         if claimed is None and groups.rank == 0:
             claimed = claim(run_dir, replace_failed_start=replace_failed_start)

@@ -266,6 +266,8 @@ def _metadata(
         "hf_config": hf_config,
         "tp": groups.tp,
         "pp": groups.pp,
+        "ep": groups.ep,
+        "etp": groups.etp,
         "world_size": groups.world_size,
         "dtype": _param_dtype(model_chunks),
         "padded_vocab_size": _padded_vocab(model_chunks, groups),
@@ -759,7 +761,9 @@ def load_checkpoint(
 
 def _maybe_restore_rng(step_dir: Path, meta: dict[str, Any], groups: ParallelGroups) -> bool:
     """Restore this rank's RNG states when the layout matches; CheckpointError (on every rank) if unreadable."""
-    same_layout = (meta["world_size"], meta["tp"], meta["pp"]) == (groups.world_size, groups.tp, groups.pp)
+    # Checkpoints written before expert tensor parallelism lack "ep" / "etp": EP 1, expert TP = TP.
+    saved = (meta["world_size"], meta["tp"], meta["pp"], meta.get("ep", 1), meta.get("etp", meta["tp"]))
+    same_layout = saved == (groups.world_size, groups.tp, groups.pp, groups.ep, groups.etp)
     path = step_dir / "rng" / f"rank_{groups.rank:05d}.pt"
     if not same_layout or not path.is_file():
         return False

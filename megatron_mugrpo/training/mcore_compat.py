@@ -271,3 +271,38 @@ def define_moe_te_names() -> list[str]:
     for name in missing:
         setattr(module, name, None)
     return missing
+
+
+ROUTER_LOSS_TP_SCALED = ((0, 16), (0, 17))
+"""megatron-core versions whose router losses are read to weigh 1/TP under sequence parallelism with
+per-token loss (``sequence_parallel_router_loss_coefficients``)."""
+
+
+def sequence_parallel_router_loss_coefficients(fields: dict[str, Any]) -> dict[str, float]:
+    """Router-loss coefficients (``TransformerConfig`` fields) under which a TP > 1 sequence-parallel
+    MoE model's router gradients equal one rank's; ``{}`` when nothing needs to change.
+
+    With ``calculate_per_token_loss`` (our trainer's setting) megatron-core 0.16 scales each router
+    loss by the number of tokens *this rank* routes, so that the schedule's division by the total
+    loss tokens leaves the loss's own scale (router.py: ``attach_and_log_load_balancing_loss`` and
+    ``apply_z_loss``; the z-loss coefficient is divided by the TP size first). Under sequence
+    parallelism each TP rank routes 1 / TP of the sequence and the router's gradient is summed over
+    TP, so both losses' gradients come out TP times too small (measured at TP=2: exactly 1/2, with
+    the load-balancing and the z-loss alike; ``tests/training/test_moe_tp_ep.py``). Multiplying the
+    coefficients by TP restores one rank's gradients; the logged losses are divided by the
+    coefficient and do not change. Other megatron-core versions are left alone, with a warning.
+    """
+    tp = int(fields.get("tensor_model_parallel_size", 1))
+    losses = {key: fields[key] for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if fields.get(key)}
+    if tp == 1 or not losses or not (fields.get("sequence_parallel") and fields.get("calculate_per_token_loss")):
+        return {}
+    low, high = ROUTER_LOSS_TP_SCALED
+    if not low <= mcore_version() < high:
+        logger.warning(
+            "megatron-core %s: router-loss gradients under sequence parallelism were checked against one rank "
+            "only on %s; the router-loss coefficients are used as given",
+            mcore_version(),
+            low,
+        )
+        return {}
+    return {key: float(value) * tp for key, value in losses.items()}

@@ -173,6 +173,7 @@ def transformer_config_from_hf(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
     moe: MoeConfig | None = None,
     fp8: str = "none",
     **overrides: Any,
@@ -181,8 +182,11 @@ def transformer_config_from_hf(
 
     ``tensor_parallel`` / ``pipeline_parallel`` / ``expert_parallel``: the TP/PP/EP sizes the model is
     split over (the caller's ``groups.tp`` / ``groups.pp`` / ``groups.ep``; 1 outside any parallel
-    state). ``moe``: router losses and dispatcher of a MoE model (``MoeConfig()`` when None).
-    ``overrides`` are extra ``TransformerConfig`` fields (e.g. recompute settings) applied last.
+    state); ``expert_tensor_parallel`` (``groups.etp``) splits each expert, None: ``tensor_parallel``.
+    ``moe``: router losses and dispatcher of a MoE model (``MoeConfig()`` when None). ``overrides`` are
+    extra ``TransformerConfig`` fields (e.g. recompute settings) applied last; under sequence
+    parallelism the router-loss coefficients are then corrected for megatron-core 0.16
+    (``mcore_compat.sequence_parallel_router_loss_coefficients``).
     """
     arch = check_supported(hf_config)
     tp, pp = tensor_parallel, pipeline_parallel
@@ -224,12 +228,30 @@ def transformer_config_from_hf(
         use_cpu_initialization=on_cpu,
     )
     if is_moe(hf_config):
-        check_moe(hf_config, tensor_parallel=tp, expert_parallel=expert_parallel)
+        check_moe(
+            hf_config,
+            tensor_parallel=tp,
+            expert_parallel=expert_parallel,
+            expert_tensor_parallel=expert_tensor_parallel,
+        )
         moe = moe or MoeConfig()
         grouped = moe.grouped_gemm and have_transformer_engine()  # benchmarks/gpu_moe_check.py compares the two
-        fields.update(moe_transformer_fields(hf_config, moe, expert_parallel=expert_parallel, grouped_gemm=grouped))
+        fields.update(
+            moe_transformer_fields(
+                hf_config,
+                moe,
+                expert_parallel=expert_parallel,
+                expert_tensor_parallel=expert_tensor_parallel,
+                grouped_gemm=grouped,
+            )
+        )
+    elif expert_tensor_parallel not in (None, tp):
+        raise ModelConfigError(
+            f"expert tensor parallel size {expert_tensor_parallel} needs a mixture-of-experts model, not {arch}"
+        )
     fields.update(megatron_fp8_kwargs(fp8))  # checks TE and the GPU; clear error otherwise
     fields.update(overrides)
+    fields.update(mcore_compat.sequence_parallel_router_loss_coefficients(fields))  # megatron-core 0.16 weighs 1/TP
     return TransformerConfig(**fields)
 
 
@@ -346,6 +368,7 @@ def build_gpt_model(
     tensor_parallel: int,
     pipeline_parallel: int,
     expert_parallel: int | None = None,
+    expert_tensor_parallel: int | None = None,
     moe: MoeConfig | None = None,
 ) -> GPTModel:
     """The local TP/PP shard of the ``GPTModel`` described by ``hf_config``.
@@ -357,12 +380,15 @@ def build_gpt_model(
     returns logits [B, S, V_pad / tp] per TP rank (``parallel_output=True``); other stages hidden
     states [S, B, H].
 
-    ``expert_parallel`` (``groups.ep``): None takes the initialised parallel state's EP size, so that
-    callers written for dense models build a MoE model at the EP the process groups were set up with.
+    ``expert_parallel`` / ``expert_tensor_parallel`` (``groups.ep`` / ``groups.etp``): None takes the
+    initialised parallel state's EP / ETP size, so that callers written for dense models build a MoE
+    model at the EP and ETP the process groups were set up with.
     A MoE model counts its routed tokens per expert (``training.moe.moe_step_metrics``).
     """
-    if expert_parallel is None:
-        expert_parallel = initialised_expert_parallel() if is_moe(hf_config) else 1
+    if expert_parallel is None or expert_tensor_parallel is None:
+        ep, etp = initialised_expert_parallel() if is_moe(hf_config) else (1, None)
+        expert_parallel = ep if expert_parallel is None else expert_parallel
+        expert_tensor_parallel = etp if expert_tensor_parallel is None else expert_tensor_parallel
     if is_moe(hf_config):
         mcore_compat.define_moe_te_names()  # megatron-core 0.16's MoE router needs them without TE
         cpu_compat.activate_moe()  # gloo all-to-all split sizes (no-op unless the CPU layer is active)
@@ -372,6 +398,7 @@ def build_gpt_model(
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel,
         expert_parallel=expert_parallel,
+        expert_tensor_parallel=expert_tensor_parallel,
         moe=moe,
         fp8=fp8,
         **(config_overrides or {}),
@@ -404,13 +431,17 @@ def build_gpt_model(
     return model
 
 
-def initialised_expert_parallel() -> int:
-    """The expert-parallel size of Megatron's parallel state (1 when it is not initialised)."""
+def initialised_expert_parallel() -> tuple[int, int | None]:
+    """The expert-parallel and expert-tensor-parallel sizes of Megatron's parallel state ((1, None):
+    not initialised, so the model's ETP is its TP)."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return parallel_state.get_expert_model_parallel_world_size()
+        return 1, None
+    return (
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
 
 
 _TINY_BASE: dict[str, Any] = {

@@ -134,8 +134,11 @@ def moe_layer_pattern(hf_config: dict[str, Any]) -> list[int]:
     ]
 
 
-def check_moe(hf_config: dict[str, Any], *, tensor_parallel: int, expert_parallel: int) -> None:
-    """MoeConfigError naming the key when the experts cannot be built or split as asked."""
+def check_moe(
+    hf_config: dict[str, Any], *, tensor_parallel: int, expert_parallel: int, expert_tensor_parallel: int | None = None
+) -> None:
+    """MoeConfigError naming the key when the experts cannot be built or split as asked
+    (``expert_tensor_parallel`` splits each expert; None: ``tensor_parallel``)."""
     experts, topk = num_experts(hf_config), int(hf_config["num_experts_per_tok"])
     if not 1 <= topk <= experts:
         raise MoeConfigError(f"num_experts_per_tok={topk} must be between 1 and num_experts={experts}")
@@ -146,8 +149,10 @@ def check_moe(hf_config: dict[str, Any], *, tensor_parallel: int, expert_paralle
             "choose parallel.expert_parallel among its divisors"
         )
     width = int(hf_config["moe_intermediate_size"])
-    if width % tensor_parallel:
-        raise MoeConfigError(f"tensor parallel size {tensor_parallel} must divide moe_intermediate_size={width}")
+    etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
+    if width % etp:
+        name = "tensor" if expert_tensor_parallel is None else "expert tensor"
+        raise MoeConfigError(f"{name} parallel size {etp} must divide moe_intermediate_size={width}")
     if not any(moe_layer_pattern(hf_config)):
         raise MoeConfigError("no layer is sparse (decoder_sparse_step / mlp_only_layers leave every MLP dense)")
 
@@ -175,7 +180,12 @@ def _check_shared_expert(hf_config: dict[str, Any], tensor_parallel: int) -> Non
 
 
 def moe_transformer_fields(
-    hf_config: dict[str, Any], moe: MoeConfig, *, expert_parallel: int, grouped_gemm: bool
+    hf_config: dict[str, Any],
+    moe: MoeConfig,
+    *,
+    expert_parallel: int,
+    grouped_gemm: bool,
+    expert_tensor_parallel: int | None = None,
 ) -> dict[str, Any]:
     """``TransformerConfig`` fields of the MoE layers; ``grouped_gemm`` only with Transformer Engine
     (on CPU the experts run one after another: ``SequentialMLP``)."""
@@ -194,6 +204,7 @@ def moe_transformer_fields(
         moe_token_dispatcher_type=moe.token_dispatcher,
         moe_grouped_gemm=grouped_gemm,
         expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,  # None: megatron-core takes the TP size
         moe_enable_routing_replay=moe.routing_replay == "rollout",
         # Qwen2-MoE: sigmoid(x · w_gate) · shared_expert(x), added to the routed output (SHARED_EXPERT_GATE).
         moe_shared_expert_intermediate_size=shared_expert_width(hf_config) or None,

@@ -5,8 +5,11 @@ the groups from the returned ``ParallelGroups`` explicitly instead of reaching f
 
 Expert parallelism (mixture-of-experts models) splits the experts of each MoE layer over EP ranks
 taken from the DP × TP ranks of one pipeline stage: attention stays data-parallel, tokens travel to
-their experts and back. EP must divide world / PP (expert TP is TP), and each expert is replicated
-over the world / (PP × TP × EP) expert-data-parallel ranks.
+their experts and back. Each expert's weights are split over ETP ranks (expert tensor parallelism,
+``parallel.expert_tensor_parallel``; TP by default, megatron-core's ``expert_tensor_parallel_size``):
+ETP = 1 with TP > 1 keeps every expert whole and spreads the experts over more ranks. ETP × EP must
+divide world / PP, and each expert is replicated over the world / (PP × ETP × EP) expert-data-parallel
+ranks.
 
     groups = initialize_parallel(tp=2, pp=1, seed=0)   # under torchrun, or inside a spawned rank
     ...
@@ -56,10 +59,20 @@ class ParallelConfig:
     expert_parallel: int = 1
     """EP degree of a mixture-of-experts model: ranks (within one pipeline stage) that split each MoE
     layer's experts; must divide the number of experts. 1 for dense models."""
+    expert_tensor_parallel: int | None = None
+    """ETP degree of a mixture-of-experts model: ranks that split each expert's weights (must divide
+    moe_intermediate_size). None: tensor_parallel, as megatron-core defaults. 1 at tensor_parallel > 1
+    keeps experts whole (no TP collectives inside an expert). ETP × EP must divide the ranks of one
+    pipeline stage."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "expert_parallel"):
             require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        require(
+            self.expert_tensor_parallel is None or self.expert_tensor_parallel >= 1,
+            "parallel.expert_tensor_parallel must be >= 1 or null (= tensor_parallel), "
+            f"got {self.expert_tensor_parallel}",
+        )
         require(
             not self.sequence_parallel or self.tensor_parallel > 1,
             "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1 (it splits the sequence over "
@@ -89,6 +102,15 @@ def check_hf_model_parallelism(hf_dir: str | Path, parallel: ParallelConfig) -> 
     require(ep == 1 or experts > 0, f"parallel.expert_parallel={ep} needs a mixture-of-experts model ({path})")
     require(
         ep == 1 or experts % ep == 0, f"parallel.expert_parallel={ep} does not divide the {experts} experts ({path})"
+    )
+    etp, width = parallel.expert_tensor_parallel, hf.get("moe_intermediate_size")
+    require(
+        etp is None or etp == 1 or experts > 0,
+        f"parallel.expert_tensor_parallel={etp} needs a mixture-of-experts model ({path}); remove it",
+    )
+    require(
+        etp is None or not experts or int(width) % etp == 0,
+        f"parallel.expert_tensor_parallel={etp} does not divide moe_intermediate_size={width} ({path})",
     )
 
 
@@ -124,6 +146,11 @@ class ParallelGroups:
     ep_rank: int = 0
     ep_group: Any = field(default=None, compare=False)
     """Ranks exchanging tokens for one MoE layer's experts (None in one process)."""
+    etp: int = 1
+    """Expert-tensor-parallel size: ranks splitting each expert's weights (TP unless set otherwise)."""
+    etp_rank: int = 0
+    etp_group: Any = field(default=None, compare=False)
+    """Ranks holding the shards of the same experts (None in one process)."""
 
     @classmethod
     def local(cls, device: torch.device | None = None) -> ParallelGroups:
@@ -218,13 +245,16 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def initialize_parallel(tp: int, pp: int, seed: int, *, ep: int = 1, world_size: int | None = None) -> ParallelGroups:
-    """Initialise torch.distributed (NCCL with CUDA, gloo without) and Megatron's TP/PP/DP/EP state.
+def initialize_parallel(
+    tp: int, pp: int, seed: int, *, ep: int = 1, etp: int | None = None, world_size: int | None = None
+) -> ParallelGroups:
+    """Initialise torch.distributed (NCCL with CUDA, gloo without) and Megatron's TP/PP/DP/EP/ETP state.
 
     Activates the CPU compatibility layer when CUDA is absent. Re-initialising with the same sizes
     is allowed (the existing groups are reused); different sizes need ``destroy_parallel()`` first.
     ``world_size``: the ranks that train, when fewer than the launch's (async mode's rollout workers
-    are the launch's last ranks and stay outside). ``ep``: expert-parallel size (MoE models only).
+    are the launch's last ranks and stay outside). ``ep``: expert-parallel size (MoE models only);
+    ``etp``: expert-tensor-parallel size (None: ``tp``).
     """
     from megatron.core import parallel_state
 
@@ -236,32 +266,40 @@ def initialize_parallel(tp: int, pp: int, seed: int, *, ep: int = 1, world_size:
             f"world size {world} is not a multiple of tensor_parallel × pipeline_parallel = {tp} × {pp}; "
             "change parallel.tensor_parallel / parallel.pipeline_parallel or the number of processes"
         )
-    check_expert_parallel(world, tp, pp, ep)
+    etp = tp if etp is None else etp
+    check_expert_parallel(world, tp, pp, ep, etp)
     if parallel_state.model_parallel_is_initialized():
         current = (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
         )
-        if current != (tp, pp, ep):
+        if current != (tp, pp, ep, etp):
             raise RuntimeError(
-                f"Megatron parallel state is already initialised with (tp, pp, ep) = {current}, not "
-                f"{(tp, pp, ep)}; call destroy_parallel() first"
+                f"Megatron parallel state is already initialised with (tp, pp, ep, etp) = {current}, not "
+                f"{(tp, pp, ep, etp)}; call destroy_parallel() first"
             )
     else:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         )
     seed_everything(seed)
     return current_groups()
 
 
-def check_expert_parallel(world: int, tp: int, pp: int, ep: int) -> None:
-    """ValueError unless EP × TP (expert TP = TP) divides the ranks of one pipeline stage."""
-    if ep < 1 or (world // pp) % (ep * tp) != 0:
+def check_expert_parallel(world: int, tp: int, pp: int, ep: int, etp: int | None = None) -> None:
+    """ValueError unless EP × ETP (expert tensor parallel, TP when None) divides the ranks of one pipeline stage."""
+    etp = tp if etp is None else etp
+    if ep < 1 or etp < 1 or (world // pp) % (ep * etp) != 0:
+        name = "tensor_parallel" if etp == tp else "expert_tensor_parallel"
         raise ValueError(
-            f"expert_parallel={ep} × tensor_parallel={tp} must divide the {world // pp} ranks of a pipeline "
+            f"expert_parallel={ep} × {name}={etp} must divide the {world // pp} ranks of a pipeline "
             f"stage (world size {world} / pipeline_parallel {pp}); change parallel.expert_parallel"
+            + ("" if etp == tp else " or parallel.expert_tensor_parallel")
         )
 
 
@@ -291,6 +329,9 @@ def current_groups() -> ParallelGroups:
         ep=parallel_state.get_expert_model_parallel_world_size(),
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
         ep_group=parallel_state.get_expert_model_parallel_group(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        etp_group=parallel_state.get_expert_tensor_parallel_group(),
     )
 
 

@@ -104,6 +104,7 @@ def build_model_chunks(
         fp8=fp8,
         config_overrides={"calculate_per_token_loss": True, "sequence_parallel": sequence_parallel},
         expert_parallel=groups.ep,
+        expert_tensor_parallel=groups.etp,
         moe=moe,
     )
     model.to(groups.device)
