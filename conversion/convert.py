@@ -51,8 +51,9 @@ def check_convertible(hf_config: dict, tp: int, pp: int, ep: int = 1) -> None:
         check_divisibility(hf_config, tp, pp)
         if is_moe(hf_config):
             check_moe(hf_config, tensor_parallel=tp, expert_parallel=ep)
-    except (ModelConfigError, MoeConfigError) as err:
-        raise ConversionError(str(err)) from err
+    except (ModelConfigError, MoeConfigError) as err:  # named by the trainer's config keys: say the CLI's
+        message = str(err).replace("parallel.expert_parallel", "--ep").replace("parallel.tensor_parallel", "--tp")
+        raise ConversionError(message) from err
     if ep > 1 and not is_moe(hf_config):
         raise ConversionError(
             f"--ep {ep}: expert parallelism splits a mixture-of-experts model's experts, but "

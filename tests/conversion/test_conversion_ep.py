@@ -101,7 +101,7 @@ def test_ep_not_dividing_the_experts_names_num_experts(
     moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_spawn: None
 ) -> None:
     argv = ["hf-to-megatron", "--hf-dir", str(moe_dir), "--out", str(tmp_path / "o"), "--ep", "3"]
-    _refused(argv, "expert parallel size 3 must divide num_experts=4", tmp_path, capsys)
+    _refused(argv, "expert parallel size 3 must divide num_experts=4; choose --ep among its divisors", tmp_path, capsys)
 
 
 def test_ep_on_a_dense_model_names_the_model_type(
