@@ -192,7 +192,7 @@ def test_moe_paper_settings(model: str, method: str, tmp_path: Path) -> None:
     wide = dataclasses.replace(cfg.parallel, tensor_parallel=2, sequence_parallel=True, expert_tensor_parallel=1)
     check_hf_model_parallelism(cfg.model.hf_dir, wide)
     check_expert_parallel(8, wide.tensor_parallel, 1, wide.expert_parallel, wide.expert_tensor_parallel)
-    with pytest.raises(ValueError, match=r"expert_parallel=8 × tensor_parallel=2 must divide the 8 ranks"):
+    with pytest.raises(ConfigError, match=r"expert_parallel=8 × tensor_parallel=2 must divide the 8 ranks"):
         check_expert_parallel(8, 2, 1, 8, None)  # expert TP following TP would need 16 ranks
     # A model whose expert count EP does not divide is refused, naming the key.
     (Path(cfg.model.hf_dir) / "config.json").write_text(json.dumps({**fields, "num_experts": 60}))
@@ -321,7 +321,7 @@ def test_expert_tensor_parallel_is_checked_against_the_model(tmp_path: Path) -> 
         load_config(None, ["parallel.expert_tensor_parallel=0"])
     assert load_config(None, ["parallel.expert_tensor_parallel=1"]).parallel.expert_tensor_parallel == 1
     assert load_config(None, []).parallel.expert_tensor_parallel is None
-    with pytest.raises(ValueError, match=r"expert_parallel=2 × expert_tensor_parallel=2 must divide the 2 ranks"):
+    with pytest.raises(ConfigError, match=r"expert_parallel=2 × expert_tensor_parallel=2 must divide the 2 ranks"):
         check_expert_parallel(2, 1, 1, 2, 2)
 
 

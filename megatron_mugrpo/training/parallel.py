@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_mugrpo.errors import require
+from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.training import cpu_compat
 
 # megatron-core is imported inside the functions that set up process groups, so that loading a run
@@ -262,7 +262,7 @@ def initialize_parallel(
     _init_process_group(world_size)
     world = dist.get_world_size()
     if tp < 1 or pp < 1 or world % (tp * pp) != 0:
-        raise ValueError(
+        raise ConfigError(
             f"world size {world} is not a multiple of tensor_parallel × pipeline_parallel = {tp} × {pp}; "
             "change parallel.tensor_parallel / parallel.pipeline_parallel or the number of processes"
         )
@@ -292,11 +292,11 @@ def initialize_parallel(
 
 
 def check_expert_parallel(world: int, tp: int, pp: int, ep: int, etp: int | None = None) -> None:
-    """ValueError unless EP × ETP (expert tensor parallel, TP when None) divides the ranks of one pipeline stage."""
+    """ConfigError unless EP × ETP (expert tensor parallel, TP when None) divides the ranks of one pipeline stage."""
     etp = tp if etp is None else etp
     if ep < 1 or etp < 1 or (world // pp) % (ep * etp) != 0:
         name = "tensor_parallel" if etp == tp else "expert_tensor_parallel"
-        raise ValueError(
+        raise ConfigError(
             f"expert_parallel={ep} × {name}={etp} must divide the {world // pp} ranks of a pipeline "
             f"stage (world size {world} / pipeline_parallel {pp}); change parallel.expert_parallel"
             + ("" if etp == tp else " or parallel.expert_tensor_parallel")

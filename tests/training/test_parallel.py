@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
+from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.training.model import transformer_config_from_hf
 from megatron_mugrpo.training.parallel import ParallelGroups, destroy_parallel, initialize_parallel
 
@@ -57,7 +58,7 @@ def _check_both_two_rank_grids(rank: int, world_size: int) -> None:
 
 
 def _check_bad_sizes(rank: int, world_size: int) -> None:
-    with pytest.raises(ValueError, match="not a multiple"):
+    with pytest.raises(ConfigError, match="not a multiple"):
         initialize_parallel(2, 1, seed=0)
 
 
