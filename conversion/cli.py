@@ -6,7 +6,8 @@
 
 --ep N (mixture-of-experts models) spawns TP × PP × N ranks, each holding E / N experts of every MoE
 layer, so a large MoE converts with 1/N of its expert memory per rank; N must divide num_experts.
-megatron-to-hf and verify take --ep > 1 only with --tp 1.
+With --tp T > 1 a MoE model runs sequence-parallel (megatron-core requires it), so verify's
+--seq-len must be a multiple of T.
 
 Also runnable as ``python -m megatron_mugrpo.conversion.cli convert ...``. Bad input prints one ``error:`` line and
 exits with status 2; a failed ``verify`` exits with status 1.

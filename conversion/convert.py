@@ -61,20 +61,6 @@ def check_convertible(hf_config: dict, tp: int, pp: int, ep: int = 1) -> None:
         )
 
 
-def check_loadable_at(tp: int, ep: int) -> None:
-    """ConversionError for EP > 1 with TP > 1 when loading a checkpoint to export or run it.
-
-    The trainer exports at TP × EP with sequence parallelism (``tests/training/test_moe_tp_ep.py``); the
-    converter builds its models without it and has not been run at TP × EP, so it refuses before any
-    rank is spawned. A checkpoint loads at any TP / EP, so TP = 1 costs only memory per rank.
-    """
-    if ep > 1 and tp > 1:
-        raise ConversionError(
-            f"--ep {ep} with --tp {tp}: the converter does not load at expert_parallel > 1 with "
-            f"tensor_parallel > 1 yet; the checkpoint loads at any TP / EP, so use --tp 1 --ep {ep}"
-        )
-
-
 def hf_to_megatron_on_rank(groups: ParallelGroups, hf_dir: str, root: str, dtype_name: str) -> None:
     """Rank body of hf -> megatron: build this rank's shard, fill it from HF, save ``root/step_00000000``."""
     ckpt = HfCheckpoint(hf_dir)
@@ -160,9 +146,8 @@ def megatron_to_hf(
 
     Tensors keep the checkpoint's dtype; tokenizer files come from ``tokenizer_dir``, else from where
     ``tokenizer_dir_for`` finds them (next to the checkpoint, or the run's base model). ``ep`` > 1
-    loads each layer's experts spread over EP ranks (TP = 1 only).
+    loads each layer's experts spread over EP ranks (with TP, each expert split over its TP ranks).
     """
-    check_loadable_at(tp, ep)
     step_dir = resolve_step_dir(ckpt)
     metadata = read_metadata(step_dir)
     check_convertible(metadata["hf_config"], tp, pp, ep)

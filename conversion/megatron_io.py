@@ -22,6 +22,7 @@ from megatron_mugrpo.conversion.errors import ConversionError
 
 from megatron_mugrpo.training import checkpoint as trainer_checkpoint
 from megatron_mugrpo.training.model import build_gpt_model
+from megatron_mugrpo.training.moe import is_moe
 from megatron_mugrpo.training.parallel import ParallelGroups
 
 TOKENIZER_SUBDIR = "tokenizer"
@@ -66,7 +67,8 @@ def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype, groups: Pa
 
     Weights are about to be overwritten by a checkpoint or HF tensors, so Megatron's init is skipped.
     A MoE model holds only this EP rank's E / ``groups.ep`` experts of each sparse layer, each split
-    over ``groups.etp`` ranks.
+    over ``groups.etp`` ranks; at TP > 1 it is sequence-parallel, as megatron-core requires of MoE
+    models (a forward then needs a sequence length divisible by TP).
     """
     model = build_gpt_model(
         hf_config,
@@ -77,7 +79,7 @@ def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype, groups: Pa
         expert_tensor_parallel=groups.etp,
         pre_process=groups.is_first_stage,
         post_process=groups.is_last_stage,
-        config_overrides={"perform_initialization": False},
+        config_overrides={"perform_initialization": False, "sequence_parallel": is_moe(hf_config) and groups.tp > 1},
     )
     if torch.cuda.is_available():
         model.cuda()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron_mugrpo.conversion.convert import check_convertible, check_loadable_at
+from megatron_mugrpo.conversion.convert import check_convertible
 from megatron_mugrpo.conversion.errors import ConversionError
 from megatron_mugrpo.conversion.hf_io import load_hf_config
 from megatron_mugrpo.conversion.launch import run_on_ranks
@@ -27,6 +27,7 @@ from megatron_mugrpo.conversion.live import as_chunks
 from megatron_mugrpo.conversion.megatron_io import build_model_chunks, load_model, read_metadata, resolve_step_dir
 from torch import Tensor
 
+from megatron_mugrpo.training.moe import is_moe
 from megatron_mugrpo.training.parallel import ParallelGroups
 
 DEFAULT_ATOL = 1e-3
@@ -71,8 +72,9 @@ def pipeline_forward_logits(
     """Forward-only pass through this rank's pipeline stage; full logits on the last stage.
 
     tokens: [B, S] on every rank. Hidden states [S, B, H] go stage to stage by point-to-point send /
-    recv on the PP group. Returns [B, S, vocab_size] float32 logits (TP shards gathered, padding
-    dropped) on last-stage ranks, None elsewhere.
+    recv on the PP group ([S / TP, B, H], each TP rank's slice, under sequence parallelism). Returns
+    [B, S, vocab_size] float32 logits (TP shards gathered, padding dropped) on last-stage ranks, None
+    elsewhere.
     """
     (model,) = as_chunks(model_chunks)
     device = next(model.parameters()).device
@@ -80,7 +82,8 @@ def pipeline_forward_logits(
     batch, seq_len = tokens.shape
     positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(batch, seq_len)
     if not groups.is_first_stage:
-        hidden = torch.empty(seq_len, batch, model.config.hidden_size, dtype=model.config.params_dtype, device=device)
+        local_len = seq_len // groups.tp if model.config.sequence_parallel else seq_len
+        hidden = torch.empty(local_len, batch, model.config.hidden_size, dtype=model.config.params_dtype, device=device)
         dist.recv(hidden, src=_pp_neighbour(groups, -1))
         model.set_input_tensor(hidden)
     output = model(tokens, positions, attention_mask=None)
@@ -151,10 +154,14 @@ def verify(
     """
     if dist.is_initialized():
         raise ConversionError("verify spawns its own ranks: run it from a plain process, not under torchrun")
-    check_loadable_at(tp, ep)
     hf_config = load_hf_config(hf_dir)
     step_dir = resolve_step_dir(ckpt)
     check_convertible(read_metadata(step_dir)["hf_config"], tp, pp, ep)
+    if is_moe(hf_config) and tp > 1 and seq_len % tp:
+        raise ConversionError(
+            f"--seq-len {seq_len}: a mixture-of-experts model at --tp {tp} runs sequence-parallel, which splits "
+            f"the sequence over the {tp} TP ranks; use a multiple of {tp}"
+        )
     tokens = random_tokens(hf_config["vocab_size"], batch, seq_len, seed)
     reference = hf_logits(hf_dir, tokens)
     with tempfile.TemporaryDirectory(prefix="mugrpo-verify-") as tmp:

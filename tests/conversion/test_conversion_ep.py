@@ -1,10 +1,12 @@
 """``mugrpo convert --ep N``: converting a mixture-of-experts model with its experts spread over EP ranks.
 
-One multi-rank test runs the whole chain through the CLI at EP = 2 on a tiny Qwen3-MoE (3 layers, layer 1
-dense, 4 experts top-2; each of the 2 ranks holds 2 experts of each sparse layer): HF -> Megatron,
-verify against transformers, Megatron -> HF bit for bit. It is one test because every spawned rank
-pays several seconds of imports. The bad-input tests check that a wrong --ep fails with one line,
-exit status 2, no output and no rank spawned.
+One multi-rank test runs the whole chain through the CLI on a tiny Qwen3-MoE (3 layers, layer 1 dense,
+4 experts top-2): HF -> Megatron at EP = 2 (each of the 2 ranks holds 2 experts of each sparse layer),
+then, resharded on load, verify against transformers and Megatron -> HF bit for bit at TP = 2 × EP = 2
+(4 ranks, each holding half of 2 experts; sequence-parallel, as megatron-core requires of MoE at TP > 1).
+It is one test because every spawned rank pays several seconds of imports. The bad-input tests check
+that a wrong --ep (or a --seq-len that TP does not divide) fails with one line, exit status 2, no
+output and no rank spawned.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _logit_diff(verify_line: str) -> float:
 
 
 @pytest.mark.multiprocess
-def test_ep2_round_trip_is_bitwise_and_verifies(
+def test_ep2_round_trip_at_tp2_x_ep2_is_bitwise_and_verifies(
     moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt, back = tmp_path / "ckpt", tmp_path / "hf_back"
@@ -53,12 +55,13 @@ def test_ep2_round_trip_is_bitwise_and_verifies(
     metadata = json.loads((ckpt / "step_00000000" / "metadata.json").read_text())
     assert metadata["world_size"] == 2, "written by two ranks, one per EP rank"
 
-    argv = ["verify", "--hf-dir", str(moe_dir), "--ckpt", str(ckpt), "--ep", "2", "--atol", str(LOGIT_ATOL)]
+    tp_ep = ["--tp", "2", "--ep", "2"]
+    argv = ["verify", "--hf-dir", str(moe_dir), "--ckpt", str(ckpt), *tp_ep, "--atol", str(LOGIT_ATOL)]
     assert _convert(*argv) == EXIT_OK
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "ep=2" in line and "ok=True" in line and _logit_diff(line) <= LOGIT_ATOL, line
+    assert "tp=2" in line and "ep=2" in line and "ok=True" in line and _logit_diff(line) <= LOGIT_ATOL, line
 
-    assert _convert("megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--ep", "2") == EXIT_OK
+    assert _convert("megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), *tp_ep) == EXIT_OK
     source, exported = load_file(str(moe_dir / "model.safetensors")), load_file(str(back / "model.safetensors"))
     assert set(exported) == set(source)
     for name, tensor in source.items():
@@ -111,16 +114,15 @@ def test_ep_on_a_dense_model_names_the_model_type(
     _refused(argv, "model_type='qwen3' is dense", tmp_path, capsys)
 
 
-@pytest.mark.parametrize("verb", ["megatron-to-hf", "verify"])
-def test_ep_with_tp_is_refused_before_loading(
-    verb: str, moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_spawn: None
+def test_verify_at_tp_needs_a_sequence_length_tp_divides(
+    moe_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_spawn: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The converter does not load at EP > 1 with TP > 1; the CLI says so before spawning any rank."""
-    paths = {
-        "megatron-to-hf": ["--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o")],
-        "verify": ["--hf-dir", str(moe_dir), "--ckpt", str(tmp_path / "ckpt")],
-    }[verb]
-    _refused([verb, *paths, "--ep", "2", "--tp", "2"], "--ep 2 with --tp 2", tmp_path, capsys)
+    """A MoE model at TP > 1 is sequence-parallel: verify refuses a --seq-len TP does not split before spawning."""
+    metadata = {"hf_config": json.loads((moe_dir / "config.json").read_text())}
+    monkeypatch.setattr(verify, "resolve_step_dir", lambda ckpt: Path(ckpt))
+    monkeypatch.setattr(verify, "read_metadata", lambda step_dir: metadata)
+    argv = ["verify", "--hf-dir", str(moe_dir), "--ckpt", str(tmp_path / "ckpt"), "--tp", "2", "--ep", "2"]
+    _refused([*argv, "--seq-len", "7"], "--seq-len 7: a mixture-of-experts model at --tp 2 runs", tmp_path, capsys)
 
 
 def test_torchrun_world_must_hold_whole_tp_pp_ep_grids() -> None:
