@@ -30,6 +30,10 @@ inside ``try: import transformer_engine``, then tests them with ``is not None``;
 are undefined and the router's first forward raises ``NameError`` (CPU and GPU alike). They are
 defined as None, the value megatron-core itself checks for; nothing is touched when TE is there.
 
+One correction, not a patch (``sequence_parallel_router_loss_coefficients``): with per-token loss,
+megatron-core 0.16 weighs the router losses' gradients 1/TP under sequence parallelism, so the
+model's config gets both router-loss coefficients multiplied by TP there (megatron-core 0.16 only).
+
 Version gates: each hook names the megatron-core versions it was read from
 (``TESTED_MCORE``, the range ``setup.py`` allows) and the parameters it must take. ``check()``
 resolves every hook against the installed libraries and raises ``CompatError`` naming the missing
