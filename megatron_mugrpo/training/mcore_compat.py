@@ -302,11 +302,17 @@ def sequence_parallel_router_loss_coefficients(fields: dict[str, Any]) -> dict[s
         return {}
     low, high = ROUTER_LOSS_TP_SCALED
     if not low <= mcore_version() < high:
-        logger.warning(
-            "megatron-core %s: router-loss gradients under sequence parallelism were checked against one rank "
-            "only on %s; the router-loss coefficients are used as given",
-            mcore_version(),
-            low,
-        )
+        _warn_router_losses_unchecked(mcore_version())
         return {}
     return {key: float(value) * tp for key, value in losses.items()}
+
+
+@functools.cache
+def _warn_router_losses_unchecked(version: tuple[int, int]) -> None:
+    """Warn once per process and version: every model build passes here."""
+    logger.warning(
+        "megatron-core %s: router-loss gradients under sequence parallelism were checked against one rank "
+        "only on %s; the router-loss coefficients are used as given",
+        version,
+        ROUTER_LOSS_TP_SCALED[0],
+    )
