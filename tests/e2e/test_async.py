@@ -285,8 +285,12 @@ def test_a_dead_worker_stops_the_trainer_with_its_name(tmp_path: Path, base_mode
 def test_two_workers_feed_one_trainer_exactly_once_across_a_sigkill(tmp_path: Path, base_model: Path):
     """Three processes: the trainer and rollout workers 0 and 1 (async.rollout_ranks=2). Worker 1 is
     SIGKILLed with its second shard half-written; resumed, the run consumes every group once, in
-    arrival order, from both workers; each worker picked up several publications (the weights it
-    sampled with hashed and checked); every prompt was generated once, by one worker."""
+    arrival order, from both workers; the weights each worker sampled with equal a publication (hashed
+    and checked); no trained group is older than max_lag, so with max_lag < the run's updates the
+    workers together picked up new weights; every prompt was generated once, by one worker.
+
+    Which worker generates which batch at which version depends on timing (a loaded machine may let one
+    worker write every late batch), so only what the protocol guarantees is asserted per worker."""
     from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
 
     run_dir = tmp_path / "two"
@@ -296,7 +300,8 @@ def test_two_workers_feed_one_trainer_exactly_once_across_a_sigkill(tmp_path: Pa
     ok(resume(run_dir, nproc=3))
 
     # Each worker may have a batch admitted beyond the queue bound when the run ends.
-    check_exactly_once(run_dir, unread=8 + 2 * 4)
+    updates = check_exactly_once(run_dir, unread=8 + 2 * 4)
+    assert max(r["rollout/lag_max"] for r in updates) <= 4  # async.max_lag, whoever generated the group
     queue = run_dir / "rollouts" / "queue"
     assert not [p for p in queue.glob("w*.arrow") if not p.with_suffix(".json").exists()]
     written = queue_records(run_dir).values()
@@ -309,8 +314,11 @@ def test_two_workers_feed_one_trainer_exactly_once_across_a_sigkill(tmp_path: Pa
         mine = [r for r in written if r["worker"] == worker]
         assert sorted(r["batch"] for r in mine) == list(range(len(mine))), f"worker {worker} skipped a batch"
         assert any(r["name"] in consumed for r in mine), f"nothing of worker {worker} was trained on"
-        assert len({r["policy_version"] for r in mine}) > 1, f"worker {worker} never picked up new weights"
         assert all(r["weights_digest"] == digests[r["publication"]] for r in mine)
+    # The last update's groups are at most max_lag = 4 < 7 updates old, so some worker sampled them with
+    # weights published after update 0; which worker did is up to the scheduler.
+    consumed_versions = {r["policy_version"] for r in written if r["name"] in consumed}
+    assert max(consumed_versions) > 0, f"no trained group was sampled with new weights: {consumed_versions}"
     index = RecordIndex(queue)
     index.refresh()
     prompts = [g.prompt_id for record in index.records.values() for g in read_shard(queue, record)]
