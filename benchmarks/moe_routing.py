@@ -54,9 +54,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
-from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate
+from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate, pad_routes
 from megatron_mugrpo.rollout.engine import SamplingParams
-from megatron_mugrpo.rollout.routes import RouteRecorder, pad_routes
+from megatron_mugrpo.rollout.routes import RouteRecorder
 from megatron_mugrpo.training.model import tiny_hf_config
 
 LR = 1e-6

@@ -7,13 +7,11 @@ log_softmax(logits / T_rollout), the same distribution the trainer scores.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from megatron_mugrpo.rollout.routes import pad_routes
 
 
 @dataclass(kw_only=True)
@@ -135,6 +133,22 @@ class TrainBatch:
 
 
 _BATCH_FIELDS = ("tokens", "targets", "response_mask", "behaviour_logprobs", "advantages", "group_index")
+
+
+def pad_routes(routes: Sequence[np.ndarray], length: int) -> torch.Tensor:
+    """``TrainBatch.routes`` [B, length, moe_layers, k] from each row's [T_b, moe_layers, k] (T_b <= length);
+    positions past T_b (padding) get experts 0..k-1, distinct as every route must be.
+
+    Lives beside ``collate`` (its one caller in the package) so records stay on the bottom floor."""
+    if not routes:
+        raise ValueError("pad_routes got no rows")
+    layers, topk = routes[0].shape[1:]
+    out = np.broadcast_to(np.arange(topk, dtype=routes[0].dtype), (len(routes), length, layers, topk)).copy()
+    for b, row in enumerate(routes):
+        if row.shape[0] > length or row.shape[1:] != (layers, topk):
+            raise ValueError(f"row {b} routes {row.shape} do not fit [<= {length}, {layers}, {topk}]")
+        out[b, : row.shape[0]] = row
+    return torch.from_numpy(out)
 
 
 def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -> TrainBatch:

@@ -121,20 +121,6 @@ def routing_replay_problem(replay: str, *, engine: str, tiny_arch: str | None) -
     return ""
 
 
-def pad_routes(routes: Sequence[np.ndarray], length: int) -> torch.Tensor:
-    """``TrainBatch.routes`` [B, length, moe_layers, k] from each row's [T_b, moe_layers, k] (T_b <= length);
-    positions past T_b (padding) get experts 0..k-1, distinct as every route must be."""
-    if not routes:
-        raise RouteRecordingError("pad_routes got no rows")
-    layers, topk = routes[0].shape[1:]
-    out = np.broadcast_to(np.arange(topk, dtype=routes[0].dtype), (len(routes), length, layers, topk)).copy()
-    for b, row in enumerate(routes):
-        if row.shape[0] > length or row.shape[1:] != (layers, topk):
-            raise RouteRecordingError(f"row {b} routes {row.shape} do not fit [<= {length}, {layers}, {topk}]")
-        out[b, : row.shape[0]] = row
-    return torch.from_numpy(out)
-
-
 @dataclass
 class RoutedGeneration(Generation):
     """A response with the experts that routed it (the store keeps ``routes`` next to the log-probs)."""

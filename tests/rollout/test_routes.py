@@ -14,11 +14,11 @@ import pytest
 import torch
 from route_checks import assert_routes_are_teacher_forced, teacher_forced_routes
 
+from megatron_mugrpo.records import pad_routes
 from megatron_mugrpo.rollout.routes import (
     RoutedGeneration,
     RouteRecorder,
     RouteRecordingError,
-    pad_routes,
     route_bytes_per_token,
     route_dtype,
     routing_replay_problem,
@@ -149,7 +149,7 @@ def test_pad_routes_lays_rows_out_for_the_trainer_with_distinct_filler():
     batch = pad_routes(rows, 3)
     assert batch.shape == (2, 3, 1, 2) and batch.dtype == torch.uint8
     assert batch[:, :, 0].tolist() == [[[3, 1], [0, 2], [0, 1]], [[1, 2], [0, 1], [0, 1]]]
-    with pytest.raises(RouteRecordingError, match="do not fit"):
+    with pytest.raises(ValueError, match="do not fit"):
         pad_routes(rows, 1)
 
 
