@@ -247,90 +247,130 @@ class TransformersEngine:
     def _sample_batch(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
     ) -> list[Generation]:
-        """Sample one response for each prompt in one left-padded batch of B rows.
-
-        A row that samples EOS is done: its later samples are never read. Done rows leave the batch
-        (their cache rows are dropped) once they are ``_COMPACT_FRACTION`` of the rows still computed,
-        so the long tail of unfinished responses does not pay for finished ones, and the copy of the
-        cache that dropping costs is paid a few times per batch rather than at almost every step.
-        ``rows`` [A] maps the rows still computed to their index in ``prompts``. Outputs are written
-        into [B, max_new_tokens] buffers; the mask and the cache are allocated once for the whole
-        response (nothing grows by concatenation inside the loop).
+        """Sample one response for each prompt in one left-padded batch of B rows, in the phases of a
+        decode loop: allocate the batch, then per step a forward (the prefill at step 0, one token
+        per computed row after), sample, retire finished rows, and switch weights when a rollout
+        worker applied new ones (partial rollouts).
         """
         model, interrupt = self._live_model(), self.interrupt
-        input_ids, prompt_mask = left_pad(prompts, self.pad_token_id, self.device)
-        batch, width, steps = len(prompts), input_ids.shape[1], params.max_new_tokens
-        eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
-        tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
-        versions = torch.zeros((batch, steps), dtype=torch.long) if interrupt is not None else None
+        batch = self._start_batch(prompts, params.max_new_tokens, model.config)
         version = interrupt.version() if interrupt is not None else 0
-        lengths = torch.full((batch,), steps, dtype=torch.long, device=self.device)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        # The whole response's mask at once: generated positions are always real tokens, and step s
-        # passes the prefix of width + s columns.
-        mask = torch.cat([prompt_mask, torch.ones((batch, steps), dtype=torch.long, device=self.device)], dim=1)
-        attend = mask.bool()  # the same as the SDPA mask of a decoding step (see below)
-        rows = torch.arange(batch, device=self.device)
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        cache = preallocated_cache(model.config, width + steps) if self.use_cache else None
-        # Decoding steps attend to every real position before them, so their SDPA mask is a view of
-        # ``mask`` [A, 1, 1, width + s]: handing it over skips the model's mask construction every step.
-        # The prefill keeps the 2D mask (it needs the causal part too).
-        decode_mask_4d = cache is not None and self.attn_implementation == "sdpa" and _all_preallocated(cache)
-        step_ids, step_pos = input_ids, position_ids_from_mask(prompt_mask)
-        next_pos = step_pos[:, -1:] + 1  # [A, 1]: position of the next input token
         if self.recorder is not None:
             self.recorder.begin([len(p) for p in prompts])
         if interrupt is not None and interrupt.between_steps():  # before the prefill: nothing to redo
             model, version = self._live_model(), interrupt.version()
-        for step in range(steps):
-            if self.recorder is not None:
-                self.recorder.step(rows)  # the rows this forward feeds (done rows stay until compaction)
-            if cache is None:
-                step_mask = mask[:, : step_ids.shape[1]]
-            elif step > 0 and decode_mask_4d:
-                step_mask = attend[:, None, None, : width + step]
-            else:
-                step_mask = mask[:, : width + step]
-            logits = model(
-                input_ids=step_ids,
-                attention_mask=step_mask,
-                position_ids=step_pos,
-                past_key_values=cache,
-                use_cache=cache is not None,
-                logits_to_keep=1,
-            ).logits[:, -1]
-            token, logprob = sample_with_logprob(logits, params.temperature, generator)
-            tokens[rows, step], logprobs[rows, step] = token, logprob  # a done row's entries lie past its length
-            if versions is not None:
-                versions[rows.cpu(), step] = version
-            hit_eos = torch.isin(token, eos) & ~done
-            lengths[rows[hit_eos]] = step + 1
-            stopped[rows[hit_eos]] = True
-            done |= hit_eos
-            finished = int(done.sum())
-            if finished == done.numel():
+        for step in range(batch.steps):
+            logits = self._forward(model, batch, step)
+            token = self._step(batch, logits, step, params.temperature, generator, version)
+            if bool(batch.done.all()):
                 break
-            if cache is not None:
-                step_ids, step_pos = token[:, None], next_pos
-            else:  # no cache: feed the whole sequence again
-                step_ids = torch.cat([step_ids, token[:, None]], dim=1)
-                step_pos = torch.cat([step_pos, next_pos], dim=1)
-            next_pos = next_pos + 1
+            batch.feed(token, with_cache=batch.cache is not None)
             # Partial rollouts: new weights between two steps, the same sequences go on under them.
-            switched = interrupt is not None and step + 1 < steps and interrupt.between_steps()
-            if finished >= _COMPACT_FRACTION * done.numel() or (switched and finished):  # no recompute for done rows
-                keep = (~done).nonzero().squeeze(1)
-                rows, done, mask, attend = rows[keep], done[keep], mask[keep], attend[keep]
-                step_ids, step_pos, next_pos = step_ids[keep], step_pos[keep], next_pos[keep]
-                if cache is not None:
-                    cache.batch_select_indices(keep)
+            switched = interrupt is not None and step + 1 < batch.steps and interrupt.between_steps()
+            self._retire(batch, force=switched)
             if switched:
-                model, version = self._live_model(), interrupt.version()
-                if cache is not None and interrupt.kv == "recompute":  # it holds the prompt and tokens[:, :step]
-                    cache = self._recompute_cache(model, input_ids[rows], tokens[rows, :step], mask, width + steps)
-        gens = _to_generations(tokens, logprobs, lengths, stopped, versions)
+                model, version = self._switch_weights(batch, step)
+        return self._results(prompts, batch)
+
+    def _start_batch(self, prompts: list[list[int]], steps: int, config: PreTrainedConfig) -> _Batch:
+        """Phase 1, allocate: left-pad the prompts and allocate every buffer of the whole response once
+        (outputs [B, steps], the mask [B, width + steps], the KV cache), so nothing grows by
+        concatenation inside the loop."""
+        input_ids, prompt_mask = left_pad(prompts, self.pad_token_id, self.device)
+        batch, width = len(prompts), input_ids.shape[1]
+        # The whole response's mask at once: generated positions are always real tokens, and step s
+        # passes the prefix of width + s columns.
+        mask = torch.cat([prompt_mask, torch.ones((batch, steps), dtype=torch.long, device=self.device)], dim=1)
+        cache = preallocated_cache(config, width + steps) if self.use_cache else None
+        step_pos = position_ids_from_mask(prompt_mask)
+        return _Batch(
+            input_ids=input_ids,
+            steps=steps,
+            eos=torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device),
+            tokens=torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=self.device),
+            logprobs=torch.zeros((batch, steps), dtype=torch.float32, device=self.device),
+            versions=torch.zeros((batch, steps), dtype=torch.long) if self.interrupt is not None else None,
+            lengths=torch.full((batch,), steps, dtype=torch.long, device=self.device),
+            stopped=torch.zeros(batch, dtype=torch.bool, device=self.device),
+            rows=torch.arange(batch, device=self.device),
+            done=torch.zeros(batch, dtype=torch.bool, device=self.device),
+            mask=mask,
+            attend=mask.bool(),  # the same as the SDPA mask of a decoding step (see ``_forward``)
+            cache=cache,
+            # Decoding steps attend to every real position before them, so their SDPA mask is a view of
+            # ``mask`` [A, 1, 1, width + s]: handing it over skips the model's mask construction every
+            # step. The prefill keeps the 2D mask (it needs the causal part too).
+            decode_mask_4d=cache is not None and self.attn_implementation == "sdpa" and _all_preallocated(cache),
+            step_ids=input_ids,
+            step_pos=step_pos,
+            next_pos=step_pos[:, -1:] + 1,
+        )
+
+    def _forward(self, model: PreTrainedModel, batch: _Batch, step: int) -> torch.Tensor:
+        """Phase 2, forward: the prefill at step 0 (the whole prompt), one token per computed row after
+        (the whole prefix again without a cache). Returns the raw logits [A, V] of the last position."""
+        if self.recorder is not None:
+            self.recorder.step(batch.rows)  # the rows this forward feeds (done rows stay until compaction)
+        width = batch.input_ids.shape[1]
+        if batch.cache is None:
+            step_mask = batch.mask[:, : batch.step_ids.shape[1]]
+        elif step > 0 and batch.decode_mask_4d:
+            step_mask = batch.attend[:, None, None, : width + step]
+        else:
+            step_mask = batch.mask[:, : width + step]
+        return model(
+            input_ids=batch.step_ids,
+            attention_mask=step_mask,
+            position_ids=batch.step_pos,
+            past_key_values=batch.cache,
+            use_cache=batch.cache is not None,
+            logits_to_keep=1,
+        ).logits[:, -1]
+
+    @staticmethod
+    def _step(
+        batch: _Batch, logits: torch.Tensor, step: int, temperature: float, generator: torch.Generator, version: int
+    ) -> torch.Tensor:
+        """Phase 3, sample: one token for each computed row from the raw logits at temperature T, with its
+        behaviour log-prob; a row that samples EOS is done (nothing it samples later is read).
+        Returns the tokens [A]."""
+        token, logprob = sample_with_logprob(logits, temperature, generator)
+        rows = batch.rows
+        batch.tokens[rows, step], batch.logprobs[rows, step] = token, logprob  # a done row's lie past its length
+        if batch.versions is not None:
+            batch.versions[rows.cpu(), step] = version
+        hit_eos = torch.isin(token, batch.eos) & ~batch.done
+        batch.lengths[rows[hit_eos]] = step + 1
+        batch.stopped[rows[hit_eos]] = True
+        batch.done |= hit_eos
+        return token
+
+    @staticmethod
+    def _retire(batch: _Batch, *, force: bool) -> None:
+        """Phase 4, retire: done rows leave the batch (their cache rows are dropped) once they are
+        ``_COMPACT_FRACTION`` of the rows computed, so the long tail of unfinished responses does not pay
+        for finished ones, and the copy of the cache that dropping costs is paid a few times per batch
+        rather than at almost every step. ``force`` (a weight switch) drops any done row: it must not
+        be recomputed."""
+        finished = int(batch.done.sum())
+        if finished >= _COMPACT_FRACTION * batch.done.numel() or (force and finished):
+            batch.keep((~batch.done).nonzero().squeeze(1))
+
+    def _switch_weights(self, batch: _Batch, step: int) -> tuple[PreTrainedModel, int]:
+        """Phase 5, switch weights (partial rollouts): the rows go on under the weights just applied.
+        Under ``kv="recompute"`` their cache, which holds the prompt and tokens[:, :step], is rebuilt."""
+        assert self.interrupt is not None
+        model, version = self._live_model(), self.interrupt.version()
+        if batch.cache is not None and self.interrupt.kv == "recompute":
+            rows, capacity = batch.rows, batch.input_ids.shape[1] + batch.steps
+            batch.cache = self._recompute_cache(
+                model, batch.input_ids[rows], batch.tokens[rows, :step], batch.mask, capacity
+            )
+        return model, version
+
+    def _results(self, prompts: list[list[int]], batch: _Batch) -> list[Generation]:
+        """Cut each row's outputs to its length (with its routes when they were recorded)."""
+        gens = _to_generations(batch.tokens, batch.logprobs, batch.lengths, batch.stopped, batch.versions)
         if self.recorder is None:
             return gens
         # A done row may have been fed past its EOS before it left: keep the trainer's input only.
@@ -367,6 +407,70 @@ class TransformersEngine:
     ) -> list[torch.Tensor]:
         """Score given responses with one forward pass each (see ``teacher_forced_logprobs``)."""
         return teacher_forced_logprobs(self._live_model(), prompts, responses, temperature)
+
+
+@dataclass(kw_only=True, eq=False)
+class _Batch:
+    """One left-padded batch being decoded: B rows written, A of them still computed.
+
+    Outputs are indexed by the row's place in the batch (B); the computed state by its place among
+    the rows still computed (A), which ``rows`` maps back to B."""
+
+    input_ids: torch.Tensor
+    """[B, width] the left-padded prompts."""
+    steps: int
+    """max_new_tokens: columns of the output buffers."""
+    eos: torch.Tensor
+    """[E] the tokens that end a response."""
+    tokens: torch.Tensor
+    """[B, steps] sampled ids (a done row's entries past its length are never read)."""
+    logprobs: torch.Tensor
+    """[B, steps] float32 behaviour log-probs log_softmax(logits / T)[token]."""
+    versions: torch.Tensor | None
+    """[B, steps] the policy version that sampled each token (partial rollouts), on the CPU."""
+    lengths: torch.Tensor
+    """[B] response lengths (steps until a row samples EOS)."""
+    stopped: torch.Tensor
+    """[B] bool: the row ended with EOS."""
+    rows: torch.Tensor
+    """[A] the computed rows' indices in the batch."""
+    done: torch.Tensor
+    """[A] bool: the computed row sampled EOS (it leaves at the next compaction)."""
+    mask: torch.Tensor
+    """[A, width + steps] attention mask of the whole response (0 on left padding)."""
+    attend: torch.Tensor
+    """[A, width + steps] ``mask`` as bool: the SDPA mask of a decoding step."""
+    cache: DynamicCache | None
+    """The KV cache (None: every step recomputes the whole prefix)."""
+    decode_mask_4d: bool
+    """Decoding steps hand SDPA a view of ``attend`` instead of a 2D mask."""
+    step_ids: torch.Tensor
+    """[A, n] the next forward's input ids."""
+    step_pos: torch.Tensor
+    """[A, n] their position ids (counting real tokens only)."""
+    next_pos: torch.Tensor
+    """[A, 1] position of the next input token."""
+
+    def feed(self, token: torch.Tensor, *, with_cache: bool) -> None:
+        """The next forward's inputs: the token just sampled (without a cache: the whole sequence)."""
+        if with_cache:
+            self.step_ids, self.step_pos = token[:, None], self.next_pos
+        else:
+            self.step_ids = torch.cat([self.step_ids, token[:, None]], dim=1)
+            self.step_pos = torch.cat([self.step_pos, self.next_pos], dim=1)
+        self.next_pos = self.next_pos + 1
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Keep only the computed rows ``keep`` [A'] (indices among the computed rows)."""
+        self.rows, self.done, self.mask, self.attend = (
+            self.rows[keep],
+            self.done[keep],
+            self.mask[keep],
+            self.attend[keep],
+        )
+        self.step_ids, self.step_pos, self.next_pos = self.step_ids[keep], self.step_pos[keep], self.next_pos[keep]
+        if self.cache is not None:
+            self.cache.batch_select_indices(keep)
 
 
 def copy_weights(model: PreTrainedModel, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
