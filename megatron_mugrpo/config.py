@@ -42,7 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_mugrpo.algorithms.allocation import VigorConfig
 from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.algorithms.replay import ReplayConfig
-from megatron_mugrpo.asynchronous.config import AsyncConfig
+from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_routes_problem
 from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.evaluation import BenchmarkConfig, EvalConfig
 from megatron_mugrpo.kernels.config import KernelConfig
@@ -223,6 +223,8 @@ class RunConfig:
             "truncated copy of a weight (get_weights_by_name), so the hash of what a worker applied cannot be "
             "computed. Set async.verify_weights=false, or verify with the transformers engine",
         )
+        problem = partial_routes_problem(self.async_, self.moe.routing_replay)
+        require(not problem, problem)
         require(
             self.rollout.quantization == "none",
             f"rollout.quantization={self.rollout.quantization!r} is not supported in mode: async (the rollout "

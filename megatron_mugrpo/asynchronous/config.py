@@ -130,3 +130,24 @@ def partial_rollout_problem(cfg: AsyncConfig, engine: str) -> str:
         "does not say which weights sampled each token). Set async.partial_rollout=false or "
         "rollout.engine=transformers"
     )
+
+
+def partial_routes_problem(cfg: AsyncConfig, routing_replay: str) -> str:
+    """Why ``async.partial_rollout`` with ``async.partial_kv=recompute`` cannot run under
+    ``moe.routing_replay=rollout`` ('' when it can).
+
+    At a switch the recompute routes the in-flight prefix afresh under the new weights, and every later
+    token is sampled on top of those routes; the tokens before the switch were sampled on the old
+    weights' routes. A response carries one route per position, so whichever is recorded, the replayed
+    forward is exact for only one side of the switch (today the old routes are kept, so every token
+    after a switch has an inexact ratio). No recording fixes that; the combination is refused.
+    """
+    if not (cfg.partial_rollout and cfg.partial_kv == "recompute" and routing_replay == "rollout"):
+        return ""
+    return (
+        "async.partial_rollout=true with async.partial_kv=recompute cannot be combined with "
+        "moe.routing_replay=rollout: the recompute at a weight switch routes the in-flight prefix again under the "
+        "new weights, so the tokens after the switch were sampled on routes that differ from the ones recorded "
+        "for the tokens before it, and one replayed route per position cannot reproduce both. Set "
+        "moe.routing_replay=none or async.partial_rollout=false"
+    )

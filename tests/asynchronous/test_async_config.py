@@ -119,3 +119,17 @@ def test_paper_async_files_split_four_gpus(method: str, tmp_path: Path) -> None:
     cfg = load_config(path, [f"model.hf_dir={hf}", f"data.train_path={train}"])
     assert cfg.mode == "async" and cfg.async_.rollout_ranks == 2 and cfg.parallel.tensor_parallel == 2
     assert (cfg.rollout.engine, cfg.stages.mini_groups) == ("sglang", 32)
+
+
+def test_recomputed_partial_rollouts_refuse_routing_replay_naming_both_keys() -> None:
+    """A recompute at a weight switch routes the in-flight prefix afresh, so one recorded route per position
+    cannot serve the tokens on both sides of the switch: the combination is a ConfigError naming the keys."""
+    moe = ["mode=async", "model.tiny.arch=qwen3_moe", "moe.routing_replay=rollout", "async.partial_rollout=true"]
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [*moe, "async.partial_kv=recompute"])
+    message = str(error.value)
+    for key in ("async.partial_rollout=true", "async.partial_kv=recompute", "moe.routing_replay=rollout"):
+        assert key in message, message
+    assert "set moe.routing_replay=none or async.partial_rollout=false" in message.lower()
+    assert load_config(None, [*moe[:3], "async.partial_rollout=false"]).moe.routing_replay == "rollout"
+    assert load_config(None, [*moe, "async.partial_kv=keep"]).async_.partial_kv == "keep"
