@@ -22,6 +22,7 @@ from megatron_mugrpo.conversion.errors import ConversionError
 _EXPORTS = {
     "load_hf_into_model": "megatron_mugrpo.conversion.live",
     "export_hf": "megatron_mugrpo.conversion.live",
+    "export_policy": "megatron_mugrpo.conversion.live",
     "save_hf_dir": "megatron_mugrpo.conversion.hf_io",
     "HfCheckpoint": "megatron_mugrpo.conversion.hf_io",
     "hf_to_megatron": "megatron_mugrpo.conversion.convert",

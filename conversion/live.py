@@ -16,13 +16,16 @@ Export copies as little as it can and holds no full-model dict: at TP = 1 every 
 of its parameter except q / k / v (whose rows are interleaved per query group: one copy); at TP > 1
 each rank's piece is all-gathered straight into the output tensor. Peak extra memory is one layer's
 largest gathered tensor, not the model.
+
+``export_policy`` is the one place where "every rank iterates, some consume" is written: the engine
+sync, the async publications and the final model hand it what the consuming ranks do with the stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +49,13 @@ from torch import Tensor
 from megatron_mugrpo.training import model as model_provider
 from megatron_mugrpo.training.model import unwrap_model
 from megatron_mugrpo.training.parallel import ParallelGroups
+
+if TYPE_CHECKING:
+    from megatron_mugrpo.training.setup import Policy
+
+T = TypeVar("T")
+NamedTensors = Iterator[tuple[str, Tensor]]
+"""A stream of ``(hf_name, tensor)`` pairs, as ``export_hf`` yields them."""
 
 
 def as_chunks(model_chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -239,3 +249,24 @@ def export_hf(
             for tensor in tensors:
                 dist.broadcast(tensor, src=src, group=groups.pp_group)
         yield from zip(entry.hf, tensors)
+
+
+def export_policy(
+    policy: Policy,
+    hf_config: dict[str, Any],
+    groups: ParallelGroups,
+    *,
+    consume: bool,
+    use: Callable[[NamedTensors], T],
+) -> T | None:
+    """Export ``policy`` (collective); ``use(stream)`` where ``consume``, else drain it. Returns what ``use`` did.
+
+    ``export_hf`` is collective over the model-parallel ranks, so every rank must iterate it to the end;
+    only some use what it yields (engine hosts load it, rank 0 writes it). Taking ``use`` here means no
+    caller can forget the draining side."""
+    tensors = export_hf(policy.unwrapped(), hf_config, groups)
+    if consume:
+        return use(tensors)
+    for _ in tensors:  # take part in the export's collectives
+        pass
+    return None

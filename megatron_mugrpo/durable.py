@@ -205,3 +205,12 @@ def atomic_write_json(
     """``atomic_write_bytes`` of ``json.dumps(obj)`` plus a final newline (``dumps`` go to ``json.dumps``)."""
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, **dumps) + "\n"
     atomic_write_bytes(path, text.encode(), fsync=fsync)
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON value in ``path``, or None when the file does not exist (yet). A file another process
+    replaces through ``atomic_write_json`` is read whole, old or new."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None

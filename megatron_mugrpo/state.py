@@ -10,8 +10,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_mugrpo.rollout.queue import QueueCursor
-
 
 @dataclass(kw_only=True)
 class BestEval:
@@ -50,8 +48,10 @@ class TrainerState:
     metrics_records: int | None = None
     """Records in metrics.jsonl when the checkpoint was taken: a run resumed from it drops exactly the
     ones logged after (the work it redoes). None until the first checkpoint."""
-    queue: QueueCursor | None = None
-    """Async mode: how far the trainer has consumed the rollout queue (None in staged mode)."""
+    queue: dict[str, Any] | None = None
+    """Async mode: how far the trainer has consumed the rollout queue (None in staged mode). An opaque JSON
+    value that the queue's reader writes and reads (``rollout.queue.QueueCursor.to_dict``), so the state
+    carries it without importing the queue."""
 
     def at_stage(self, stage: int) -> TrainerState:
         """The state at the start of ``stage`` (same run figures, cursor reset)."""
@@ -67,6 +67,4 @@ class TrainerState:
         best = values.get("best")
         if isinstance(best, dict):
             values["best"] = BestEval(**best)
-        if isinstance(values.get("queue"), dict):
-            values["queue"] = QueueCursor.from_dict(values["queue"])
         return cls(**values)

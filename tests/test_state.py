@@ -28,3 +28,17 @@ def test_at_stage_resets_the_cursor_and_keeps_the_run_figures() -> None:
     nxt = state.at_stage(2)
     assert (nxt.stage, nxt.update_in_stage, nxt.data_cursor, nxt.global_update, nxt.train_tokens) == (2, 0, 0, 13, 7.0)
     assert state.stage == 1  # a new object: the old one is untouched
+
+
+def test_the_queue_cursor_rides_along_as_the_queues_own_json_value() -> None:
+    """The state carries the async queue's cursor without knowing its type: the reader's cursor comes
+    back equal after a checkpoint's JSON round trip, and the saved value is a copy the reader no longer moves."""
+    from megatron_mugrpo.rollout.queue import QueueCursor
+
+    cursor = QueueCursor(shards=["w000_b0000001", "w001_b0000000"], position=3, dropped=1, window={"n": 2.0})
+    state = TrainerState(global_update=4, queue=cursor.to_dict())
+    cursor.shards.append("w000_b0000002")
+    restored = TrainerState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert QueueCursor.from_dict(restored.queue) == QueueCursor(
+        shards=["w000_b0000001", "w001_b0000000"], position=3, dropped=1, window={"n": 2.0}
+    )

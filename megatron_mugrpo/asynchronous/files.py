@@ -7,7 +7,6 @@ nobody reads.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +15,6 @@ from megatron_mugrpo import durable
 
 def write_json(path: Path, value: Any) -> None:
     durable.atomic_write_json(path, value, sort_keys=True)
-
-
-def read_json(path: Path) -> Any:
-    """The JSON value in ``path``, or None when the file does not exist (yet)."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
 
 
 class AsyncPaths:

@@ -37,7 +37,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_mugrpo.asynchronous.files import read_json, write_json
+from megatron_mugrpo.asynchronous.files import write_json
+from megatron_mugrpo.durable import read_json
 
 HEARTBEAT_S = 1.0
 """Seconds between two beats; a timeout of many beats tolerates a busy file system."""

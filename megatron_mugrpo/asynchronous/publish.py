@@ -38,16 +38,18 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from megatron_mugrpo.asynchronous.files import read_json, write_json
+from megatron_mugrpo.asynchronous.files import write_json
 from megatron_mugrpo.asynchronous.transport import PublicationGroup, Received, Receiver, Sender, SendStats, join_group
-from megatron_mugrpo.loop.export import NamedTensors, export_policy
+from megatron_mugrpo.durable import read_json
 
 if TYPE_CHECKING:
-    from megatron_mugrpo.loop.setup import Run
+    from megatron_mugrpo.conversion.live import NamedTensors
+    from megatron_mugrpo.training.parallel import ParallelGroups
+    from megatron_mugrpo.training.setup import Policy
 
 POINTER = "latest"
 LOG = "publications.jsonl"
@@ -107,14 +109,25 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def publish_policy(run: Run, root: Path, *, version: int, digest: bool) -> Publication | None:
+class Trainer(Protocol):
+    """What a publication reads of the trainer's run (``loop.setup.Run`` has it); a protocol, so this
+    component never imports the loops above it."""
+
+    policy: Policy
+    hf_config: dict[str, Any]
+    hf_dir: Path
+    groups: ParallelGroups
+    is_writer: bool
+
+
+def publish_policy(run: Trainer, root: Path, *, version: int, digest: bool) -> Publication | None:
     """Export the trainer's policy into a new publication (collective over the trainer ranks).
 
     Every trainer rank takes part in the export (tensors are gathered across TP / PP); rank 0 writes
     the directory, then the pointer, then the log line, and prunes old publications. Returns the
     publication on rank 0, None elsewhere.
     """
-    from megatron_mugrpo.conversion import save_hf_dir
+    from megatron_mugrpo.conversion import export_policy, save_hf_dir
 
     name = f"v{version:08d}-{uuid.uuid4().hex[:8]}"
 
@@ -136,10 +149,12 @@ def publish_policy(run: Run, root: Path, *, version: int, digest: bool) -> Publi
 
 
 def send_policy(
-    run: Run, sender: Sender, root: Path, *, version: int, digest: bool, watch: Callable[[], None] = lambda: None
+    run: Trainer, sender: Sender, root: Path, *, version: int, digest: bool, watch: Callable[[], None] = lambda: None
 ) -> tuple[Publication, SendStats] | None:
     """Broadcast the trainer's policy to the workers (collective over the trainer ranks: all export, the
     writer sends); the log gets its line. Returns (publication, what it cost) on the writer, else None."""
+    from megatron_mugrpo.conversion import export_policy
+
     name = f"v{version:08d}-m{uuid.uuid4().hex[:7]}"
 
     def send(tensors: NamedTensors) -> tuple[Publication, SendStats]:

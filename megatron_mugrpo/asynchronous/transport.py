@@ -55,8 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_mugrpo.asynchronous.files import read_json, write_json
+from megatron_mugrpo.asynchronous.files import write_json
 from megatron_mugrpo.asynchronous.liveness import RankFailedError
+from megatron_mugrpo.durable import read_json
 
 BUCKET, END = 1, 2
 """Message kinds (the first field of every header)."""

@@ -15,9 +15,9 @@ of the queue, the weight publications and the heartbeats) and in the modules it 
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_rollout_problem
 from megatron_mugrpo.asynchronous.files import AsyncPaths
@@ -143,7 +143,8 @@ class Feed:
                 )
                 for i in range(role.num_workers)
             ]
-            feed.reader = QueueReader(feed.paths.queue, run.state.queue)
+            saved = run.state.queue
+            feed.reader = QueueReader(feed.paths.queue, QueueCursor.from_dict(saved) if saved is not None else None)
             feed.reader.publish_cursor(run.state.global_update)  # the workers' queue bound, as of this checkpoint
             feed.digests = publication_digests(feed.paths.weights)
             if cfg.publish == "memory":  # the store listens now; the group forms at the first memory publication
@@ -228,9 +229,9 @@ class Feed:
                 )
         return records
 
-    def cursor(self) -> QueueCursor | None:
-        """A copy of the consumer cursor as of the last update (rank 0; None elsewhere)."""
-        return copy.deepcopy(self.reader.cursor) if self.reader is not None else None
+    def cursor(self) -> dict[str, Any] | None:
+        """A copy of the consumer cursor as of the last update, as a checkpoint keeps it (rank 0; None elsewhere)."""
+        return self.reader.cursor.to_dict() if self.reader is not None else None
 
     # ------------------------------------------------------------------------------ metrics
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_mugrpo.loop.export import NamedTensors, export_policy
+from megatron_mugrpo.conversion.live import NamedTensors, export_policy
 from megatron_mugrpo.loop.setup import Run, RunError
 from megatron_mugrpo.rollout.engine import build_engine_from_config
 from megatron_mugrpo.rollout.prompts import stage_prompts

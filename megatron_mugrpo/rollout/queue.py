@@ -32,7 +32,7 @@ dropped because its policy was more than ``max_lag`` updates old when its turn c
 cursor is saved with every checkpoint (``TrainerState.queue``): a resumed trainer consumes again
 exactly the groups whose updates were lost, never one twice and never one less.
 
-    reader = QueueReader(queue_dir, cursor=state.queue)
+    reader = QueueReader(queue_dir, cursor=QueueCursor.from_dict(state.queue))
     reader.admit()                                   # shards that arrived, in arrival order
     taken = reader.take(update=u, count=B_mini, max_lag=4)   # None: not enough fresh groups yet
 """
@@ -53,7 +53,6 @@ import numpy as np
 import pyarrow as pa
 
 from megatron_mugrpo import durable
-from megatron_mugrpo.asynchronous.files import read_json, write_json
 from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rollout.shards import (
@@ -150,7 +149,12 @@ class QueueCursor:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> QueueCursor:
+        """Inverse of ``to_dict``."""
         return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON value a checkpoint keeps (``TrainerState.queue``); a deep copy."""
+        return dataclasses.asdict(self)
 
 
 @dataclass(kw_only=True)
@@ -227,7 +231,7 @@ class RecordIndex:
                 stem, suffix = os.path.splitext(entry.name)
                 if suffix != RECORD_SUFFIX or stem in self.records or not _NAME.match(stem):
                     continue
-                values = read_json(Path(entry.path))
+                values = durable.read_json(entry.path)
                 if values is None:  # deleted between the listing and the read: a restarted worker's leftover
                     continue
                 self.records[stem] = _record(values, Path(entry.path))
@@ -300,7 +304,7 @@ def consumed_groups(queue_dir: Path) -> int:
 
 def trainer_progress(queue_dir: Path) -> tuple[int, int]:
     """(groups consumed, updates made) as the trainer last published them (cursor.json; zeros before)."""
-    values = read_json(queue_dir / CURSOR_FILE)
+    values = durable.read_json(queue_dir / CURSOR_FILE)
     return (int(values["position"]), int(values.get("global_update", 0))) if values else (0, 0)
 
 
@@ -370,7 +374,7 @@ class QueueWriter:
         )
         self.appended += 1
         crash_point(f"worker:{self.worker}:shard:{self.appended}")  # shard in place, record not yet
-        write_json(self.queue_dir / (name + RECORD_SUFFIX), info.to_json())
+        durable.atomic_write_json(self.queue_dir / (name + RECORD_SUFFIX), info.to_json(), sort_keys=True)
         return info
 
 
@@ -492,5 +496,6 @@ class QueueReader:
         nothing was consumed since the last call (the trainer calls it at every look at the queue)."""
         if self.cursor.position == self._published:
             return
-        write_json(self.queue_dir / CURSOR_FILE, {"position": self.cursor.position, "global_update": global_update})
+        cursor = {"position": self.cursor.position, "global_update": global_update}
+        durable.atomic_write_json(self.queue_dir / CURSOR_FILE, cursor, sort_keys=True)
         self._published = self.cursor.position
