@@ -1,0 +1,100 @@
+"""The environment registry and the ``env.*`` config section: which environment a multi-turn rollout talks to.
+
+Like the rewards' registry: an environment kind is one class registered here with the dataclass of its
+options, and the ``env`` section gets one subsection per kind (``env.search.*``), so a new environment
+is one module plus one ``register_env`` line:
+
+    search   envs/search.py   Search-R1: <search>q</search> → <information>top-k documents</information>,
+                              ends on <answer>…</answer>; BM25 over HTTP (``mugrpo serve-search``)
+
+    env = build_env(cfg_env, tokenizer)      # cfg_env: an EnvConfig; tokenizer encodes observations
+    episode = env.start(Problem(prompt=..., answer=...))
+    env.close()
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from megatron_mugrpo.envs.base import EnvError, Environment, EnvLimits
+from megatron_mugrpo.errors import require, with_registry_sections
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+_FACTORIES: dict[str, Callable[..., Environment] | str] = {}
+_OPTIONS: dict[str, type | str] = {}
+
+
+def register_env(name: str, factory: Callable[..., Environment] | str, options: type | str) -> None:
+    """Add an environment kind: ``factory(*, tokenizer, limits, options)`` returns an ``Environment`` and
+    ``options`` is the dataclass of its ``env.<name>.*`` knobs (either may be 'module:attr', imported on
+    first use). Register before the ``env`` section is built (this module's import)."""
+    if name in _FACTORIES:
+        raise EnvError(f"environment {name!r} is already registered")
+    _FACTORIES[name] = factory
+    _OPTIONS[name] = options
+
+
+def available_envs() -> tuple[str, ...]:
+    return tuple(sorted(_FACTORIES))
+
+
+def env_options() -> dict[str, type]:
+    """Environment kind → the dataclass of its ``env.<kind>.*`` options."""
+    for name, options in list(_OPTIONS.items()):
+        if isinstance(options, str):
+            _OPTIONS[name] = _resolve(options)
+    return {name: options for name, options in sorted(_OPTIONS.items()) if not isinstance(options, str)}
+
+
+def _resolve(target: str) -> Any:
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+register_env("search", "megatron_mugrpo.envs.search:SearchEnvironment", "megatron_mugrpo.envs.search:SearchOptions")
+
+
+@dataclass(kw_only=True)
+class _EnvSettings(EnvLimits):
+    """``env.*``: the environment of multi-turn rollouts (``kind``), its limits and its failure budget."""
+
+    kind: str = "search"
+    """The environment: 'search'; its options are the subsection of that name."""
+    max_error_frac: float = 0.1
+    """Largest fraction of a stage's trajectories that may end in env_error / env_timeout before the run
+    stops with an error naming the environment and its last error."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.kind in available_envs(), f"env.kind={self.kind!r} is not one of {available_envs()}")
+        require(0.0 <= self.max_error_frac <= 1.0, f"env.max_error_frac={self.max_error_frac} must be in [0, 1]")
+
+
+EnvConfig = with_registry_sections(_EnvSettings, env_options())
+"""The ``env`` section: the settings above plus one options section per registered environment."""
+
+
+def env_limits(settings: Any) -> EnvLimits:
+    """The limits of an ``env`` section, as ``guarded_step`` takes them."""
+    return EnvLimits(
+        max_turns=settings.max_turns,
+        max_observation_tokens=settings.max_observation_tokens,
+        max_total_tokens=settings.max_total_tokens,
+        timeout_s=settings.timeout_s,
+    )
+
+
+def build_env(settings: Any, tokenizer: PreTrainedTokenizerBase) -> Environment:
+    """The environment of ``settings.kind`` with its options (``settings.<kind>``)."""
+    if settings.kind not in _FACTORIES:
+        raise EnvError(f"unknown environment {settings.kind!r}; registered: {available_envs()} (env.kind)")
+    factory = _FACTORIES[settings.kind]
+    if isinstance(factory, str):
+        factory = _FACTORIES[settings.kind] = _resolve(factory)
+    return factory(tokenizer=tokenizer, limits=env_limits(settings), options=getattr(settings, settings.kind))
