@@ -341,14 +341,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_score(args: argparse.Namespace) -> int:
     from megatron_mugrpo.config import load_config
     from megatron_mugrpo.rewards.registry import RewardSet
-    from megatron_mugrpo.scoring import read_responses, reference_answers, score_responses
+    from megatron_mugrpo.scoring import detect_format, read_responses, reference_answers, score_responses
 
     if args.config is None:
         raise _UsageError("score needs --config (the run config whose reward and data format to use)")
     if not args.data.is_file():
         raise _UsageError(f"--data {args.data} does not exist")
-    # The data file as the run's training data: the config checks that reward.kind can score its format.
-    cfg = load_config(args.config, [*args.overrides, f"data.train_path={args.data}"])
+    # The data file as the run's training data: the config checks that reward.kind can score its format,
+    # which the rows' fields decide unless data.format is given on the command line.
+    overrides = [*args.overrides, f"data.train_path={args.data}"]
+    if not any(o.startswith("data.format=") for o in args.overrides):
+        data = load_config(args.config, args.overrides).data  # the run's own format and fields
+        found, note = detect_format(
+            args.data, data.format, prompt_field=data.prompt_field, answer_field=data.answer_field
+        )
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+            overrides.append(f"data.format={found}")
+    cfg = load_config(args.config, overrides)
     answers = reference_answers(args.data, cfg.data.format, cfg.data.answer_field)
     responses = read_responses(args.responses, answers)  # every row checked before anything runs
     rewards = RewardSet(cfg.reward)

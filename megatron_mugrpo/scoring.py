@@ -7,6 +7,11 @@ each response row names its problem by ``id``: the problem's own id when its for
 number in the data file (0-based, blank lines not counted). Every bad row is an error naming its line, found
 before anything is run.
 
+The rows' fields say their format (``detect_format``): a code_contests or LiveCodeBench file scored with
+a config that names no such format (the code demo's, whose data are its built-in task) is read as the
+format its rows have, and the command says so on stderr; ``data.format=...`` on the command line
+overrides the detection.
+
     mugrpo score --config configs/demo_cpu.yaml --data problems.jsonl --responses responses.jsonl
     {"id": "0", "reward": 1.0, "reason": "correct", "tests_passed": null, "tests_total": null, "seconds": 0.001}
 """
@@ -38,6 +43,38 @@ class Scored:
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
+
+
+FORMAT_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "code_contests": ("description", ("public_tests", "private_tests", "generated_tests")),
+    "livecodebench": ("question_content", ("public_test_cases", "private_test_cases")),
+}
+"""Code formats by their fields: the problem text, and at least one of the test fields (``rewards.code_data``)."""
+
+
+def row_formats(row: Mapping[str, Any], *, prompt_field: str, answer_field: str) -> list[str]:
+    """The data formats (``data.format``) whose fields ``row`` has, in ``FORMAT_FIELDS`` order, 'problems' last."""
+    fits = [fmt for fmt, (text, tests) in FORMAT_FIELDS.items() if text in row and any(t in row for t in tests)]
+    if prompt_field in row and answer_field in row:
+        fits.append("problems")
+    return fits
+
+
+def detect_format(path: str | Path, configured: str, *, prompt_field: str, answer_field: str) -> tuple[str, str]:
+    """(the format to read ``path`` with, a note saying why when it is not ``configured``).
+
+    ``configured`` stands when the first row fits it, or fits no format at all (the config's own error
+    then names the file). Otherwise the one format the row fits is used: a code_contests file scored
+    with the code demo's config (whose data.format is the default 'problems') is read as code_contests.
+    """
+    rows = read_rows(path)
+    fits = row_formats(rows[0], prompt_field=prompt_field, answer_field=answer_field) if rows else []
+    if configured in fits or len(fits) != 1:
+        return configured, ""
+    return fits[0], (
+        f"{path} scored as data.format={fits[0]} (its rows have that format's fields; the config says "
+        f"data.format={configured}). Pass data.format=... to read it otherwise"
+    )
 
 
 def reference_answers(path: str | Path, data_format: str, answer_field: str) -> dict[str, str]:

@@ -183,3 +183,38 @@ def test_a_reward_that_cannot_read_the_data_is_refused(tmp_path, capsys):
     config.write_text("data:\n  format: code_contests\nreward:\n  kind: math\n")
     code, _, err = _score(capsys, config, data, responses)
     assert code == 2 and "reward.kind='math' cannot score the training data" in err and "set reward.kind=code" in err
+
+
+def test_a_code_contests_file_is_scored_as_its_rows_format_with_the_code_demo_config(tmp_path, capsys):
+    """The code demo's config names no data format (its data are a built-in task, so data.format is the
+    default 'problems'); a code_contests file scored with it is read as code_contests, and stderr says so."""
+    data = _write_jsonl(tmp_path / "problems.jsonl", [_problem("sum", "5\n", stdin="2 3\n")])
+    good = "a, b = map(int, input().split())\nprint(a + b)\n"
+    responses = _write_jsonl(
+        tmp_path / "r.jsonl",
+        [{"id": "sum", "response": _fenced(good)}, {"id": "sum", "response": _fenced("print(6)\n")}],
+    )
+    demo = PROJECT / "configs" / "demo_code_cpu.yaml"
+    code, lines, err = _score(capsys, demo, data, responses)
+    assert code == 0, err
+    assert [(x["reward"], x["reason"]) for x in lines] == [(1.0, "correct"), (0.0, "wrong_answer")]
+    assert "scored as data.format=code_contests" in err and "the config says data.format=problems" in err
+
+    # data.format on the command line is obeyed: the reward then cannot read the file, and says so.
+    code = main(
+        ["score", "--config", str(demo), "--data", str(data), "--responses", str(responses), "data.format=problems"]
+    )
+    _, err = capsys.readouterr()
+    assert code == 2 and "set reward.kind=math" in err
+
+
+def test_row_formats_read_the_fields_of_each_format() -> None:
+    from megatron_mugrpo.scoring import row_formats
+
+    fields = {"prompt_field": "problem", "answer_field": "answer"}
+    assert row_formats(_problem("x", "1\n"), **fields) == ["code_contests"]
+    lcb = {"question_content": "q", "public_test_cases": "[]", "question_id": "1"}
+    assert row_formats(lcb, **fields) == ["livecodebench"]
+    assert row_formats({"problem": "1+1", "answer": "2"}, **fields) == ["problems"]
+    assert row_formats({"question": "1+1", "answer": "2"}, **fields) == []
+    assert row_formats({"description": "d"}, **fields) == []  # no test field: not a code_contests row
