@@ -45,7 +45,7 @@ WARMSTART_FILE = "warmstart.json"
 INIT_STD = 0.02
 """Initialiser std of the tiny model (transformers' default for Qwen2)."""
 DTYPES = ("float32", "bfloat16", "float16")
-"""model.dtype choices (training.setup maps them to torch dtypes)."""
+"""model.dtype choices: names of torch dtypes (``ModelConfig.torch_dtype``)."""
 TINY_ARCHS = ("qwen2", "qwen3_moe")
 """model.tiny.arch choices: dense Qwen2, or Qwen3-MoE (every layer sparse, no shared expert)."""
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -124,6 +124,11 @@ class ModelConfig:
                 f"model.hf_dir={self.hf_dir!r} is not a directory; point it at a local Hugging Face "
                 "checkpoint (nothing is downloaded at run time) or leave it empty for the tiny model",
             )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as the torch dtype the trainer builds its model in."""
+        return getattr(torch, self.dtype)
 
 
 @dataclass(kw_only=True)

@@ -132,3 +132,12 @@ def test_tiny_moe_arch_builds_a_qwen3_moe_and_leaves_the_dense_spec_alone(tmp_pa
         TinyModelConfig(arch="qwen3_moe", num_experts=2, num_experts_per_tok=3)
     with pytest.raises(ValueError, match=r"model\.tiny\.arch"):
         TinyModelConfig(arch="mixtral")
+
+
+def test_model_dtype_names_a_torch_dtype_and_a_typo_names_the_key() -> None:
+    from megatron_mugrpo.errors import ConfigError
+    from megatron_mugrpo.warmstart import DTYPES, ModelConfig
+
+    assert [ModelConfig(dtype=name).torch_dtype for name in DTYPES] == [torch.float32, torch.bfloat16, torch.float16]
+    with pytest.raises(ConfigError, match=r"model\.dtype='bf16' is not one of"):
+        ModelConfig(dtype="bf16")

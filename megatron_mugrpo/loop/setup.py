@@ -54,7 +54,7 @@ from megatron_mugrpo.training.checkpoint import (
     read_metadata,
 )
 from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
-from megatron_mugrpo.training.setup import Policy, build_policy, resolve_dtype
+from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.stage_reference import ScoreSettings
 
 
@@ -276,7 +276,7 @@ def _set_up(
     policy = build_policy(
         hf_config,
         groups=groups,
-        dtype=resolve_dtype(cfg.model.dtype),
+        dtype=cfg.model.torch_dtype,
         optim=cfg.optim,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         fp8=cfg.kernels.fp8,

@@ -32,10 +32,6 @@ from megatron_mugrpo.training.model import build_gpt_model
 from megatron_mugrpo.training.moe import MoeConfig
 from megatron_mugrpo.training.optimizer import OptimConfig, build_optimizer
 from megatron_mugrpo.training.parallel import ParallelGroups
-from megatron_mugrpo.warmstart import DTYPES as DTYPE_NAMES
-
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-"""model.dtype names → torch dtypes."""
 
 
 @dataclass
@@ -69,13 +65,6 @@ class Policy:
         """
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """'float32' | 'bfloat16' | 'float16' → torch dtype (config: model.dtype)."""
-    if name not in DTYPES:
-        raise ValueError(f"model.dtype={name!r} is not one of {tuple(DTYPES)}")
-    return DTYPES[name]
 
 
 def build_model_chunks(
