@@ -43,6 +43,8 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.0"],
         "triton": ["triton>=3.7.1"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+        # `mugrpo serve-search` (envs/server.py): BM25 retrieval behind FastAPI for the search environment.
+        "search": ["bm25s>=0.3.16,<0.4", "fastapi>=0.115", "uvicorn>=0.30"],
         # benchmarks/vs_trl.py: the peer it measures against, pinned to the version its settings were read
         # from (TRL's GRPOConfig defaults and loss options change between releases). Never in the main install.
         "bench": ["trl==1.16.0", "accelerate==1.15.0"],

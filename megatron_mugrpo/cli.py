@@ -10,6 +10,7 @@
     mugrpo report runs/mu_grpo runs/grpo --out reports/cmp
     mugrpo sweep experiments/f1_mu_vs_grpo.yaml --out runs/sweeps/f1 --parallel 2
     mugrpo convert {hf-to-megatron,megatron-to-hf,verify} ...
+    mugrpo serve-search --corpus corpus.jsonl --port 8000   # BM25 retrieval for env.search.url
 
 Multi-GPU and multi-node runs go through launch/torchrun.sh and launch/slurm.sbatch, which call
 `python -m megatron_mugrpo.cli train ...` on every rank. Errors in the input (config, run
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_mugrpo.conversion.cli import add_convert_parser
 
     add_convert_parser(verbs)
+    from megatron_mugrpo.envs.server import add_serve_search_parser
+
+    add_serve_search_parser(verbs)
     return parser
 
 
@@ -381,6 +385,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_search(args: argparse.Namespace) -> int:
+    from megatron_mugrpo.envs.server import run_serve_search
+
+    return run_serve_search(args)
+
+
 def quiet_libraries() -> None:
     """Keep the console for our progress bars and metrics: library chatter only from WARNING up.
 
@@ -409,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "report": cmd_report,
         "score": cmd_score,
         "sweep": cmd_sweep,
+        "serve-search": cmd_serve_search,
     }
     try:
         return handlers[args.verb](args)
