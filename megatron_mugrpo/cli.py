@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from megatron_mugrpo.asynchronous.liveness import RankFailedError
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.loop import preemption
 
 if TYPE_CHECKING:
     from megatron_mugrpo.config import RunConfig
@@ -175,6 +176,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     run_dir = _train_run_dir(args)
     new = load_config(args.config, args.overrides) if args.resume is None else None  # reads the YAML only
+    if new is not None and _preempted_run(run_dir, new):  # a requeued job repeats its first command
+        args.resume, args.config, args.run_dir, args.overrides, new = run_dir, None, None, [], None
     with locked_run_dir(run_dir, replace_failed_start=new is not None) as claimed:  # the lock, then the judging
         if new is not None:  # a run that produced something was refused as the lock was taken
             cfg, open_args = new, {"resume": False, "record": _created("train", args)}
@@ -198,10 +201,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         from megatron_mugrpo.loop.staged import train
 
         run = open_run(cfg, run_dir, claimed=claimed, world_size=role.trainer_world, **open_args)
+        if run.is_writer:
+            preemption.clear_marker(run_dir)  # resumed: the marker no longer describes the run
+        preemption.install(grace_s=cfg.checkpoint.preempt_grace_s, run_dir=run_dir if run.is_writer else None)
+        preempted = None
         try:
             result = train_async(run, role) if cfg.mode == "async" else train(run)
+        except preemption.Preempted as exc:  # checkpointed at a safe point; the writer publishes it below
+            preempted = exc
         finally:
             run.close()
+        if preempted is not None:
+            preemption.finished()
+            if run.is_writer:
+                preemption.write_marker(run_dir, preempted)
+            raise preempted
     if run.is_writer:
         print_summary(result)
         if cfg.logging.report:
@@ -222,6 +236,24 @@ def _train_run_dir(args: argparse.Namespace) -> Path:
     if args.config is None or args.run_dir is None:
         raise _UsageError("train needs --config C and --run-dir DIR (or --resume RUN_DIR)")
     return args.run_dir
+
+
+def _preempted_run(run_dir: Path, new: RunConfig) -> bool:
+    """Whether ``train --config C --run-dir R`` continues R: R was preempted (``loop.preemption``'s
+    marker) and C with its overrides is the config R runs with. So a requeued Slurm job, which repeats
+    its first command, resumes without a new flag; a different config is refused, naming the keys."""
+    from megatron_mugrpo.resume import changed_keys, reference_config
+
+    if preemption.read_marker(run_dir) is None:
+        return False
+    reference = reference_config(run_dir)
+    differ = changed_keys(reference, new.to_dict()) if reference is not None else []
+    if differ:
+        raise _UsageError(
+            f"{run_dir} was preempted and is resumed by the command that started it, but this config differs "
+            f"in {', '.join(differ[:8])}: run `mugrpo train --resume {run_dir}` (with the overrides resume allows)"
+        )
+    return True
 
 
 def _resumed(args: argparse.Namespace) -> tuple[RunConfig, dict]:
@@ -429,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailedError as exc:  # async mode: another rank died; its name and what to do, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RANK_FAILED
+    except preemption.Preempted as exc:  # stopped as asked: not an error, but not finished either
+        print(f"{exc}; continue with the same command or `mugrpo train --resume RUN_DIR`", file=sys.stderr)
+        return preemption.EXIT_PREEMPTED
 
 
 if __name__ == "__main__":

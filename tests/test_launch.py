@@ -97,3 +97,34 @@ def test_other_verbs_run_on_every_rank(script: Path, fake_bin: Path) -> None:
     assert done.stdout.splitlines()[-len(USER_ARGS) - 3 :] == ["-m", "megatron_mugrpo.cli", "generate", *USER_ARGS]
     refused = _run(script, fake_bin, env | {"MUGRPO_VERB": "generat"})
     assert refused.returncode == 2 and "expected train, generate" in refused.stderr
+
+
+def test_slurm_requeues_a_preempted_run_and_passes_other_failures_on(fake_bin: Path, tmp_path: Path) -> None:
+    """A run that stopped for a preemption leaves RUN_DIR/preempted.json: the script asks Slurm to requeue
+    the job (the requeued job repeats the command, which resumes the run); any other failure keeps its
+    exit status. torchrun runs with SIGUSR1 ignored (only the ranks handle Slurm's notice)."""
+    text = (LAUNCH / "slurm.sbatch").read_text()
+    assert "#SBATCH --signal=USR1@" in text and "#SBATCH --requeue" in text
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    calls = tmp_path / "scontrol.log"
+    _fake(fake_bin, "scontrol", f'if [[ $1 == requeue ]]; then echo "$@" >> {calls}; else printf "node-a\\n"; fi')
+    ignored = "$(( 16#$(awk '/^SigIgn/ {print $2}' /proc/$$/status) & (1 << 9) ))"  # bit 9: SIGUSR1 (10)
+    marker = f'echo \'{{"signal": "SIGUSR1"}}\' > {run_dir}/preempted.json'
+    _fake(fake_bin, "torchrun", f"[[ {ignored} -ne 0 ]] || exit 9\n{marker}\nexit 1")
+    env = {"SLURM_JOB_NODELIST": "node-a", "SLURM_NNODES": "1", "SLURM_JOB_ID": "77"}
+    args = ["--config", "c.yaml", "--run-dir", str(run_dir)]
+    full_env = {"PATH": f"{fake_bin}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), **env}
+    done = subprocess.run(
+        ["bash", str(LAUNCH / "slurm.sbatch"), *args], env=full_env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert calls.read_text().split() == ["requeue", "77"]
+    assert "requeueing job 77" in done.stderr
+
+    (run_dir / "preempted.json").unlink()
+    _fake(fake_bin, "torchrun", "exit 3")  # a failure that is not a preemption
+    done = subprocess.run(
+        ["bash", str(LAUNCH / "slurm.sbatch"), *args], env=full_env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 3 and calls.read_text().split() == ["requeue", "77"]

@@ -11,4 +11,5 @@
 * ``export``: exporting the policy as Hugging Face tensors (engines, publications, the final model).
 * ``data``: one stage's data: the rollout store, log π_old and the replayed groups.
 * ``hdr``: Headroom-Drift Replay's orchestration (its math is ``algorithms/replay.py``).
+* ``preemption``: SIGTERM / SIGUSR1 → checkpoint at the next safe point → exit 75 (requeue, resume).
 """

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
-from megatron_mugrpo.loop import hdr
+from megatron_mugrpo.loop import hdr, preemption
 from megatron_mugrpo.loop.engines import release_engine, sync_engine
 from megatron_mugrpo.loop.setup import Run
 from megatron_mugrpo.metrics import progress
@@ -70,14 +71,28 @@ def check_first_update(run: Run, metrics: dict[str, float], stage: int) -> None:
         )
 
 
-def evaluate_and_checkpoint(run: Run, *, stage_end: bool, last: bool) -> None:
+def evaluate_and_checkpoint(run: Run, *, stage_end: bool, last: bool) -> bool:
     """What ``run.cadence`` asks for after the update just made: evaluation first, so that a checkpoint
-    written now holds its result and a resume never loses the record."""
+    written now holds its result and a resume never loses the record. Returns whether it checkpointed."""
     done, cadence = run.state.global_update, run.cadence
     if cadence.evaluate_now(done, stage_end=stage_end, last=last):
         run_evaluation(run)
-    if cadence.checkpoint_now(done, stage_end=stage_end, last=last, stages_done=run.state.stage):
+    due = cadence.checkpoint_now(done, stage_end=stage_end, last=last, stages_done=run.state.stage)
+    if due:
         checkpoint(run)
+    return due
+
+
+def stop_if_preempted(run: Run, *, checkpointed: bool) -> None:
+    """A safe point (every trainer rank calls it at the same place): when any rank was signalled
+    (``loop.preemption``), checkpoint the state unless ``checkpointed`` already holds it, and raise
+    ``Preempted``; the background writer is published as the run closes."""
+    if not preemption.agreed(run.groups.any_rank):
+        return
+    if not checkpointed:
+        checkpoint(run)
+    signum = preemption.requested() or signal.SIGTERM  # a rank that was not signalled itself stops too
+    raise preemption.Preempted(signum, run.state.global_update, checkpointed=True)
 
 
 def run_evaluation(run: Run) -> dict[str, float]:

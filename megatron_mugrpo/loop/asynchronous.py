@@ -33,6 +33,7 @@ from megatron_mugrpo.loop.actions import (
     evaluate_and_checkpoint,
     progress_range,
     run_evaluation,
+    stop_if_preempted,
     summary,
     train_on_groups,
 )
@@ -66,7 +67,8 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
                 metrics |= feed.publish(run)
         run.logger.log(metrics | feed.update_metrics(taken, started), step=run.state.global_update)
         crash_point(f"update:{run.state.global_update}")
-        end_of_update(run, feed)  # stage end: rollout summary, evaluation; checkpoint when due
+        saved = end_of_update(run, feed)  # stage end: rollout summary, evaluation; checkpoint when due
+        stop_if_preempted(run, checkpointed=saved)  # SIGTERM / SIGUSR1: checkpoint now, exit
     feed.close()  # the workers' receivers stop waiting for publications
     export_final(run)
     return summary(run) | feed.summary()
@@ -84,8 +86,9 @@ def async_update(run: Run, taken: Taken) -> dict[str, float]:
     return metrics
 
 
-def end_of_update(run: Run, feed: Feed) -> None:
-    """At a stage end, the stage's rollout summary; then evaluation and checkpoint when ``run.cadence`` says."""
+def end_of_update(run: Run, feed: Feed) -> bool:
+    """At a stage end, the stage's rollout summary; then evaluation and checkpoint when ``run.cadence``
+    says. Returns whether it checkpointed."""
     done = run.state.global_update
     run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
     stage_end, last = run.state.update_in_stage == 0, done == run.cfg.stages.total_updates
@@ -93,7 +96,7 @@ def end_of_update(run: Run, feed: Feed) -> None:
         run.logger.log(feed.stage_summary(run.state.stage - 1), step=done)
     run.state.queue = feed.cursor()  # a copy: a background save must not see the cursor move on
     advance(f"evaluating or checkpointing after update {done}")
-    evaluate_and_checkpoint(run, stage_end=stage_end, last=last)
+    return evaluate_and_checkpoint(run, stage_end=stage_end, last=last)
 
 
 @dataclass

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 
 from megatron_mugrpo.evaluation import AVG_KEY
 from megatron_mugrpo.faults import crash_point
-from megatron_mugrpo.loop import hdr
+from megatron_mugrpo.loop import hdr, preemption
 from megatron_mugrpo.loop.actions import (
     check_first_update,
     evaluate_and_checkpoint,
     overhead_part,
     progress_range,
     run_evaluation,
+    stop_if_preempted,
     summary,
     timers,
     train_on_groups,
@@ -52,6 +53,7 @@ def train(run: Run) -> dict[str, float]:
     if state.global_update == 0 and state.acc_before is None:
         state.acc_before = run_evaluation(run).get(AVG_KEY, float("nan"))
     for stage in range(state.stage, cfg.stages.num_stages):
+        stop_if_preempted(run, checkpointed=stage_start_checkpointed(run, stage))  # a signal since the last update
         with run.timer("perf/t_rollout_s"):
             store = rollout_phase(run, stage)  # sync weights → generate D_k → store → release engine
         crash_point(f"rollout:{stage}")
@@ -79,7 +81,8 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
             crash_point(f"update:{run.state.global_update}")
             run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
             if update + 1 < mu:  # the stage's last update is judged below, as the stage's end
-                evaluate_and_checkpoint(run, stage_end=False, last=False)
+                saved = evaluate_and_checkpoint(run, stage_end=False, last=False)
+                stop_if_preempted(run, checkpointed=saved)  # SIGTERM / SIGUSR1: checkpoint now, exit
         if routing := agreement.summary():  # train/routing_agreement_{first,stage_mean}
             run.logger.log(routing, step=run.state.global_update)
     hdr.end_stage(run, stage, store)  # D_k's mixed-outcome groups enter the replay FIFO
@@ -122,7 +125,7 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
             seed=cfg.stages.seed,
             hosts=run.hosts,
             progress=bar.update,
-            on_shard_written=lambda index: crash_point(f"shard:{stage}:{index}"),
+            on_shard_written=lambda index: shard_written(run, stage, index),
         )
     with overhead_part(parts, "engine_release"):
         release_engine(run)  # free every engine's memory for the optimizer phase (where that frees any)
@@ -131,6 +134,21 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
     perf = {k: v for k, v in metrics.items() if k.startswith("perf/")}
     run.logger.log(perf | stage_overhead(parts | perf, time.perf_counter() - started), step=run.state.global_update)
     return store
+
+
+def shard_written(run: Run, stage: int, index: int) -> None:
+    """After each shard this host writes: a fault-injection point, and where a preempted host stops
+    generating (its shards are durable; a resume generates the missing ones)."""
+    crash_point(f"shard:{stage}:{index}")
+    preemption.stop_generation(run.state.global_update, checkpointed=stage_start_checkpointed(run, stage))
+
+
+def stage_start_checkpointed(run: Run, stage: int) -> bool:
+    """Whether a checkpoint holds the state stage ``stage`` starts from: the run's start (nothing to lose)
+    or a stage end the cadence checkpointed (checkpoint.every_stages)."""
+    if run.state.global_update == 0 or stage == 0:
+        return True
+    return run.cadence.checkpoint_now(run.state.global_update, stage_end=True, last=False, stages_done=stage)
 
 
 def stage_overhead(parts: dict[str, float], seconds: float) -> dict[str, float]:
@@ -172,6 +190,7 @@ def optimizer_update(run: Run, data: StageData, stage: int, update: int) -> dict
     """One optimizer update on the ``update``-th seeded minibatch of B_mini groups of D_k (+ replayed groups)."""
     cfg = run.cfg
     started = time.perf_counter()
+    crash_point(f"update_start:{run.state.global_update + 1}")
     groups = data.minibatch(update, cfg.stages.mini_groups, cfg.stages.seed)
     metrics, tokens = train_on_groups(run, groups)
     if update == 0:

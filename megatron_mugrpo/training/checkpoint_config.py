@@ -27,8 +27,14 @@ class CheckpointConfig:
     fsync: bool = True
     """fsync every checkpoint file before publishing it (durable on power loss; off the training
     path when async_save is on)."""
+    preempt_grace_s: float = 120.0
+    """Seconds a trainer signalled with SIGTERM or SIGUSR1 (a scheduler's preemption notice) has to
+    finish its update, checkpoint and exit with code 75; past it the process exits without the
+    checkpoint, saying so. Keep it below the scheduler's notice (Slurm: ``--signal=USR1@<seconds>``,
+    or ``GraceTime`` for SIGTERM) and, under torchrun, below its 30 s wait after forwarding SIGTERM."""
 
     def __post_init__(self) -> None:
         require(self.keep_last >= 2, f"checkpoint.keep_last={self.keep_last} must be >= 2")
         require(self.every_stages >= 1, f"checkpoint.every_stages={self.every_stages} must be >= 1")
         require(self.every_updates >= 0, f"checkpoint.every_updates={self.every_updates} must be >= 0")
+        require(self.preempt_grace_s > 0, f"checkpoint.preempt_grace_s={self.preempt_grace_s} must be > 0 seconds")
