@@ -7,13 +7,13 @@ where their groups come from; everything they do with them, and when they evalua
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.loop import hdr, preemption
 from megatron_mugrpo.loop.engines import release_engine, sync_engine
@@ -152,7 +152,7 @@ def checkpoint(run: Run) -> None:
             "global_update": best.global_update,
             "checkpoint": str(where) if where else None,
         }
-        (run.run_dir / BEST_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        durable.atomic_write_json(run.run_dir / BEST_FILE, record, indent=2)  # it names a checkpoint: whole or old
 
 
 def summary(run: Run) -> dict[str, float]:
