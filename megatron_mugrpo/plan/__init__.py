@@ -1,0 +1,10 @@
+"""`mugrpo plan`: memory, time and staleness of a run before it starts (docs/plan.md).
+
+models.py    model shapes, the paper models' published configs, the tensors of one trainer rank
+memory.py    bytes per role: trainer weights / gradients / optimizer state / activations / logits,
+             rollout engine weights and KV cache
+timing.py    rollout roofline, optimizer phase at an assumed MFU, T_total, async idle and lag
+gpus.py      the GPU table (memory, bf16 / FP8 FLOPs, HBM bandwidth) with its sources
+inputs.py    the model's config.json fields and stand-ins for placeholder paths
+planner.py   a run's plan from its config sections, the checks, suggestions, table and JSON
+"""
