@@ -50,6 +50,13 @@ class ParallelConfig:
     """PP degree; must divide the number of layers."""
     micro_batch_size: int = 4
     """Sequences per micro-batch; micro-batches accumulate into one optimizer update."""
+    micro_batch_tokens: int | None = None
+    """Token budget per micro-batch of an update, padding included; replaces micro_batch_size there.
+    Rows are shared over data-parallel ranks by tokens, sorted by length, and each micro-batch is
+    padded only to its own longest row (``training.batching``): with long-tailed response lengths it
+    computes far fewer padding tokens, and the update is the same. At least the longest row
+    (rollout.max_prompt_tokens + rollout.max_new_tokens); micro_batch_size × that keeps today's peak
+    memory. null: fixed micro_batch_size rows, each padded to the update's longest row."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
     sequence_parallel: bool = False
@@ -68,6 +75,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "expert_parallel"):
             require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        require(
+            self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+            f"parallel.micro_batch_tokens must be >= 1 or null (fixed micro_batch_size rows), got "
+            f"{self.micro_batch_tokens}",
+        )
         require(
             self.expert_tensor_parallel is None or self.expert_tensor_parallel >= 1,
             "parallel.expert_tensor_parallel must be >= 1 or null (= tensor_parallel), "

@@ -5,11 +5,19 @@
                          micro_batch_size=cfg.parallel.micro_batch_size, impl=cfg.kernels.logprob_impl,
                          logits_budget_mib=cfg.kernels.logits_budget_mib)
 
-The whole update's ``TrainBatch`` is passed identically to every rank. Each data-parallel rank takes
-a contiguous slice of rows, splits it into micro-batches of ``micro_batch_size`` sequences and runs
-them through ``get_forward_backward_func()`` (1F1B across pipeline stages). Rows are padded with
-empty responses (mask 0: zero loss, zero normaliser) so that every rank runs the same number of
-equal-shape micro-batches, which pipeline point-to-point communication requires.
+The whole update's ``TrainBatch`` is passed identically to every rank. ``training.batching`` plans
+each data-parallel rank's micro-batches, which run through ``get_forward_backward_func()`` (1F1B
+across pipeline stages):
+
+* fixed rows (``micro_batch_size``): a contiguous equal share of the rows in micro-batches of
+  ``micro_batch_size`` sequences, each as wide as the update's longest row;
+* token budget (``micro_batch_tokens``, ``parallel.micro_batch_tokens``): a share balanced by tokens,
+  rows sorted by length, each micro-batch as wide as its own longest row and at most the budget in
+  tokens, padding included. Micro-batches then differ in shape; pipeline stages exchange the shapes
+  (megatron-core's ``variable_seq_lengths``, switched on for that schedule only).
+
+Empty responses (mask 0: zero loss, zero normaliser) fill the micro-batches so that every rank runs
+the same number of them, which expert-parallel all-to-alls and pipeline communication require.
 
 Loss normalisation follows Megatron's ``calculate_per_token_loss`` mechanism and the loss
 registry's (loss_sum, normaliser) contract: each micro-batch backpropagates its loss *sum*; the
@@ -24,12 +32,14 @@ reported metrics: each micro-batch's loss returns its diagnostics as sums and co
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from megatron_mugrpo.algorithms.losses import LossStats, has_update_pass, update_inputs
@@ -41,6 +51,14 @@ from megatron_mugrpo.algorithms.rollout_correction import (
 from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
 from megatron_mugrpo.kernels.policy import choose_logprob_path
 from megatron_mugrpo.records import TrainBatch
+from megatron_mugrpo.training.batching import (
+    MicroBatchPlan,
+    padding_fraction,
+    plan_update,
+    round_up,
+    row_lengths,
+    token_imbalance,
+)
 from megatron_mugrpo.training.logprobs import (
     check_impl,
     hidden_states_instead_of_logits,
@@ -61,7 +79,11 @@ LossFn = Callable[[TrainBatch, Tensor], tuple[Tensor, Tensor, dict[str, float]]]
 
 def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
     """Append empty responses (mask 0, advantage 0) until the row count is a multiple of ``multiple``."""
-    extra = -batch.num_sequences % multiple
+    return append_rows(batch, -batch.num_sequences % multiple)
+
+
+def append_rows(batch: TrainBatch, extra: int) -> TrainBatch:
+    """``batch`` with ``extra`` empty responses (mask 0, advantage 0) appended."""
     if extra == 0:
         return batch
 
@@ -75,24 +97,73 @@ def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
 def pad_length(batch: TrainBatch, multiple: int) -> TrainBatch:
     """Append padding columns (mask 0) until the sequence length is a multiple of ``multiple``
     (sequence parallelism splits the sequence into TP equal parts)."""
-    extra = -batch.tokens.shape[1] % multiple
-    if extra == 0:
+    return set_length(batch, round_up(batch.tokens.shape[1], multiple))
+
+
+def set_length(batch: TrainBatch, length: int) -> TrainBatch:
+    """Every [B, L] tensor cut or right-padded (mask 0) to ``length`` columns; routes [B, L', ...] are
+    only cut (``routing_replay.replay_rows`` takes routes shorter than the row)."""
+
+    def fit(tensor: Tensor) -> Tensor:
+        if tensor.dim() < 2:
+            return tensor
+        if tensor.dim() > 2:  # routes
+            return tensor[:, :length]
+        return torch.nn.functional.pad(tensor[:, :length], (0, max(0, length - tensor.shape[1])))
+
+    if batch.tokens.shape[1] == length:
         return batch
-    return batch.map_rows(lambda t: torch.nn.functional.pad(t, (0, extra)) if t.dim() == 2 else t)
+    return batch.map_rows(fit)
+
+
+def take(batch: TrainBatch, plan: MicroBatchPlan) -> TrainBatch:
+    """The micro-batch ``plan`` describes: its rows of ``batch``, ``plan.length`` columns, filler rows
+    (mask 0: zero loss, zero normaliser) up to ``plan.size``."""
+    index = torch.tensor(plan.rows, dtype=torch.long, device=batch.tokens.device)
+    rows = batch.map_rows(lambda tensor: tensor.index_select(0, index))
+    return append_rows(set_length(rows, plan.length), plan.size - len(plan.rows))
+
+
+def update_plan(
+    batch: TrainBatch,
+    groups: ParallelGroups,
+    micro_batch_size: int,
+    micro_batch_tokens: int | None = None,
+    *,
+    sequence_parallel: bool = False,
+) -> list[list[MicroBatchPlan]]:
+    """Every DP rank's micro-batches for ``batch`` (``training.batching``): fixed rows when
+    ``micro_batch_tokens`` is None, else token-budget micro-batches over a by-tokens DP share."""
+    return plan_update(
+        row_lengths(batch.response_mask),
+        width=batch.tokens.shape[1],
+        dp=groups.dp,
+        micro_batch_size=micro_batch_size,
+        micro_batch_tokens=micro_batch_tokens,
+        multiple=groups.tp if sequence_parallel else 1,
+    )
 
 
 def local_micro_batches(
-    batch: TrainBatch, groups: ParallelGroups, micro_batch_size: int, *, sequence_parallel: bool = False
+    batch: TrainBatch,
+    groups: ParallelGroups,
+    micro_batch_size: int,
+    *,
+    sequence_parallel: bool = False,
+    micro_batch_tokens: int | None = None,
 ) -> list[TrainBatch]:
-    """This DP rank's micro-batches (on its device): a contiguous, equal share of the padded rows."""
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 (config: parallel.micro_batch_size)")
-    if sequence_parallel:
-        batch = pad_length(batch, groups.tp)
-    padded = pad_rows(batch, groups.dp * micro_batch_size)
-    per_rank = padded.num_sequences // groups.dp
-    mine = padded.slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank).to(groups.device)
-    return [mine.slice(i, i + micro_batch_size) for i in range(0, per_rank, micro_batch_size)]
+    """This DP rank's micro-batches (on its device), as ``update_plan`` cuts them."""
+    plans = update_plan(batch, groups, micro_batch_size, micro_batch_tokens, sequence_parallel=sequence_parallel)
+    return [take(batch, plan).to(groups.device) for plan in plans[groups.dp_rank]]
+
+
+def plan_metrics(plans: list[list[MicroBatchPlan]], batch: TrainBatch) -> dict[str, float]:
+    """``perf/dp_token_imbalance`` (the most-loaded DP rank's computed tokens over the mean) and
+    ``perf/padding_frac`` (share of the computed tokens that are padding)."""
+    return {
+        "perf/dp_token_imbalance": token_imbalance(plans),
+        "perf/padding_frac": padding_fraction(plans, row_lengths(batch.response_mask)),
+    }
 
 
 def _is_moe(policy: Policy) -> bool:
@@ -169,7 +240,8 @@ def _run_schedule(
     """Run all micro-batches through the forward(-backward) schedule; the last stage's per-micro-batch
     loss outputs come back (other stages get an empty list)."""
     schedule = get_forward_backward_func()
-    with routes_for_schedule(policy.model_chunks):
+    shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
+    with routes_for_schedule(policy.model_chunks), _variable_shapes(policy.model_chunks, len(shapes) > 1):
         return schedule(
             forward_step_func=forward_step,
             data_iterator=[iter(micro_batches)],
@@ -181,10 +253,25 @@ def _run_schedule(
         )
 
 
+@contextmanager
+def _variable_shapes(model_chunks: list[torch.nn.Module], varied: bool) -> Iterator[None]:
+    """Megatron's ``variable_seq_lengths`` for one schedule whose micro-batches differ in shape
+    (token-budget micro-batches): pipeline stages then send each activation's shape before it instead
+    of assuming the schedule's one ``seq_length`` × ``micro_batch_size``. Only on when needed: it
+    costs one small message per send. The schedule reads it from the model's config at each send."""
+    config = get_model_config(model_chunks[0])
+    before = config.variable_seq_lengths
+    config.variable_seq_lengths = before or varied
+    try:
+        yield
+    finally:
+        config.variable_seq_lengths = before
+
+
 # ---------------------------------------------------------------------------------- train step
 
 
-def _policy_loss_fn(loss_name: str, loss_options: dict[str, Any], caps: dict[str, float]) -> LossFn:
+def policy_loss_fn(loss_name: str, loss_options: dict[str, Any], caps: dict[str, float]) -> LossFn:
     """Registry loss (with the rollout correction's ``caps`` when one is on) plus the cheap
     train-vs-rollout log-prob gap, in Megatron's 3-tuple form."""
 
@@ -216,6 +303,19 @@ def _policy_loss_fn(loss_name: str, loss_options: dict[str, Any], caps: dict[str
         return out.loss_sum, num_tokens, stats
 
     return loss_fn
+
+
+def with_update_inputs(
+    batch: TrainBatch, scores: Tensor, loss_name: str, loss_options: dict[str, Any], caps: dict[str, float]
+) -> TrainBatch:
+    """``batch`` carrying its loss's update-pass inputs, computed from the whole update's ``scores``
+    [B, L] (log π_θ, no grad) so that they travel with their rows into any micro-batch. The pass sees
+    what the loss will see: under the rollout correction, π_old and w·A."""
+    anchor, advantages, _ = correction_inputs(
+        batch.behaviour_logprobs, batch.advantages, batch.response_mask, old_logprobs=batch.old_logprobs, **caps
+    )
+    inputs = update_inputs(loss_name, scores, anchor, advantages, batch.response_mask, **loss_options)
+    return dataclasses.replace(batch, loss_inputs=inputs)
 
 
 def _summarise(records: list[dict[str, Any]]) -> dict[str, float]:
@@ -260,10 +360,13 @@ def train_step(
     impl: str = "fused",
     rollout_correction: RolloutCorrectionConfig | None = None,
     logits_budget_mib: float = DEFAULT_LOGITS_BUDGET_MIB,
+    micro_batch_tokens: int | None = None,
 ) -> dict[str, float]:
     """One optimizer update on ``batch`` (the whole update's rows, identical on every rank).
 
     With a ``rollout_correction`` that is on, the batch must carry ``old_logprobs`` (log π_old).
+    ``micro_batch_tokens`` (``parallel.micro_batch_tokens``): token-budget micro-batches over a
+    by-tokens DP share instead of ``micro_batch_size`` rows (``training.batching``); same update.
 
     Returns (on every rank) ``train/loss`` (Σ loss_sum / Σ normaliser), ``train/grad_norm`` (before
     clipping), ``train/lr``, ``train/update_successful``, the registry loss metrics prefixed
@@ -288,14 +391,13 @@ def train_step(
             micro_batch_size=micro_batch_size,
             impl=impl,
             logits_budget_mib=logits_budget_mib,
+            micro_batch_tokens=micro_batch_tokens,
         )
-        # The pass sees what the loss will see: under the rollout correction, π_old and w·A.
-        anchor, advantages, _ = correction_inputs(
-            batch.behaviour_logprobs, batch.advantages, batch.response_mask, old_logprobs=batch.old_logprobs, **caps
-        )
-        inputs = update_inputs(loss_name, scores, anchor, advantages, batch.response_mask, **loss_options)
-        batch = dataclasses.replace(batch, loss_inputs=inputs)
-    micro_batches = local_micro_batches(batch, groups, micro_batch_size, sequence_parallel=_sequence_parallel(policy))
+        batch = with_update_inputs(batch, scores, loss_name, loss_options, caps)
+    plans = update_plan(
+        batch, groups, micro_batch_size, micro_batch_tokens, sequence_parallel=_sequence_parallel(policy)
+    )
+    micro_batches = [take(batch, plan).to(groups.device) for plan in plans[groups.dp_rank]]
     for chunk in policy.model_chunks:
         chunk.train()
         chunk.zero_grad_buffer()
@@ -305,7 +407,7 @@ def train_step(
         temperature,
         policy.vocab_size,
         groups,
-        _policy_loss_fn(loss_name, loss_options, caps),
+        policy_loss_fn(loss_name, loss_options, caps),
         logits_budget_mib,
     )
     moe = _is_moe(policy)
@@ -318,6 +420,7 @@ def train_step(
     metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["train/lr"] = current_lr(policy.optimizer)
     metrics["train/update_successful"] = float(bool(update_successful))
+    metrics.update(plan_metrics(plans, batch))
     if moe:
         metrics.update(moe_step_metrics(policy.model_chunks, groups, len(micro_batches)))
     return metrics
@@ -340,31 +443,37 @@ def forward_logprobs(
     micro_batch_size: int,
     impl: str = "fused",
     logits_budget_mib: float = DEFAULT_LOGITS_BUDGET_MIB,
+    micro_batch_tokens: int | None = None,
 ) -> Tensor:
     """Per-token log-probs [B, L] float32 of ``batch.targets`` (0 where the response mask is 0).
 
-    No gradients, no optimizer. Each DP replica scores its share of rows; the result is gathered
-    over DP and broadcast from the last pipeline stage, so every rank returns the full [B, L].
+    No gradients, no optimizer. Each DP replica scores its share of rows (cut as ``train_step`` cuts
+    them); the result is broadcast from the last pipeline stage and summed over DP, so every rank
+    returns the full [B, L].
     """
     groups = policy.groups
-    micro_batches = local_micro_batches(batch, groups, micro_batch_size, sequence_parallel=_sequence_parallel(policy))
+    plans = update_plan(
+        batch, groups, micro_batch_size, micro_batch_tokens, sequence_parallel=_sequence_parallel(policy)
+    )
+    mine = plans[groups.dp_rank]
+    micro_batches = [take(batch, plan).to(groups.device) for plan in mine]
     for chunk in policy.model_chunks:
         chunk.eval()
     forward_step = _forward_step_func(impl, temperature, policy.vocab_size, groups, _logprob_only_fn, logits_budget_mib)
     records = _run_schedule(policy, micro_batches, forward_step, forward_only=True)
-    rows = sum(mb.num_sequences for mb in micro_batches)
-    length = micro_batches[0].tokens.shape[1]  # sequence parallelism may have padded the columns
+    # Each rank writes its rows into a zero [B, L] and the ranks' disjoint rows are summed: the
+    # micro-batches differ in width and DP shares in size under the token budget.
+    full = torch.zeros(batch.tokens.shape, device=groups.device)
     if groups.is_last_stage:
-        local = torch.cat([r["logprobs"] for r in records]).float()
-        local = torch.where(torch.cat([mb.response_mask for mb in micro_batches]).bool(), local, 0.0)
-    else:
-        local = torch.empty(rows, length, device=groups.device)
+        for plan, mb, record in zip(mine, micro_batches, records):
+            width = min(plan.length, full.shape[1])
+            scores = torch.where(mb.response_mask.bool(), record["logprobs"].float(), 0.0)
+            rows = torch.tensor(plan.rows, dtype=torch.long, device=full.device)
+            full[rows, :width] = scores[: len(plan.rows), :width]
     if groups.pp > 1:
-        dist.broadcast(local, src=dist.get_global_rank(groups.pp_group, groups.pp - 1), group=groups.pp_group)
+        dist.broadcast(full, src=dist.get_global_rank(groups.pp_group, groups.pp - 1), group=groups.pp_group)
     if groups.dp > 1:
-        shards = [torch.empty_like(local) for _ in range(groups.dp)]
-        dist.all_gather(shards, local, group=groups.dp_group)
-        local = torch.cat(shards)
+        dist.all_reduce(full, group=groups.dp_group)
     for chunk in policy.model_chunks:
         chunk.train()
-    return local[: batch.num_sequences, : batch.tokens.shape[1]].cpu()
+    return full.cpu()

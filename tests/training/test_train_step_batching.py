@@ -1,0 +1,330 @@
+"""Token-budget micro-batches and token-balanced data parallelism (``training.batching``) leave the
+update unchanged.
+
+* The planner's arithmetic on worked examples (no processes).
+* The (loss_sum, normaliser) contract in float64, once per registry loss, NAV scope, aggregation,
+  rollout correction and a batch holding HDR-replayed groups: the update's loss, gradient and
+  metrics over token-budget micro-batches spread over two ranks equal those of the whole batch at
+  once, to 1e-6 (they agree to rounding, ~1e-15).
+* Through Megatron's schedule (float32, tolerances as in ``test_train_step``): token-budget
+  micro-batches vs today's fixed ones on one rank, with MoE routing replay, at DP = 2 and at PP = 2
+  (whose stages then exchange activations of different shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+from megatron_mugrpo.algorithms.losses import LossStats, MuGrpoOptions, available_losses, has_update_pass
+from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
+from megatron_mugrpo.algorithms.veto import VETO_SCOPES
+from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.errors import ConfigError
+from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate
+from megatron_mugrpo.training.batching import (
+    MicroBatchPlan,
+    budget_micro_batches,
+    fixed_micro_batches,
+    padding_fraction,
+    partition_by_tokens,
+    row_lengths,
+    token_budget_plan,
+    token_imbalance,
+)
+from megatron_mugrpo.training.moe import MoeConfig
+from megatron_mugrpo.training.parallel import ParallelConfig, initialize_parallel
+from megatron_mugrpo.training.setup import Policy, build_policy
+from megatron_mugrpo.training.train_step import forward_logprobs, policy_loss_fn, take, train_step, with_update_inputs
+
+from .common import VOCAB, hf_config
+
+ATOL = 2e-6
+"""float32 agreement for reordered sums (as in test_train_step)."""
+EXACT = 1e-6
+"""float64: the split only reorders additions."""
+OPTIM = OptimConfig(lr=1e-3, eps=1e-4)
+"""Adam's first step is lr · g / (|g| + eps): at the default eps 1e-8 a gradient element near 1e-9
+turns float32 reordering noise into an lr-sized step; eps 1e-4 keeps the weights' comparison at ATOL."""
+BUDGET = 48
+"""Tokens per micro-batch in the model tests: several micro-batches of different widths."""
+
+# ------------------------------------------------------------------------------------ planner
+
+
+def test_worked_example_of_the_module_docstring():
+    lengths = [9, 3, 8, 2, 5, 4]
+    assert partition_by_tokens(lengths, 2) == [[0, 1, 5], [2, 3, 4]]
+    assert budget_micro_batches([0, 1, 5], lengths, budget=16) == [
+        MicroBatchPlan(rows=(0,), length=9, size=1),
+        MicroBatchPlan(rows=(5, 1), length=4, size=2),
+    ]
+    plans = token_budget_plan(lengths, dp=2, budget=16)
+    # r1 (lengths 8, 2, 5): [8, 5] (2 × 8 = 16) then [2]; both ranks run 2 micro-batches.
+    assert plans[1] == [MicroBatchPlan(rows=(2, 4), length=8, size=2), MicroBatchPlan(rows=(3,), length=2, size=1)]
+    assert token_imbalance(plans) == pytest.approx(18 / ((17 + 18) / 2))  # r0: 9 + 8, r1: 16 + 2
+    assert padding_fraction(plans, lengths) == pytest.approx(1 - 31 / 35)
+
+
+def test_budget_counts_padding_and_rounds_to_the_sequence_parallel_multiple():
+    lengths = [5, 5, 5, 3]
+    # width 6 under multiple 2: 6 + 6 + 6 = 18 > 16 so two rows, then [5, 3] at width 6.
+    assert budget_micro_batches([0, 1, 2, 3], lengths, budget=16, multiple=2) == [
+        MicroBatchPlan(rows=(0, 1), length=6, size=2),
+        MicroBatchPlan(rows=(2, 3), length=6, size=2),
+    ]
+    with pytest.raises(ValueError, match=r"parallel\.micro_batch_tokens=4"):
+        budget_micro_batches([0], [5], budget=4)
+
+
+def test_ranks_get_as_many_micro_batches_with_empty_fillers():
+    plans = token_budget_plan([10, 10, 10], dp=2, budget=10)  # r0: rows 0 and 2, r1: row 1 and a filler
+    assert [len(p) for p in plans] == [2, 2]
+    assert MicroBatchPlan(rows=(), length=1, size=1) in plans[0] + plans[1]
+
+
+def test_fixed_rows_are_todays_contiguous_shares():
+    plans = fixed_micro_batches(5, length=7, dp=2, micro_batch_size=2)
+    assert [[p.rows for p in rank] for rank in plans] == [[(0, 1), (2, 3)], [(4,), ()]]
+    assert {p.tokens for rank in plans for p in rank} == {14}
+
+
+def test_greedy_partition_balances_tokens_not_rows():
+    lengths = [100, 1, 1, 1, 1, 96]
+    shares = partition_by_tokens(lengths, 2)
+    assert [sum(lengths[i] for i in share) for share in shares] == [100, 100]
+    assert sorted(len(s) for s in shares) == [1, 5]
+
+
+def test_row_lengths_end_at_the_last_response_target():
+    mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]], dtype=torch.float32)
+    assert row_lengths(mask) == [3, 1, 5]
+
+
+def test_config_key_is_checked():
+    with pytest.raises(ConfigError, match=r"parallel\.micro_batch_tokens"):
+        ParallelConfig(micro_batch_tokens=0)
+
+
+# ---------------------------------------------------------------- the loss contract, float64
+
+
+def _long_tailed_groups(seed: int, groups: int = 4, group_size: int = 4, stage: int = 0) -> list[RolloutGroup]:
+    """Prompt groups whose response lengths span 1..40 tokens, with π_old and varied advantages."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 6))]
+        samples = []
+        for _ in range(group_size):
+            length = min(40, max(1, int(rng.lognormvariate(2.0, 0.9))))
+            behaviour = [-4.6 + rng.uniform(-1.0, 1.0) for _ in range(length)]
+            samples.append(
+                RolloutSample(
+                    response_ids=[rng.randrange(3, VOCAB) for _ in range(length)],
+                    behaviour_logprobs=behaviour,
+                    old_logprobs=[b + rng.uniform(-0.6, 0.6) for b in behaviour],
+                    finish_reason="stop",
+                    advantage=rng.uniform(-1.5, 1.5),
+                )
+            )
+        out.append(RolloutGroup(prompt_id=f"{seed}-{g}", prompt_ids=prompt, answer="", samples=samples, stage=stage))
+    return out
+
+
+def _options(loss: str, scope: str = "seq", **algo: Any) -> dict[str, Any]:
+    """The loss's options; NAV at a threshold that triggers on this data (the paper's 1e-4 would not)."""
+    return AlgoConfig(loss=loss, mu_grpo=MuGrpoOptions(veto_threshold=0.5, veto_scope=scope), **algo).loss_options()
+
+
+CORRECTION = RolloutCorrectionConfig(tis_cap=2.0, mask_bound=1.5)
+CORRECTION_REJECT_SEQ = RolloutCorrectionConfig(tis_cap=2.0, mask_bound=1.5, mask_mode="reject", level="sequence")
+
+CONTRACT_CASES: dict[str, tuple[str, dict[str, Any], RolloutCorrectionConfig | None, bool]] = {
+    **{f"loss-{name}": (name, _options(name), None, False) for name in available_losses()},
+    **{f"nav-{scope}": ("mu_grpo", _options("mu_grpo", scope), None, False) for scope in VETO_SCOPES},
+    "token_mean": ("mu_grpo", _options("mu_grpo", aggregation="token_mean"), None, False),
+    "correction-token": ("mu_grpo", _options("mu_grpo"), CORRECTION, False),
+    "correction-m2po-reject-seq": ("m2po", _options("m2po"), CORRECTION_REJECT_SEQ, False),
+    "hdr-replayed-groups": ("mu_grpo", _options("mu_grpo"), None, True),
+}
+
+
+def _contract_batch(replayed: bool) -> TrainBatch:
+    fresh = _long_tailed_groups(1)
+    if replayed:  # HDR: replayed groups (an earlier stage's, their generation-time log-probs) come first
+        old = _long_tailed_groups(2, groups=2, stage=0)
+        for group in old:
+            for sample in group.samples:
+                sample.behaviour_logprobs = [b - 0.8 for b in sample.behaviour_logprobs]
+        fresh = old + _long_tailed_groups(1, stage=1)
+    batch = collate(fresh, pad_id=0)
+    return batch.map_rows(lambda t: t.double() if t.is_floating_point() else t)
+
+
+@pytest.mark.parametrize("case", CONTRACT_CASES, ids=str)
+def test_token_budget_split_is_exact_in_float64(case):
+    """Σ loss_sum / Σ normaliser, its gradient w.r.t. the log-probs and every loss metric, over
+    token-budget micro-batches on 2 DP ranks, equal the whole batch's, for the loss ``case`` names."""
+    name, options, correction, replayed = CONTRACT_CASES[case]
+    caps = correction.loss_options() if correction is not None else {}
+    batch = _contract_batch(replayed)
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randn(batch.behaviour_logprobs.shape, generator=gen, dtype=torch.float64)
+    logprobs = (batch.behaviour_logprobs + 0.7 * noise * batch.response_mask).requires_grad_()
+    if has_update_pass(name):
+        batch = with_update_inputs(batch, logprobs.detach(), name, options, caps)
+    loss_fn = policy_loss_fn(name, options, caps)
+
+    whole_sum, whole_norm, whole = loss_fn(batch, logprobs)
+    (whole_grad,) = torch.autograd.grad(whole_sum / whole_norm, logprobs)
+
+    plans = token_budget_plan(row_lengths(batch.response_mask), dp=2, budget=BUDGET)
+    flat = [plan for rank in plans for plan in rank]
+    assert len({p.length for p in flat}) > 2, "the split exercises micro-batches of different widths"
+    carrying = dataclasses.replace(batch, behaviour_logprobs=logprobs)  # take() carries the graph
+    parts = [loss_fn(take(batch, p), take(carrying, p).behaviour_logprobs) for p in flat]
+    split_sum, split_norm = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    (split_grad,) = torch.autograd.grad(split_sum / split_norm, logprobs)
+
+    assert int(split_norm) == int(whole_norm)
+    assert float(split_sum / split_norm) == pytest.approx(float(whole_sum / whole_norm), abs=EXACT)
+    torch.testing.assert_close(split_grad, whole_grad, atol=EXACT, rtol=0)
+    expected = LossStats.merge([whole["stats"]]).finish()
+    merged = LossStats.merge([p[2]["stats"] for p in parts]).finish()
+    assert merged.keys() == expected.keys()
+    for key, value in expected.items():
+        assert merged[key] == pytest.approx(value, abs=EXACT, nan_ok=True), key
+
+
+def test_the_contract_cases_exercise_what_they_check():
+    """NAV vetoes, the correction masks and M2PO masks something on the contract's data."""
+    batch = _contract_batch(False)
+    noise = torch.randn(batch.behaviour_logprobs.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    logprobs = batch.behaviour_logprobs + 0.7 * noise * batch.response_mask
+    for case, key in (("nav-seq", "nav_vetoed_tokens"), ("loss-m2po", "m2_masked_tokens")):
+        name, options, _, _ = CONTRACT_CASES[case]
+        mb = with_update_inputs(batch, logprobs, name, options, {}) if has_update_pass(name) else batch
+        stats = policy_loss_fn(name, options, {})(mb, logprobs)[2]["stats"]
+        assert LossStats.merge([stats]).finish()[key] > 0, case
+
+
+def test_take_carries_each_rows_routes():
+    """Routing replay: a micro-batch's routes are its own rows' routes, cut with the row."""
+    batch = collate(_long_tailed_groups(3), pad_id=0)
+    routes = torch.randint(0, 4, (*batch.tokens.shape, 2, 2), dtype=torch.uint8)
+    batch = dataclasses.replace(batch, routes=routes)
+    for rank in token_budget_plan(row_lengths(batch.response_mask), dp=2, budget=BUDGET):
+        for plan in rank:
+            mb = take(batch, plan)
+            for i, row in enumerate(plan.rows):
+                assert torch.equal(mb.routes[i], routes[row, : plan.length])
+                assert torch.equal(mb.tokens[i], batch.tokens[row, : plan.length])
+
+
+# ------------------------------------------------------------------ through Megatron's schedule
+
+
+def _policy(seed: int = 0, **kwargs: Any) -> Policy:
+    groups = initialize_parallel(1, kwargs.pop("pp", 1), seed=seed)
+    return build_policy(hf_config(), groups=groups, dtype=torch.float32, optim=OPTIM, **kwargs)
+
+
+def _params(policy: Policy) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in policy.unwrapped()[0].named_parameters()}
+
+
+def _assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=ATOL, rtol=0, msg=f"parameter {name} differs")
+
+
+def _model_batch() -> TrainBatch:
+    return collate(_long_tailed_groups(4, groups=3, group_size=4), pad_id=0)
+
+
+def _budget_vs_fixed(policy_kwargs: dict[str, Any], batch: TrainBatch, losses: tuple[str, ...]) -> dict[str, Any]:
+    """Fixed 4-row micro-batches vs the token budget from the same weights: log-probs, metrics, weights."""
+    results: dict[str, Any] = {}
+    for name in losses:
+        runs = []
+        for tokens in (None, BUDGET):
+            policy = _policy(seed=0, **policy_kwargs)
+            score = dict(temperature=1.0, micro_batch_size=4, micro_batch_tokens=tokens)
+            logprobs = forward_logprobs(policy, batch, **score)
+            metrics = train_step(policy, batch, loss_name=name, loss_options=_options(name), **score)
+            runs.append((logprobs, metrics, _params(policy)))
+        (lf, mf, pf), (lb, mb, pb) = runs
+        torch.testing.assert_close(lb, lf, atol=ATOL, rtol=0)
+        for key, value in mf.items():
+            if not key.startswith("perf/"):
+                assert mb[key] == pytest.approx(value, abs=ATOL, rel=ATOL, nan_ok=True), (name, key)
+        _assert_params_close(pb, pf)
+        results[name] = (mf, mb)
+    return results
+
+
+def _single_rank(rank: int, world_size: int) -> None:
+    results = _budget_vs_fixed({}, _model_batch(), ("mu_grpo", "m2po"))
+    fixed, budget = results["mu_grpo"]
+    assert budget["perf/padding_frac"] < fixed["perf/padding_frac"]
+    assert budget["perf/dp_token_imbalance"] == 1.0
+
+
+def _routing_replay(rank: int, world_size: int) -> None:
+    """MoE with the rollout's routes replayed: the routes follow their rows into sorted, cut micro-batches
+    (routes that did not would route other tokens' experts and change the log-probs)."""
+    config = hf_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    batch = _model_batch()
+    gen = torch.Generator().manual_seed(1)
+    routes = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(batch.tokens.numel() * 2)])
+    batch = dataclasses.replace(batch, routes=routes.reshape(*batch.tokens.shape, 2, 2).to(torch.uint8))
+    runs = []
+    for tokens in (None, BUDGET):
+        groups = initialize_parallel(1, 1, seed=0)
+        policy = build_policy(
+            config,
+            groups=groups,
+            dtype=torch.float32,
+            optim=OPTIM,
+            moe=MoeConfig(routing_replay="rollout"),
+        )
+        score = dict(temperature=1.0, micro_batch_size=4, micro_batch_tokens=tokens)
+        logprobs = forward_logprobs(policy, batch, **score)
+        metrics = train_step(policy, batch, loss_name="mu_grpo", loss_options=_options("mu_grpo"), **score)
+        runs.append((logprobs, metrics["train/loss"], _params(policy)))
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=ATOL, rtol=0)
+    assert runs[1][1] == pytest.approx(runs[0][1], abs=ATOL)
+    _assert_params_close(runs[1][2], runs[0][2])
+
+
+def _data_parallel(rank: int, world_size: int) -> None:
+    """DP = 2: a by-tokens share per rank gives the update of today's contiguous row shares."""
+    batch = _model_batch()
+    fixed, budget = _budget_vs_fixed({}, batch, ("mu_grpo",))["mu_grpo"]
+    plans = token_budget_plan(row_lengths(batch.response_mask), dp=2, budget=BUDGET)
+    assert budget["perf/dp_token_imbalance"] == pytest.approx(token_imbalance(plans))
+    assert 1.0 <= budget["perf/dp_token_imbalance"] < 1.25
+    assert budget["perf/padding_frac"] < fixed["perf/padding_frac"]
+
+
+def _pipeline_parallel(rank: int, world_size: int) -> None:
+    """PP = 2: the stages exchange activations of a different shape per micro-batch."""
+    _budget_vs_fixed({"pp": 2}, _model_batch(), ("mu_grpo",))
+
+
+@pytest.mark.parametrize("body", [_single_rank, _routing_replay], ids=lambda fn: fn.__name__.strip("_"))
+def test_one_rank_token_budget_equals_fixed_micro_batches(body):
+    run_distributed(body, 1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("body", [_data_parallel, _pipeline_parallel], ids=lambda fn: fn.__name__.strip("_"))
+def test_two_ranks_token_budget_equals_fixed_micro_batches(body):
+    run_distributed(body, 2)
