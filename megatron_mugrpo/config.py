@@ -162,6 +162,7 @@ class RunConfig:
             "parallel.micro_batch_size is larger than one update's responses "
             f"(stages.mini_groups × rollout.group_size = {self.stages.mini_groups * self.rollout.group_size})",
         )
+        self._check_micro_batch_tokens()
         if not self.model.hf_dir:
             tiny = self.model.tiny
             check_model_parallelism(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel)
@@ -197,6 +198,24 @@ class RunConfig:
     def benchmark_reward(self, bench: BenchmarkConfig) -> str:
         """The reward kind that scores an evaluation benchmark."""
         return bench.reward or self.reward.kind
+
+    def _check_micro_batch_tokens(self) -> None:
+        """A token budget must hold the longest row an update can have, and every expert-parallel rank
+        must be able to receive a different number of tokens (the allgather dispatcher cannot)."""
+        budget, rollout = self.parallel.micro_batch_tokens, self.rollout
+        if budget is None:
+            return
+        longest = rollout.max_prompt_tokens + rollout.max_new_tokens
+        require(
+            budget >= longest,
+            f"parallel.micro_batch_tokens={budget} is below the longest row an update can hold "
+            f"(rollout.max_prompt_tokens + rollout.max_new_tokens = {longest}); raise it to at least {longest}",
+        )
+        require(
+            self.parallel.expert_parallel == 1 or self.moe.token_dispatcher != "allgather",
+            "parallel.micro_batch_tokens gives expert-parallel ranks micro-batches of different sizes, which "
+            "moe.token_dispatcher=allgather cannot exchange; use moe.token_dispatcher=alltoall",
+        )
 
     def _check_async(self) -> None:
         """What mode: async cannot combine with (the staged loop's per-stage passes have no async twin)."""

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from dist_utils import run_distributed
+from omegaconf import OmegaConf
 
 from megatron_mugrpo.algorithms.losses import LossStats, MuGrpoOptions, available_losses, has_update_pass
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.algorithms.veto import VETO_SCOPES
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.config import AlgoConfig, OptimConfig, load_config
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate
 from megatron_mugrpo.training.batching import (
@@ -328,3 +330,21 @@ def test_one_rank_token_budget_equals_fixed_micro_batches(body):
 @pytest.mark.parametrize("body", [_data_parallel, _pipeline_parallel], ids=lambda fn: fn.__name__.strip("_"))
 def test_two_ranks_token_budget_equals_fixed_micro_batches(body):
     run_distributed(body, 2)
+
+
+# --------------------------------------------------------------------------------------- config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "models").glob("*.yaml")), ids=lambda p: p.stem)
+def test_paper_models_use_token_budget_micro_batches_at_todays_peak_memory(path):
+    cfg = OmegaConf.load(path)
+    longest = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    assert cfg.parallel.micro_batch_tokens == cfg.parallel.micro_batch_size * longest
+
+
+def test_a_budget_below_the_longest_row_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"parallel\.micro_batch_tokens=10 is below the longest row .* at least 64"):
+        load_config(CONFIGS / "demo_cpu.yaml", ["parallel.micro_batch_tokens=10"])
+    assert load_config(CONFIGS / "demo_cpu.yaml", ["parallel.micro_batch_tokens=64"]).parallel.micro_batch_tokens == 64
