@@ -6,6 +6,7 @@ section, so a new reward is one module plus one ``register_reward`` line:
 
     math   rewards/math_reward.py   the last answer (boxed, last number, gsm8k, <answer>) vs the reference
     code   rewards/code.py          the last fenced program run on the problem's tests in the sandbox
+    qa     rewards/qa.py            the last <answer> vs the accepted answers, exact match after SQuAD normalisation
 
 The training data's responses are scored by ``reward.kind``; each evaluation benchmark by its own
 ``reward`` (default: ``reward.kind``). ``RewardSet`` builds each kind a run needs once.
@@ -94,6 +95,7 @@ def _resolve(target: str) -> Any:
 
 register_reward("math", "megatron_mugrpo.rewards.math_reward:MathReward", "megatron_mugrpo.rewards.answers:MathOptions")
 register_reward("code", "megatron_mugrpo.rewards.code:CodeReward", "megatron_mugrpo.rewards.code:CodeRewardConfig")
+register_reward("qa", "megatron_mugrpo.rewards.qa:QaReward", "megatron_mugrpo.rewards.qa:QaOptions")
 
 
 @dataclass(kw_only=True)
@@ -101,7 +103,7 @@ class _RewardSettings:
     """``reward.*``: the verifier of the training data (``kind``) and the pool that runs it."""
 
     kind: str = "math"
-    """The training data's reward: 'math' or 'code'; its options are the subsection of that name.
+    """The training data's reward: 'math', 'code' or 'qa'; its options are the subsection of that name.
     Each evaluation benchmark may name its own (``eval.benchmarks[].reward``)."""
     workers: int = 2
     """Processes (math: math-verify workers) or sandbox slots (code) scoring at once."""
@@ -168,11 +170,14 @@ def reason_counts(results: Sequence[tuple[float, str]], known: Sequence[str] = (
 def reward_metrics(
     results: Sequence[tuple[float, str]], prefix: str = "rollout/", known: Sequence[str] = ()
 ) -> dict[str, float]:
-    """``{prefix}reason_<reason>`` counts, ``{prefix}reward_mean``, and ``{prefix}test_pass_rate``
-    when the scores carry pass fractions."""
+    """``{prefix}reason_<reason>`` counts, ``{prefix}reward_mean``, ``{prefix}test_pass_rate`` when the
+    scores carry pass fractions and ``{prefix}answer_f1`` when they carry F1 (qa)."""
     metrics = {f"{prefix}reason_{reason}": float(n) for reason, n in reason_counts(results, known).items()}
     metrics[f"{prefix}reward_mean"] = sum(r for r, _ in results) / len(results) if results else 0.0
     fractions = [f for f in (getattr(s, "pass_fraction", None) for s in results) if f is not None]
     if fractions:
         metrics[f"{prefix}test_pass_rate"] = sum(fractions) / len(fractions)
+    f1 = [f for f in (getattr(s, "f1", None) for s in results) if f is not None]
+    if f1:  # qa: token F1 beside the exact-match reward
+        metrics[f"{prefix}answer_f1"] = sum(f1) / len(f1)
     return metrics

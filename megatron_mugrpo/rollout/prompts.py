@@ -26,6 +26,7 @@ from megatron_mugrpo.datafiles import PromptDataError, read_rows
 from megatron_mugrpo.errors import require
 from megatron_mugrpo.rewards.code_data import FORMATS as CODE_FORMATS
 from megatron_mugrpo.rewards.code_data import code_records
+from megatron_mugrpo.rewards.qa import qa_prompt, qa_rows
 from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_reward_kind, builtin_template
 
 if TYPE_CHECKING:
@@ -40,15 +41,15 @@ DEFAULT_BUILTIN_EVAL_SIZE = 256
 """Problems in the built-in task's eval split when a 'builtin' benchmark sets no limit."""
 
 REJECT_REASONS = ("missing_prompt", "missing_answer", "empty_prompt", "empty_answer", "too_long")
-DATA_FORMATS = ("problems", *CODE_FORMATS)
+DATA_FORMATS = ("problems", *CODE_FORMATS, "qa")
 """How a data file's rows are read: 'problems' (a problem and a reference answer per row, read through
 ``prompt_field`` / ``answer_field``: math), 'code_contests' or 'livecodebench' (coding problems with
-their tests, ``rewards/code_data.py``)."""
+their tests, ``rewards/code_data.py``), 'qa' (``{"question", "answers": [...]}``, ``rewards/qa.py``)."""
 
 
 def format_reward_kind(data_format: str) -> str:
     """The reward kind that can score a data format's reference answers."""
-    return "math" if data_format == "problems" else "code"
+    return {"problems": "math", "qa": "qa"}.get(data_format, "code")
 
 
 @dataclass(kw_only=True)
@@ -58,8 +59,8 @@ class DataConfig:
     train_path: str = ""
     """Local JSONL or Parquet file of problems; empty uses the built-in task."""
     format: str = "problems"
-    """How the file's rows are read: 'problems' (prompt_field / answer_field), 'code_contests' or
-    'livecodebench'. The reward (reward.kind) must be able to score them: math or code."""
+    """How the file's rows are read: 'problems' (prompt_field / answer_field), 'code_contests',
+    'livecodebench' or 'qa'. The reward (reward.kind) must be able to score them: math, code or qa."""
     prompt_field: str = "problem"
     """Column holding the problem text (DeepScaleR: 'problem')."""
     answer_field: str = "answer"
@@ -219,6 +220,8 @@ def load_file(
     if data_format == "problems":
         prompt_field, answer_field = fields
         template = instruction_prompt
+    elif data_format == "qa":
+        rows, prompt_field, answer_field, template = qa_rows(rows, path), "problem", "answer", qa_prompt
     else:
         rows = [{"problem": r.prompt, "answer": r.problem.to_json()} for r in code_records(rows, data_format, path)]
         prompt_field, answer_field, template = "problem", "answer", str.strip

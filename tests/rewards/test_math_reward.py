@@ -166,7 +166,7 @@ def test_registry(monkeypatch):
 def test_reward_section_has_one_options_section_per_registered_reward():
     section = registry.RewardConfig()
     assert section.kind == "math" and section.math.answer_format == "boxed" and section.code.sandbox == "bwrap"
-    with pytest.raises(Exception, match=r"reward.kind='poetry' is not one of \('code', 'math'\)"):
+    with pytest.raises(Exception, match=r"reward.kind='poetry' is not one of \('code', 'math', 'qa'\)"):
         registry.RewardConfig(kind="poetry")
     with pytest.raises(Exception, match=r"reward\.math\.answer_format='latex'"):
         MathOptions(answer_format="latex")
