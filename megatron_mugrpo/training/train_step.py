@@ -42,6 +42,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
+from megatron_mugrpo.algorithms.diagnostics import drift_stats, trigger_threshold, with_drift
 from megatron_mugrpo.algorithms.losses import LossStats, has_update_pass, update_inputs
 from megatron_mugrpo.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
@@ -273,7 +274,8 @@ def _variable_shapes(model_chunks: list[torch.nn.Module], varied: bool) -> Itera
 
 def policy_loss_fn(loss_name: str, loss_options: dict[str, Any], caps: dict[str, float]) -> LossFn:
     """Registry loss (with the rollout correction's ``caps`` when one is on) plus the cheap
-    train-vs-rollout log-prob gap, in Megatron's 3-tuple form."""
+    train-vs-rollout log-prob gap and the paper's drift diagnostics, in Megatron's 3-tuple form."""
+    threshold = trigger_threshold(loss_options)
 
     def loss_fn(mb: TrainBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
         out = corrected_policy_loss(
@@ -296,7 +298,11 @@ def policy_loss_fn(loss_name: str, loss_options: dict[str, Any], caps: dict[str,
                 "gap_sum": float(gap.sum()),
                 "gap_max": float(gap.max()) if gap.numel() else 0.0,
                 "response_tokens": float(mask.sum()),
-                "stats": out.stats.host(),
+                # π_θ vs the stored β whatever the loss (and correction) sees: algorithms.diagnostics
+                "stats": with_drift(
+                    out.stats,
+                    drift_stats(logprobs, mb.behaviour_logprobs, mb.advantages, mb.response_mask, threshold=threshold),
+                ).host(),
             }
         # The normaliser counts responses or tokens: an integer, as Megatron's token count must be.
         num_tokens = out.normaliser.detach().round().to(torch.int)
