@@ -19,6 +19,8 @@ first failure's (``CODE_REASONS``), or ``correct``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import logging
@@ -48,8 +50,26 @@ CODE_REASONS = (
     "sandbox_error",
 )
 TEST_KINDS = ("stdin", "functional")
-RUNNER_STATUSES = ("ok", "runtime_error", "timeout", "output_limit", "memory_limit", "syntax_error")
-"""What ``code_runner`` reports per test."""
+RUNNER_STATUSES = ("ok", "runtime_error", "timeout", "output_limit", "memory_limit", "syntax_error", "killed")
+"""What ``code_runner`` reports per test ('killed': SIGKILL, memory or time: see ``_killed_reason``)."""
+HARNESSES = ("plain", "livecodebench")
+"""How a problem's program is run: as written ('plain': code_contests, the built-in tasks), or after
+LiveCodeBench's import prelude (its starter code uses ``List`` and friends without importing them)."""
+LIVECODEBENCH_PRELUDE = (
+    "from string import *\nfrom re import *\nfrom datetime import *\nfrom collections import *\n"
+    "from heapq import *\nfrom bisect import *\nfrom copy import *\nfrom math import *\nfrom random import *\n"
+    "from statistics import *\nfrom itertools import *\nfrom functools import *\nfrom operator import *\n"
+    "from io import *\nfrom sys import *\nfrom json import *\nfrom builtins import *\nfrom typing import *\n"
+    "import string\nimport re\nimport datetime\nimport collections\nimport heapq\nimport bisect\nimport copy\n"
+    "import math\nimport random\nimport statistics\nimport itertools\nimport functools\nimport operator\n"
+    "import io\nimport sys\nimport json\nsys.setrecursionlimit(50000)\n"
+)
+"""LiveCodeBench's ``import_string`` (lcb_runner/evaluation/testing_util.py), which its runner prepends to
+every solution, functional and stdin alike. It runs here in the program's namespace before the program
+(the same names, and the program's line numbers and ``from __future__`` imports stay its own)."""
+PRELUDES = {"plain": "", "livecodebench": LIVECODEBENCH_PRELUDE}
+JAIL_LINE_OVERHEAD = 256
+"""Bytes of the runner's JSON line around one test's base64 output."""
 LANGUAGE_TAGS = {"python": ("python", "python3", "py")}
 """Fence labels accepted per language; an unlabelled fence is accepted when no labelled one exists."""
 SANDBOXES = ("bwrap", "none")
@@ -58,6 +78,8 @@ RUNNER = Path(__file__).with_name("code_runner.py")
 log = logging.getLogger(__name__)
 JAIL_OVERHEAD_S = 5.0
 """Wall seconds the jail gets beyond its tests' own: the sandbox's and the runner's start-up."""
+SWEEP_ALLOWANCE_S = 1.0
+"""Wall seconds per test for the runner's clean-up between tests (killing, emptying /tmp)."""
 _FENCE = re.compile(r"```([^\n`]*)\n(.*?)```", re.DOTALL)
 
 
@@ -113,10 +135,14 @@ class CodeProblem:
     """Entry point of a functional problem (a method of ``Solution`` or a function)."""
     time_limit_s: float | None = None
     memory_limit_mib: int | None = None
+    harness: str = "plain"
+    """'plain' or 'livecodebench' (``HARNESSES``): what runs before the program."""
 
     def __post_init__(self) -> None:
         if self.kind not in TEST_KINDS:
             raise InputError(f"test kind {self.kind!r} is not one of {TEST_KINDS}")
+        if self.harness not in HARNESSES:
+            raise InputError(f"harness {self.harness!r} is not one of {HARNESSES}")
         if len(self.inputs) != len(self.outputs) or not self.inputs:
             raise InputError(
                 f"a problem needs tests with one output per input ({len(self.inputs)} vs {len(self.outputs)})"
@@ -135,6 +161,7 @@ class CodeProblem:
                 "func_name": self.func_name,
                 "time_limit_s": self.time_limit_s,
                 "memory_limit_mib": self.memory_limit_mib,
+                "harness": self.harness,
             },
             separators=(",", ":"),
         )
@@ -151,6 +178,7 @@ class CodeProblem:
                 func_name=spec.get("func_name"),
                 time_limit_s=spec.get("time_limit_s"),
                 memory_limit_mib=spec.get("memory_limit_mib"),
+                harness=spec.get("harness", "plain"),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InputError(
@@ -167,6 +195,8 @@ class CodeScore:
     passed: int
     total: int
     seconds: float
+    detail: str = ""
+    """Why the first failing test failed, in words (e.g. 'the returned value is nested too deeply'); may be empty."""
 
     @property
     def pass_fraction(self) -> float:
@@ -185,8 +215,10 @@ def extract_program(response: str, language: str = "python") -> str | None:
 
 
 def outputs_match(expected: str, actual: str, tolerance: float = 0.0) -> bool:
-    """Equal line by line after normalising whitespace (trailing blank lines ignored); with a
-    tolerance, numeric tokens match within it (absolute or relative)."""
+    """Equal line by line after normalising whitespace (trailing blank lines ignored). With a tolerance,
+    a pair of numeric tokens of which one is a non-integer decimal (``0.5``, ``1e-3``) matches within it
+    (absolute or relative) when both are finite; integer tokens always compare exactly, and only
+    plain decimals are numbers (``1_000``, ``inf``, ``nan`` are compared as text)."""
     want, got = _lines(expected), _lines(actual)
     if len(want) != len(got):
         return False
@@ -200,11 +232,18 @@ def outputs_match(expected: str, actual: str, tolerance: float = 0.0) -> bool:
 
 
 def values_match(expected: Any, actual: Any, tolerance: float = 0.0) -> bool:
-    """Returned values (parsed JSON) equal, floats within the tolerance, tuples as lists."""
+    """Returned values (parsed JSON) equal, tuples as lists. Integers compare exactly (any size); the
+    tolerance applies only when one side is a float and both are finite; True is not 1."""
+    if isinstance(expected, _BigInt) or isinstance(actual, _BigInt):
+        return type(expected) is type(actual) and str.__eq__(expected, actual)
     if isinstance(expected, bool) or isinstance(actual, bool):
-        return type(expected) is type(actual) and expected == actual  # True is not 1
+        return type(expected) is type(actual) and expected == actual
     if isinstance(expected, (int, float)) and isinstance(actual, (int, float)):
-        return expected == actual or (tolerance > 0 and _close(float(expected), float(actual), tolerance))
+        if expected == actual:
+            return True
+        if tolerance <= 0 or not (isinstance(expected, float) or isinstance(actual, float)):
+            return False
+        return _close(expected, actual, tolerance)
     if isinstance(expected, list) and isinstance(actual, list):
         return len(expected) == len(actual) and all(values_match(a, b, tolerance) for a, b in zip(expected, actual))
     if isinstance(expected, dict) and isinstance(actual, dict):
@@ -223,7 +262,8 @@ def score_response(box: Sandbox, response: str, problem: CodeProblem, cfg: CodeR
 
 
 def score_program(box: Sandbox, program: str, problem: CodeProblem, cfg: CodeRewardConfig) -> CodeScore:
-    """Run ``program`` on every test of ``problem`` in one sandbox and compare the outputs here."""
+    """Run ``program`` on every test of ``problem`` in one sandbox and compare the outputs here, each
+    test's as soon as its line arrives. Whatever the program writes is data: never an exception."""
     started = time.perf_counter()
     cpu_s = min(problem.time_limit_s or cfg.max_cpu_s, cfg.max_cpu_s)
     test_wall_s = 2 * cpu_s + 1  # a program that sleeps or waits uses no CPU: bound its wall time too
@@ -231,40 +271,127 @@ def score_program(box: Sandbox, program: str, problem: CodeProblem, cfg: CodeRew
     spec = {
         "kind": problem.kind,
         "func_name": problem.func_name,
-        "tests": list(problem.inputs),
+        "tests": list(problem.inputs),  # on the runner's stdin: no file in the jail holds every input
+        "prelude": PRELUDES[problem.harness],
         "cpu_s": cpu_s,
         "wall_s": test_wall_s,
         "output_bytes": cfg.output_bytes,
+        "processes": cfg.processes,
         "stop_at_first_failure": cfg.stop_at_first_failure,
+        "sweep": box.sweep,
     }
+    # Output is capped per test (the runner); the jail's cap only has to hold every test's line:
+    # base64 (4 bytes per 3) of at most output_bytes, plus the line's own JSON.
+    line_bytes = 4 * (cfg.output_bytes // 3 + 1) + JAIL_LINE_OVERHEAD
     limits = Limits(
         cpu_s=total * cpu_s + JAIL_OVERHEAD_S,
-        wall_s=total * test_wall_s + JAIL_OVERHEAD_S,
+        wall_s=total * (test_wall_s + SWEEP_ALLOWANCE_S) + JAIL_OVERHEAD_S,
         memory_mib=min(problem.memory_limit_mib or cfg.max_memory_mib, cfg.max_memory_mib),
         processes=cfg.processes,
-        output_bytes=16 * cfg.output_bytes + 4096 * total,
+        output_bytes=total * line_bytes + 65536,
         scratch_mib=cfg.scratch_mib,
     )
-    files = {"main.py": program.encode(), "runner.py": RUNNER.read_bytes(), "tests.json": json.dumps(spec).encode()}
-
-    def failed(stdout: bytes) -> bool:  # expected outputs never enter the sandbox: stop from here
-        results = _runner_results(stdout, total)
-        return any(_test_status(problem, i, r, cfg.float_tolerance) != "ok" for i, r in enumerate(results))
-
-    stop = failed if cfg.stop_at_first_failure else None
-    run = box.run(files, ["runner.py"], stdin=b"", limits=limits, stop=stop)
-    results = _runner_results(run.stdout, total)
-    passed, reason = 0, "correct"
-    for index, result in enumerate(results):
-        status = _test_status(problem, index, result, cfg.float_tolerance)
+    verdicts = _Verdicts(problem, cfg.float_tolerance, cfg.stop_at_first_failure)
+    files = {"main.py": program.encode(), "runner.py": RUNNER.read_bytes()}
+    run = box.run(files, ["runner.py"], stdin=json.dumps(spec).encode(), limits=limits, consume=verdicts.feed)
+    passed, reason, detail = 0, "correct", ""
+    for status, why in verdicts.results:
         if status == "ok":
             passed += 1
         elif reason == "correct":
-            reason = status
-    if len(results) < total and reason == "correct":
-        reason = _jail_reason(run)
+            reason, detail = (_killed_reason(run) if status == "killed" else status), why
+    if len(verdicts.results) < total and reason == "correct":
+        reason, detail = _jail_reason(run), verdicts.broken or run.status
     reward = 1.0 if passed == total else (passed / total if cfg.partial else 0.0)
-    return CodeScore(reward, reason, passed, total, time.perf_counter() - started)
+    return CodeScore(reward, reason, passed, total, time.perf_counter() - started, detail)
+
+
+class _Verdicts:
+    """The runner's report, read as it streams: each complete line is one test's result, compared at
+    once (so the run stops at the first failure, and no line is parsed twice). A line that is not the
+    runner's ends the reading (a program that spoils the report spoils only its own score)."""
+
+    def __init__(self, problem: CodeProblem, tolerance: float, stop_at_first_failure: bool) -> None:
+        self.problem, self.tolerance, self.stop = problem, tolerance, stop_at_first_failure
+        self.results: list[tuple[str, str]] = []
+        """(status, detail) per test, in order: 'ok', 'wrong_answer' or the runner's status."""
+        self.broken = ""
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take a chunk of the runner's stdout; True when the run may stop (a failure, or a broken report)."""
+        self._buffer += chunk
+        start = 0
+        while not self.broken and len(self.results) < len(self.problem.inputs):
+            end = self._buffer.find(b"\n", start)
+            if end < 0:
+                break
+            self._take(bytes(self._buffer[start:end]))
+            start = end + 1
+        del self._buffer[:start]
+        failed = any(status != "ok" for status, _ in self.results)
+        return bool(self.broken) or (self.stop and failed)
+
+    def _take(self, line: bytes) -> None:
+        try:
+            report = json.loads(line)
+            status, output = report["status"], base64.b64decode(report["output"], validate=True)
+        except (ValueError, TypeError, KeyError, RecursionError, binascii.Error) as exc:
+            self.broken = f"the runner's report is unreadable ({type(exc).__name__})"
+            return
+        if status not in RUNNER_STATUSES:
+            self.broken = f"the runner's report has an unknown status {str(status)[:40]!r}"
+            return
+        index = len(self.results)
+        if status != "ok":
+            self.results.append((status, ""))
+            return
+        self.results.append(_compare(self.problem, index, output, self.tolerance))
+
+
+def _compare(problem: CodeProblem, index: int, output: bytes, tolerance: float) -> tuple[str, str]:
+    """('ok' | 'wrong_answer', why) for one test's output; never raises, whatever the bytes."""
+    try:
+        text = output.decode("utf-8")
+    except UnicodeDecodeError:
+        return "wrong_answer", "the output is not UTF-8"
+    try:
+        if problem.kind == "stdin":
+            same = outputs_match(problem.outputs[index], text, tolerance)
+            return ("ok", "") if same else ("wrong_answer", "the output differs")
+        expected, why = _load_json(problem.outputs[index])
+        if why:
+            return "wrong_answer", f"the expected value is unreadable: {why}"
+        actual, why = _load_json(text)
+        if why:
+            return "wrong_answer", f"the returned value is unreadable: {why}"
+        same = values_match(expected, actual, tolerance)
+        return ("ok", "") if same else ("wrong_answer", "the returned value differs")
+    except RecursionError:
+        return "wrong_answer", "the returned value is nested too deeply to compare"
+    except (ValueError, TypeError, OverflowError, MemoryError) as exc:
+        return "wrong_answer", f"the output cannot be compared ({type(exc).__name__})"
+
+
+class _BigInt(str):
+    """A JSON integer too long for ``int()`` (Python's 4,300-digit limit): compared by its exact text."""
+
+
+BIG_INT_DIGITS = 4000
+
+
+def _exact_int(text: str) -> int | _BigInt:
+    return int(text) if len(text) <= BIG_INT_DIGITS else _BigInt(text)
+
+
+def _load_json(text: str) -> tuple[Any, str]:
+    """(value, '') or (None, why it cannot be read)."""
+    try:
+        return json.loads(text, parse_int=_exact_int), ""
+    except RecursionError:
+        return None, "nested too deeply"
+    except (ValueError, TypeError) as exc:
+        return None, f"not JSON ({str(exc)[:80]})"
 
 
 class CodeRewardPool:
@@ -356,44 +483,20 @@ class CodeReward:
         self.pool.close()
 
 
-def _runner_results(stdout: bytes, total: int) -> list[dict[str, str]]:
-    """The runner's JSON lines, in test order; stops at the first line that is not one (a program that
-    wrote into the runner's output spoils only its own score)."""
-    results = []
-    for line in stdout.decode(errors="replace").split("\n")[:total]:
-        try:
-            result = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if not isinstance(result, dict) or result.get("status") not in RUNNER_STATUSES:
-            break
-        results.append({"status": result["status"], "output": str(result.get("output", ""))})
-    return results
-
-
 def _jail_reason(run: RunResult) -> str:
-    """Why the sandbox ended before every test ran (the runner itself stopped)."""
+    """Why the sandbox ended before every test ran (the runner itself stopped, or its report broke)."""
     if run.status == "stopped":
         return "wrong_answer"
+    if run.oom_kills:
+        return "memory_limit"
     if run.status in ("timeout", "memory_limit", "output_limit", "sandbox_error"):
         return run.status
     return "runtime_error"
 
 
-def _test_status(problem: CodeProblem, index: int, result: dict[str, str], tolerance: float) -> str:
-    """'ok', 'wrong_answer', or the runner's status for test ``index``."""
-    if result["status"] != "ok":
-        return result["status"]
-    return "ok" if _matches(problem.kind, problem.outputs[index], result["output"], tolerance) else "wrong_answer"
-
-
-def _matches(kind: str, expected: str, actual: str, tolerance: float) -> bool:
-    if kind == "stdin":
-        return outputs_match(expected, actual, tolerance)
-    try:
-        return values_match(json.loads(expected), json.loads(actual), tolerance)
-    except json.JSONDecodeError:
-        return False
+def _killed_reason(run: RunResult) -> str:
+    """A test killed by SIGKILL: the jail's memory cgroup killed something (memory), else the CPU's hard limit."""
+    return "memory_limit" if run.oom_kills else "timeout"
 
 
 def _lines(text: str) -> list[str]:
@@ -403,16 +506,25 @@ def _lines(text: str) -> list[str]:
     return lines
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
 def _token_match(a: str, b: str, tolerance: float) -> bool:
     if a == b:
         return True
-    if tolerance <= 0:
+    if tolerance <= 0 or (_INTEGER.fullmatch(a) and _INTEGER.fullmatch(b)):
         return False
-    try:
-        return _close(float(a), float(b), tolerance)
-    except ValueError:
+    if not (_DECIMAL.fullmatch(a) and _DECIMAL.fullmatch(b)):
         return False
+    return _close(float(a), float(b), tolerance)
 
 
 def _close(a: float, b: float, tolerance: float) -> bool:
-    return math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance)
+    """Within the tolerance (absolute or relative), both finite: two numbers too large for a float
+    (both inf) are not 'close'."""
+    try:
+        a, b = float(a), float(b)
+    except OverflowError:
+        return False
+    return math.isfinite(a) and math.isfinite(b) and math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance)

@@ -91,9 +91,9 @@ def test_partial_credit_and_stopping_at_the_first_failure(box):
 
 def test_expected_outputs_never_enter_the_sandbox(box):
     """A program that reads the test file and prints it learns no answer (the comparison runs outside)."""
-    thief = "import json\nspec = json.load(open('/code/tests.json'))\nprint(json.dumps(spec))\n"
+    thief = "import os\nprint(sorted(os.listdir('/code')), open('/code/runner.py').read()[:0])\n"
     score = score_program(box, thief, SUM, CFG)
-    assert score.reason == "wrong_answer"
+    assert score.reason == "wrong_answer"  # /code holds the program and the runner: no test, no answer
     forger = 'print(\'{"status": "ok", "output": "3"}\')\n'  # pretends to be the runner's report
     assert score_program(box, forger, SUM, CFG).reason == "wrong_answer"
 
