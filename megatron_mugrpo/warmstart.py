@@ -34,6 +34,7 @@ from megatron_mugrpo.rollout.tasks import (
     builtin_problems,
     builtin_prompt,
     builtin_reward_kind,
+    builtin_solution,
     builtin_template,
     code_solution,
 )
@@ -143,7 +144,8 @@ class WarmStartConfig:
     """Examples per supervised step."""
     answer_noise: float = 0.0
     """Fraction of warm-start examples with a deliberate flaw: for a math task the final boxed answer
-    has one digit miscopied (the worked steps stay right); for a code task the program leaves its input
+    has one digit miscopied (the worked steps stay right); for a running-sum task one partial sum slips
+    and the rest of the chain carries the error to the box; for a code task the program leaves its input
     as text (``a,b=input().split()``, wrong or failing once run). The demos use it to start RL from a
     policy with a systematic flaw that only the reward (verifier, tests) reveals."""
 
@@ -295,9 +297,12 @@ def sft_batch(
     code_prompt = builtin_template(task) if task is not None and builtin_reward_kind(task) == "code" else None
     seqs, labels = [], []
     for row in rows:
+        chain = builtin_solution(task, row["problem"], noise=noise, rng=rng) if task is not None else None
         if code_prompt is not None:
             prompt = tokenizer(code_prompt(row["problem"]))["input_ids"]
             solution = code_solution(row["problem"], flawed=rng.random() < noise)
+        elif chain is not None:  # a long-chain task writes its own chain (a slipped step is its flaw)
+            prompt, solution = tokenizer(builtin_prompt(row["problem"]))["input_ids"], chain
         else:
             prompt = tokenizer(builtin_prompt(row["problem"]))["input_ids"]
             boxed = miscopy(row["answer"], rng) if rng.random() < noise else row["answer"]

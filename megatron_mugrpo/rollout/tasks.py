@@ -6,6 +6,11 @@ generated here. Prompts are kept short on purpose: a character-level model pays 
 * **Math** (``arithmetic``, ``addition``, ...): short two-operand sums/differences such as ``23+58``;
   the prompt is ``23+58=`` and the model is taught (warm start) to answer ``\\boxed{81}`` followed by
   EOS, which the math reward verifies like any real answer.
+* **Long chains** (``running_sum``, ``running_sum_long``, ``running_sum_hard``): add ``terms`` numbers
+  left to right writing every partial sum, ``3+7+2=`` → ``3+7=10,10+2=12,\\boxed{12}``. Answers are
+  150-400 tokens, and one wrong partial sum carries through to the boxed answer, so a response has
+  a long suffix after its first mistake (the regime the μ-GRPO paper's negative-advantage veto is
+  about). ``terms`` sets the length, ``max_term`` the difficulty (``RunningSumTask``).
 * **Code** (``code_expr``): the problem is an expression in two integers, e.g. ``max(a,b)*3-7``; the
   prompt is ``max(a,b)*3-7:`` and the answer is a program that reads ``a b`` from stdin and prints the
   expression's value, in a fence (``code_solution``). The reference answer is a ``CodeProblem`` (as
@@ -65,6 +70,85 @@ class ArithmeticTask:
 
     def prompt(self, problem: str) -> str:
         return builtin_prompt(problem)
+
+
+CHAIN_SLIPS = (-10, -1, 1, 10)
+"""What a slipped partial sum is off by: a dropped or an extra carry, or a units digit off by one."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunningSumTask:
+    """Add ``terms`` integers from [1, max_term] left to right, writing every partial sum.
+
+    The problem is the sum itself, ``3+7+2``; the answer taught (``chain_solution``) is the chain of
+    the ``terms − 1`` additions, each starting from the previous partial sum, then the total boxed:
+    ``3+7=10,10+2=12,\\boxed{12}``. Only the boxed total is verified (the math reward), and since every
+    step starts from the one before, a wrong partial sum anywhere makes the total wrong: the tokens
+    after a response's first mistake are a suffix whose fate was sealed by it.
+
+    Length (characters, so tokens, of the answer) grows linearly in ``terms``: with one-digit terms a
+    step is about 9 characters, with two-digit terms about 12 (measured: docs/long_reasoning.md).
+    Difficulty: ``max_term`` (9: one-digit terms, 99: two-digit ones) and ``terms`` (each step is a
+    chance to slip).
+    """
+
+    terms: int
+    """Length knob: numbers to add (the answer has terms − 1 steps)."""
+    max_term: int = 9
+    """Difficulty knob: terms are drawn uniformly from [1, max_term]."""
+    reward_kind: ClassVar[str] = "math"
+
+    def __post_init__(self) -> None:
+        if self.terms < 2:
+            raise ValueError(f"RunningSumTask.terms={self.terms} must be >= 2 (one addition at least)")
+        if self.max_term < 1:
+            raise ValueError(f"RunningSumTask.max_term={self.max_term} must be >= 1")
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        """One (problem, answer) pair, e.g. ('3+7+2', '12')."""
+        values = [rng.randint(1, self.max_term) for _ in range(self.terms)]
+        return "+".join(map(str, values)), str(sum(values))
+
+    def prompt(self, problem: str) -> str:
+        return builtin_prompt(problem)
+
+    def solution(self, problem: str, *, flawed: bool, rng: random.Random) -> str:
+        """The chain the warm start teaches; ``flawed``: one step (uniform over the steps) slips by one
+        of ``CHAIN_SLIPS`` and every later step continues from the wrong sum (``chain_solution``)."""
+        steps = problem.count("+")
+        if not flawed:
+            return chain_solution(problem)
+        return chain_solution(problem, slip_step=rng.randrange(steps), slip=rng.choice(CHAIN_SLIPS))
+
+
+def chain_solution(problem: str, *, slip_step: int | None = None, slip: int = 0) -> str:
+    """The running-sum chain of ``problem`` ('3+7+2' → '3+7=10,10+2=12,\\boxed{12}').
+
+    With ``slip_step`` = k (0-based), the k-th step's written sum is off by ``slip`` (clamped at 0),
+    and the following steps add to that wrong sum, so the boxed total is off as well: an early
+    mistake carries through to the end.
+    """
+    values = [int(v) for v in problem.split("+")]
+    total, steps = values[0], []
+    for k, value in enumerate(values[1:]):
+        new = total + value
+        if k == slip_step:
+            new = max(0, new + slip)
+        steps.append(f"{total}+{value}={new}")
+        total = new
+    return ",".join(steps) + "," + builtin_completion(str(total))
+
+
+def chain_first_error(problem: str, response: str) -> int | None:
+    """The index of the first wrong step of a response to a running-sum ``problem`` (a step whose
+    operands or sum differ from the correct chain's, or that is missing), or None when every step
+    and the total are right. Steps are the comma-separated parts before the box."""
+    expected = chain_solution(problem).split(",")
+    written = response.split(",")
+    for k, step in enumerate(expected):
+        if k >= len(written) or written[k].strip() != step:
+            return k
+    return None
 
 
 CODE_CORES: dict[str, Callable[[Any, Any], Any]] = {
@@ -182,13 +266,20 @@ def code_solution(problem: str, *, flawed: bool = False) -> str:
     return f"```\n{read}\nprint({problem})\n```"
 
 
-BUILTIN_TASKS: dict[str, ArithmeticTask | CodeExpressionTask] = {
+BuiltinTask = ArithmeticTask | RunningSumTask | CodeExpressionTask
+
+BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "arithmetic_easy": ArithmeticTask(max_operand=9, operators="+-"),
     "addition": ArithmeticTask(max_operand=99, operators="+"),
     "arithmetic": ArithmeticTask(max_operand=99, operators="+-"),
     "arithmetic_hard": ArithmeticTask(max_operand=999, operators="+-*"),
+    "running_sum": RunningSumTask(terms=20, max_term=9),
+    "running_sum_long": RunningSumTask(terms=40, max_term=9),
+    "running_sum_hard": RunningSumTask(terms=16, max_term=99),
     "code_expr": CodeExpressionTask(),
 }
+"""Built-in tasks (``data.builtin_task``). The running sums' answer lengths with the character tokenizer
+(measured over 2,000 train problems; docs/long_reasoning.md) are in RunningSumTask's docstring."""
 
 
 def is_eval_problem(problem: str) -> bool:
@@ -240,7 +331,18 @@ def builtin_reward_kind(task: str) -> str:
     return _task(task).reward_kind
 
 
-def _task(task: str) -> ArithmeticTask | CodeExpressionTask:
+def builtin_solution(task: str, problem: str, *, noise: float, rng: random.Random) -> str | None:
+    """The completion the warm start teaches for a task that defines its own: the running sums' chain,
+    flawed (one slipped step) with probability ``noise``. None for a task whose worked solution the
+    warm start writes itself (two-operand arithmetic, code); ``rng`` is then left untouched, so those
+    tasks' warm starts draw exactly what they drew before."""
+    spec = _task(task)
+    if not isinstance(spec, RunningSumTask):
+        return None
+    return spec.solution(problem, flawed=rng.random() < noise, rng=rng)
+
+
+def _task(task: str) -> BuiltinTask:
     if task not in BUILTIN_TASKS:
         raise ValueError(f"unknown built-in task {task!r} (data.builtin_task); choose one of {tuple(BUILTIN_TASKS)}")
     return BUILTIN_TASKS[task]

@@ -1,0 +1,99 @@
+"""The long-reasoning task family (running sums with every partial sum written out)."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from megatron_mugrpo.rewards.registry import build_reward
+from megatron_mugrpo.rollout.tasks import (
+    BUILTIN_TASKS,
+    RunningSumTask,
+    build_char_tokenizer,
+    builtin_problems,
+    builtin_prompt,
+    builtin_reward_kind,
+    builtin_solution,
+    chain_first_error,
+    chain_solution,
+)
+from megatron_mugrpo.warmstart import sft_batch
+
+CHAIN_TASKS = sorted(name for name, spec in BUILTIN_TASKS.items() if isinstance(spec, RunningSumTask))
+
+
+@pytest.mark.parametrize(
+    ("problem", "kwargs", "expected"),
+    [
+        ("3+7+2", {}, "3+7=10,10+2=12,\\boxed{12}"),
+        ("3+7+2+5", {"slip_step": 0, "slip": -1}, "3+7=9,9+2=11,11+5=16,\\boxed{16}"),
+        ("3+7+2+5", {"slip_step": 2, "slip": 10}, "3+7=10,10+2=12,12+5=27,\\boxed{27}"),
+        ("1+1", {"slip_step": 0, "slip": -10}, "1+1=0,\\boxed{0}"),
+    ],
+)
+def test_chain_solution_by_hand(problem: str, kwargs: dict, expected: str) -> None:
+    assert chain_solution(problem, **kwargs) == expected
+
+
+@pytest.mark.parametrize("task", CHAIN_TASKS)
+def test_answers_lengths_and_difficulty(task: str) -> None:
+    spec = BUILTIN_TASKS[task]
+    rows = builtin_problems(task, 300, seed=1, split="train")
+    tokenizer = build_char_tokenizer()
+    lengths = []
+    for row in rows:
+        values = [int(v) for v in row["problem"].split("+")]
+        assert len(values) == spec.terms and all(1 <= v <= spec.max_term for v in values)
+        assert sum(values) == int(row["answer"])
+        lengths.append(len(tokenizer(chain_solution(row["problem"]), add_special_tokens=False)["input_ids"]) + 1)
+    assert min(lengths) >= 150 and max(lengths) <= 400, (min(lengths), statistics.median(lengths), max(lengths))
+    assert builtin_reward_kind(task) == "math" and builtin_prompt(rows[0]["problem"]).endswith("=")
+
+
+def test_length_grows_with_terms() -> None:
+    rng = random.Random(0)
+    short, long = RunningSumTask(terms=8), RunningSumTask(terms=32)
+    assert len(chain_solution(short.sample(rng)[0])) < len(chain_solution(long.sample(rng)[0]))
+    with pytest.raises(ValueError, match="terms=1"):
+        RunningSumTask(terms=1)
+
+
+def test_an_early_slip_carries_to_the_box_and_the_reward_sees_it() -> None:
+    rows = builtin_problems("running_sum", 40, seed=0, split="eval")
+    rng = random.Random(3)
+    spec = BUILTIN_TASKS["running_sum"]
+    flawed = [spec.solution(r["problem"], flawed=True, rng=rng) for r in rows]
+    right = [chain_solution(r["problem"]) for r in rows]
+    reward = build_reward("math", workers=1, timeout_s=5.0)
+    try:
+        scores = reward.score(right + flawed, [r["answer"] for r in rows] * 2)
+    finally:
+        reward.close()
+    assert [s for s, _ in scores] == [1.0] * len(rows) + [0.0] * len(rows)
+    for row, text in zip(rows, flawed):
+        k = chain_first_error(row["problem"], text)
+        assert k is not None and k < spec.terms - 1  # the slip is a step, and every later sum inherits it
+        assert all(
+            step != good for step, good in zip(text.split(",")[k:], chain_solution(row["problem"]).split(",")[k:])
+        )
+    assert all(chain_first_error(r["problem"], t) is None for r, t in zip(rows, right))
+
+
+def test_warm_start_teaches_the_chain_with_slips_at_the_noise_rate() -> None:
+    tokenizer = build_char_tokenizer()
+    rows = builtin_problems("running_sum", 400, seed=0, split="train")
+    batch = sft_batch(rows, tokenizer, noise=0.5, rng=random.Random(1), task="running_sum")
+    texts = [tokenizer.decode([t for t in lab.tolist() if t >= 0], skip_special_tokens=True) for lab in batch["labels"]]
+    slipped = sum(chain_first_error(r["problem"], t) is not None for r, t in zip(rows, texts))
+    assert 0.4 < slipped / len(rows) < 0.6
+    assert all(t.startswith(r["problem"].split("+")[0] + "+") for r, t in zip(rows, texts))
+
+
+def test_other_tasks_leave_the_warm_start_rng_alone() -> None:
+    rng = random.Random(7)
+    state = rng.getstate()
+    assert builtin_solution("addition", "23+58", noise=0.5, rng=rng) is None
+    assert builtin_solution("code_expr", "a+b", noise=0.5, rng=rng) is None
+    assert rng.getstate() == state
