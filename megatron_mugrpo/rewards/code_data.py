@@ -11,7 +11,8 @@ row and the field.
   ``private_test_cases`` as JSON lists of ``{"input", "output", "testtype": "stdin" | "functional"}``
   (the release compresses the private ones: base64 of zlib of a pickled JSON string, read here with
   an unpickler that accepts a plain string and nothing else); ``metadata`` (JSON) with ``func_name``.
-  A functional test's input holds one JSON value per line, the entry point's arguments.
+  A functional test's input holds one JSON value per line, the entry point's arguments. Its programs
+  run after LiveCodeBench's import prelude (``harness="livecodebench"``), as its own runner does.
 
     problems = load_code_problems("data/code_contests_train.jsonl", "code_contests")
     problems[0].prompt, problems[0].problem.inputs[0]
@@ -118,7 +119,9 @@ def livecodebench_record(row: dict[str, Any], *, where: str) -> CodeRecord:
     if kind == "functional" and not func_name:
         raise CodeDataError(f"{where}: functional tests need metadata.func_name")
     inputs = tuple(_functional_args(c["input"], where) if kind == "functional" else c["input"] for c in cases)
-    problem = CodeProblem(inputs=inputs, outputs=tuple(str(c["output"]) for c in cases), kind=kind, func_name=func_name)
+    outputs = tuple(str(c["output"]) for c in cases)
+    # LiveCodeBench's harness runs every solution after its import prelude; its starter code relies on it.
+    problem = CodeProblem(inputs=inputs, outputs=outputs, kind=kind, func_name=func_name, harness="livecodebench")
     instruction = FUNCTIONAL_INSTRUCTION if starter else CODE_INSTRUCTION
     prompt = f"{question.strip()}\n\n{instruction}"
     if starter:

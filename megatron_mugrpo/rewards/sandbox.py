@@ -489,6 +489,8 @@ def _diagnose(result: RunResult) -> str:
         )
     elif "resource temporarily unavailable" in lowered or "cannot fork" in lowered:
         cause = "a process limit (RLIMIT_NPROC of this user, or pids.max of this cgroup) stops bubblewrap from forking"
+    elif "failed to execute" in lowered or "permission denied" in lowered:
+        cause = "a program of the chain (bubblewrap, the interpreter) cannot be executed by the sandbox's uid"
     elif "jail_helper" in lowered:
         cause = "the jail could not join its cgroup or drop to its uid"
     elif "seccomp" in lowered:
