@@ -19,7 +19,13 @@ import shutil
 from pathlib import Path
 
 from megatron_mugrpo.conversion.errors import ConversionError
-from megatron_mugrpo.conversion.hf_io import TOKENIZER_FILES, HfCheckpoint, atomic_output_dir, save_hf_dir
+from megatron_mugrpo.conversion.hf_io import (
+    TOKENIZER_FILES,
+    HfCheckpoint,
+    atomic_output_dir,
+    check_output_dir,
+    save_hf_dir,
+)
 from megatron_mugrpo.conversion.launch import run_on_ranks
 from megatron_mugrpo.conversion.live import export_hf, load_hf_into_model
 from megatron_mugrpo.conversion.megatron_io import (
@@ -152,16 +158,13 @@ def megatron_to_hf(
     metadata = read_metadata(step_dir)
     check_convertible(metadata["hf_config"], tp, pp, ep)
     tokenizer = Path(tokenizer_dir) if tokenizer_dir else tokenizer_dir_for(step_dir, metadata)
-    with atomic_output_dir(out) as tmp:
-        # save_hf_dir writes atomically itself; it gets a fresh path inside our temporary directory.
-        run_on_ranks(
-            megatron_to_hf_on_rank,
-            tp=tp,
-            pp=pp,
-            ep=ep,
-            args=(str(step_dir), str(tmp / "hf"), metadata["dtype"], str(tokenizer) if tokenizer else None),
-        )
-        for item in (tmp / "hf").iterdir():
-            item.rename(tmp / item.name)
-        (tmp / "hf").rmdir()
-    return Path(out)
+    out = check_output_dir(out)  # refused before any rank starts
+    # Rank 0's save_hf_dir builds the directory aside and renames it into place: whole or absent.
+    run_on_ranks(
+        megatron_to_hf_on_rank,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        args=(str(step_dir), str(out), metadata["dtype"], str(tokenizer) if tokenizer else None),
+    )
+    return out

@@ -21,7 +21,6 @@ import json
 import mmap
 import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -206,36 +205,12 @@ def check_output_dir(out_dir: str | Path) -> Path:
 
 @contextmanager
 def atomic_output_dir(out_dir: str | Path, *, fsync: bool = False) -> Iterator[Path]:
-    """A temporary sibling directory that becomes ``out_dir`` only when the block succeeds.
-
-    On failure the temporary directory is removed, so no partial output ever sits at ``out_dir``.
-    ``fsync``: every file and directory in it is made durable before the rename, and the rename after,
-    so that a record naming ``out_dir`` can be trusted after a power loss.
-    """
-    out = check_output_dir(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    """``durable.atomic_dir`` for the converter's outputs, which never overwrite: a temporary sibling
+    directory that becomes ``out_dir`` only when the block succeeds; ConversionError first when
+    ``out_dir`` exists and is not empty. ``fsync``: durable before and after the rename, for a
+    directory that a record will name."""
+    with durable.atomic_dir(check_output_dir(out_dir), fsync=fsync) as tmp:
         yield tmp
-        if fsync:
-            _fsync_tree(tmp)
-        if out.exists():
-            out.rmdir()  # empty (checked above): os.replace needs it gone
-        durable.replace(tmp, out, fsync=fsync)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory (deepest first), then ``root``. Files fsynced while they
-    were written cost nothing here: they hold no dirty pages."""
-    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
-        if path.is_dir():
-            durable.fsync_dir(path)
-        else:
-            durable.fsync_file(path)
-    durable.fsync_dir(root)
 
 
 class _PinnedStaging:
@@ -369,7 +344,7 @@ def _finalise_shard_names(weight_map: dict[str, str], count: int, out: Path) -> 
     for index in range(1, count + 1):
         old = f"model-{index:05d}.safetensors"
         new = SAFE_SINGLE if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
-        os.replace(out / old, out / new)
+        durable.rename_unpublished(out / old, out / new)
         renames[old] = new
     return {name: renames[file] for name, file in weight_map.items()}
 

@@ -8,6 +8,11 @@ Every file that another process (or a resumed run) trusts goes through here:
   A writer killed mid-write leaves only ``NAME.tmp``, which nobody reads.
 - ``atomic_path``: the same for a file that a library writes itself (Arrow, Parquet): the block
   writes to the temporary path it is given.
+- ``atomic_dir``: the same for a whole directory (a Hugging Face export, a built base model): the block
+  fills a fresh temporary sibling, which is fsynced (when asked) and renamed into place, replacing an
+  older directory when asked. A reader sees the old directory or the complete new one.
+- ``read_json``: the JSON value of a file that other processes replace atomically, or None before the
+  first write.
 - ``Checksum``: ``(algorithm, hexdigest)``. New records use xxHash3-128 (``DEFAULT_ALGORITHM``);
   records written with SHA-256 still verify, because every record names its algorithm.
 
@@ -24,6 +29,9 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
+import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,15 +190,21 @@ def atomic_path(path: str | Path, *, fsync: bool = True) -> Iterator[Path]:
         raise
 
 
-def atomic_write_bytes(path: str | Path, data: bytes, *, fsync: bool = True) -> None:
+def atomic_write_bytes(path: str | Path, data: bytes, *, fsync: bool = True, mode: int | None = None) -> None:
     """Replace ``path``'s content with ``data``: temporary file, fsync, rename, fsync of the directory.
 
-    ``fsync=False`` keeps the atomic rename but skips both fsyncs (for files that can be regenerated)."""
-    with atomic_path(path, fsync=False) as tmp, open(tmp, "wb") as stream:
-        stream.write(data)
-        if fsync:
-            stream.flush()
-            os.fsync(stream.fileno())
+    ``fsync=False`` keeps the atomic rename but skips both fsyncs (for files that can be regenerated).
+    ``mode`` (e.g. 0o600 for a secret): the file's permissions from its creation on, never the umask's
+    for a moment; None leaves them to the umask."""
+    with atomic_path(path, fsync=False) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        with open(fd, "wb") as stream:
+            if mode is not None:
+                os.fchmod(fd, mode)  # a leftover temporary of that name keeps its old mode through O_TRUNC
+            stream.write(data)
+            if fsync:
+                stream.flush()
+                os.fsync(fd)
     if fsync:
         fsync_dir(Path(path).parent)
 
@@ -205,6 +219,66 @@ def atomic_write_json(
     """``atomic_write_bytes`` of ``json.dumps(obj)`` plus a final newline (``dumps`` go to ``json.dumps``)."""
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, **dumps) + "\n"
     atomic_write_bytes(path, text.encode(), fsync=fsync)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file, then every directory (deepest first), then ``root``. Files fsynced while they
+    were written cost nothing here: they hold no dirty pages."""
+    root = Path(root)
+    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
+        if path.is_dir():
+            fsync_dir(path)
+        else:
+            fsync_file(path)
+    fsync_dir(root)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, *, replace_existing: bool = False, fsync: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary sibling directory (``.NAME.tmp-XXXX``) for the block to build ``path`` in;
+    when the block succeeds it becomes ``path``, on failure it is removed and ``path`` is untouched.
+
+    ``fsync``: every file and directory in it is made durable before the rename, and the rename after,
+    so that a record naming ``path`` can be trusted after a power loss (off for output that can be
+    rebuilt). An existing empty ``path`` is replaced; a non-empty one only with ``replace_existing``,
+    which moves it aside (``.NAME.old-XXXX``), renames the new one in, then deletes the old: a crash
+    between the two renames leaves no ``path`` and the old content aside, never a half-built ``path``.
+    Without ``replace_existing`` a non-empty ``path`` is a FileExistsError before anything is built."""
+    path = Path(path)
+    if not replace_existing and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists and is not empty")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}{TMP_SUFFIX}-", dir=path.parent))
+    try:
+        yield tmp
+        if fsync:
+            fsync_tree(tmp)
+        _swap_dir(tmp, path, fsync=fsync)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_dir(new: Path, path: Path, *, fsync: bool) -> None:
+    """Rename directory ``new`` to ``path``, moving an existing ``path`` aside first and deleting it after."""
+    old = None
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()  # rename(2) may replace an empty directory, but not on every platform
+    elif path.exists():
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+    replace(new, path, fsync=fsync)
+    if old is not None and old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:
+        old.unlink()
+
+
+def rename_unpublished(source: str | Path, target: str | Path) -> None:
+    """Rename inside a directory that ``atomic_dir`` is still building: nothing can read it before the
+    directory's own rename, so this needs no fsync and no order (the converter's shard names, known
+    only once the last shard is written)."""
+    os.replace(source, target)
 
 
 def read_json(path: str | Path) -> Any:

@@ -39,6 +39,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.errors import InputError, MissingInputError
 
 METRIC_PREFIXES = ("rollout/", "train/", "perf/", "eval/", "replay/")
@@ -115,8 +116,8 @@ def _drop_redone(path: Path, *, keep_records: int | None) -> tuple[list, list]:
     """Drop the training records logged after the checkpoint a continued run restarts from.
 
     Returns (kept, dropped); ``keep_records=None`` drops nothing. Records with a "source" (standalone
-    commands) are always kept. Rewritten under a temporary name and renamed, so a crash here leaves
-    the old file intact.
+    commands) are always kept. Rewritten through ``durable`` (temporary name, fsync, rename), so a crash
+    here leaves the old file or the new one, whole.
     """
     records = _read_records(path)
 
@@ -126,9 +127,7 @@ def _drop_redone(path: Path, *, keep_records: int | None) -> tuple[list, list]:
     kept = [r for i, r in enumerate(records) if not redone(i, r)]
     dropped = [r for i, r in enumerate(records) if redone(i, r)]
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        tmp.replace(path)
+        durable.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept, dropped
 
 

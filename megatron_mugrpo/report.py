@@ -69,6 +69,7 @@ matplotlib.use("Agg")  # files only: never needs a display, safe on headless nod
 
 import matplotlib.pyplot as plt  # the backend above must be chosen before pyplot loads
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.metrics import read_metrics
 
 EVAL_AVG = "eval/avg_pass@1"
@@ -578,10 +579,11 @@ def _plot_bands(
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    fig.savefig(tmp, dpi=FIGURE_DPI, format="png")
-    plt.close(fig)
-    tmp.replace(out_path)
+    try:
+        with durable.atomic_path(out_path, fsync=False) as tmp:  # a report is regenerated, never resumed from
+            fig.savefig(tmp, dpi=FIGURE_DPI, format="png")
+    finally:
+        plt.close(fig)
     return out_path
 
 
@@ -700,14 +702,6 @@ def per_run_markdown_table(groups: list[SeedGroup]) -> list[str]:
     return rows
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` under a temporary name, then rename: a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-    return path
-
-
 def write_sweep_report(
     groups: list[SeedGroup],
     out_dir: str | Path,
@@ -726,17 +720,18 @@ def write_sweep_report(
     groups = [group for group in groups if group.runs]
     all_notes = list(notes)
     plots = plot_sweep(groups, out, all_notes) if groups else []
-    tables = [
-        write_text_atomic(out / "summary.csv", summary_csv(groups)),
-        write_text_atomic(out / "runs.csv", runs_csv(groups)),
-    ]
+    tables = [out / "summary.csv", out / "runs.csv"]
+    # Atomic, so a reader never sees half a file; no fsync: a report is regenerated from the runs.
+    for path, text in zip(tables, (summary_csv(groups), runs_csv(groups)), strict=True):
+        durable.atomic_write_text(path, text, fsync=False)
     lines = [f"# {title}", "", *header, "", "## Mean ± std over seeds", "", *summary_markdown_table(groups), ""]
     lines += [f"- {key}: {text}" for key, text in RUN_FIGURES.items()]
     lines += ["- std: sample standard deviation over seeds (n − 1); one seed shows its value alone", ""]
     lines += ["## Plots (mean ± 1 std over seeds)", "", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     lines += ["## Per run", "", *per_run_markdown_table(groups), ""]
     lines += ["## Notes", "", *([f"- {n}" for n in all_notes] or ["- none"])]
-    summary = write_text_atomic(out / "summary.md", "\n".join(lines) + "\n")
+    summary = out / "summary.md"
+    durable.atomic_write_text(summary, "\n".join(lines) + "\n", fsync=False)
     return [*plots, *tables, summary]
 
 

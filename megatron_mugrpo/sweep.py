@@ -64,6 +64,7 @@ from typing import Any
 
 import yaml
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.commands import mugrpo_argv, train_argv
 from megatron_mugrpo.errors import ConfigError, InputError
 from megatron_mugrpo.rundir import CONFIG_FILE
@@ -373,9 +374,7 @@ def differing_keys(saved: Any, expected: Any, prefix: str = "") -> list[str]:
 
 
 def _write_status(run_dir: Path, record: dict[str, Any]) -> None:
-    tmp = run_dir / (STATUS_FILE + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(run_dir / STATUS_FILE)
+    durable.atomic_write_json(run_dir / STATUS_FILE, record, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -584,7 +583,7 @@ def run_sweep(
             echo(f"{states[run.name]:<9} {run.name}: {' '.join(run.argv(resume=states[run.name] == 'resume'))}")
         return 0
     with sweep_lock(out) as lock_fd:
-        (out / PLAN_FILE).write_text(json.dumps(_plan_record(spec, parallel, threads), indent=2) + "\n")
+        durable.atomic_write_json(out / PLAN_FILE, _plan_record(spec, parallel, threads), indent=2)
         pending = [run for run in plan if states[run.name] != FINISHED]
         echo(
             f"{len(plan)} runs: {len(plan) - len(pending)} finished, {len(pending)} to run; "

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.errors import require
 from megatron_mugrpo.rollout.tasks import (
     build_char_tokenizer,
@@ -163,16 +163,14 @@ def base_model_dir(model: ModelConfig, warmstart: WarmStartConfig, out_dir: Path
     marker = out_dir / WARMSTART_FILE
     if marker.is_file() and json.loads(marker.read_text()).get("spec") == spec:
         return out_dir
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = build_char_tokenizer(tmp)
-    policy = build_tiny_model(model.tiny, tokenizer, seed=seed)
-    losses = supervised_warmstart(policy, tokenizer, warmstart, task=task, seed=seed)
-    policy.save_pretrained(str(tmp), safe_serialization=True)
-    (tmp / WARMSTART_FILE).write_text(json.dumps({"spec": spec, "final_loss": losses[-1] if losses else None}))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)  # the marker travels with the rename: a half-built directory is never reused
+    # Built aside and swapped in whole (replacing a model of other settings), the marker inside: a
+    # half-built directory is never reused. fsync: the marker vouches for every file beside it.
+    with durable.atomic_dir(out_dir, replace_existing=True, fsync=True) as tmp:
+        tokenizer = build_char_tokenizer(tmp)
+        policy = build_tiny_model(model.tiny, tokenizer, seed=seed)
+        losses = supervised_warmstart(policy, tokenizer, warmstart, task=task, seed=seed)
+        policy.save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / WARMSTART_FILE).write_text(json.dumps({"spec": spec, "final_loss": losses[-1] if losses else None}))
     return out_dir
 
 

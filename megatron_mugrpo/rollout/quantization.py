@@ -47,15 +47,14 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import shutil
-import uuid
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rollout.engine import shutdown_engine
 
@@ -291,11 +290,9 @@ def export_checkpoint(model: torch.nn.Module, target: str | Path, *, tokenizer_d
     from modelopt.torch.export import export_hf_checkpoint
 
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     if not getattr(model.config, "architectures", None):  # built from a config: the export and SGLang need it
         model.config.architectures = [type(model).__name__]
-    try:
+    with durable.atomic_dir(target, replace_existing=True) as scratch:
         with _quiet():
             export_hf_checkpoint(model, export_dir=str(scratch))
         if tokenizer_dir is not None:
@@ -305,19 +302,7 @@ def export_checkpoint(model: torch.nn.Module, target: str | Path, *, tokenizer_d
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copy2(Path(tokenizer_dir) / name, scratch / name)
-        _replace_dir(scratch, target)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     return target
-
-
-def _replace_dir(source: Path, target: Path) -> None:
-    """Rename ``source`` to ``target``; an existing ``target`` is moved aside first and removed after."""
-    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-    if target.exists():
-        os.replace(target, old)
-    os.replace(source, target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def dequantized_state_dict(export_dir: str | Path) -> dict[str, torch.Tensor]:
