@@ -154,6 +154,8 @@ def _garbage(result: object, limits: EnvLimits) -> str | None:
         return f"step() returned reason {result.reason!r}, not a non-empty string"
     if result.done and result.reason == CONTINUE:
         return "step() returned done with reason 'continue'"
+    if not isinstance(result.info, dict):
+        return f"step() returned info of type {type(result.info).__name__}, not a dict"
     ids = result.observation_ids
     if not isinstance(ids, Sequence) or not all(isinstance(t, int) and t >= 0 for t in ids):
         return "step() returned observation ids that are not non-negative integers"

@@ -25,6 +25,13 @@ prompt + the tokens fed so far (``kv="recompute"``: every later token is sampled
 policy, as a teacher-forced forward under it computes; tested) or kept (``kv="keep"``: no extra
 forward, but the tokens after the switch come from the new weights attending to the old weights' keys
 and values, a policy the trainer never computes). Every token records the version that sampled it.
+
+Multi-turn rollouts (``generate_trajectories``, issue #37): token in, token out. A trajectory holds the
+ids the policy sampled and the environment's observation ids between its turns (``envs/trajectory.py``),
+with a policy mask and behaviour log-probs for policy tokens only. Rows at different turns share a batch;
+after an observation a row feeds only its new tokens (a left-padded chunk) into the KV cache it keeps,
+so the log-probs equal a teacher-forced forward over prompt + trajectory (tested). Not yet combined
+with partial rollouts or route recording.
 """
 
 from __future__ import annotations
@@ -33,13 +40,16 @@ import functools
 import gc
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_mugrpo.envs.base import ENV_ERROR, EnvLimits, Episode, StepResult, guarded_step
+from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, stop_hit
 from megatron_mugrpo.errors import MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
@@ -401,6 +411,135 @@ class TransformersEngine:
             logits_to_keep=1,
         )
         return cache
+
+    # --------------------------------------------------------------- multi-turn
+
+    def generate_trajectories(
+        self,
+        prompts: list[list[int]],
+        episodes: list[Episode],
+        params: SamplingParams,
+        *,
+        limits: EnvLimits,
+        decode: Callable[[list[int]], str],
+        stop_strings: Sequence[str] = (),
+    ) -> list[Trajectory]:
+        """One multi-turn trajectory per prompt, with ``episodes[i]`` as prompt i's environment.
+
+        Token in, token out: a trajectory holds the ids the policy sampled and the observation ids the
+        environment returned, never re-encoded; ``decode`` only makes the text the environment reads.
+        A policy turn ends at a stop string (``stop_strings``, e.g. '</search>'), at
+        ``params.max_new_tokens`` tokens, or at EOS (which ends the trajectory). Rows at different turns
+        share a batch: after an observation a row feeds its last sampled token and the observation in
+        the next forward (a left-padded chunk), so only new tokens are prefilled and the KV cache is kept.
+        Environment calls go through ``guarded_step`` (limits, timeout, errors), those of one step at once.
+        """
+        if len(episodes) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(episodes)} episodes; give one episode per prompt")
+        if self.interrupt is not None or self.recorder is not None or not self.use_cache:
+            raise ValueError(
+                "multi-turn rollouts need the KV cache and support neither partial rollouts nor route recording yet"
+            )
+        check_prompt_ids(prompts, self.vocab_size)
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        trajectories: list[Trajectory] = []
+        for start in range(0, len(prompts), self.batch_size):
+            end = start + self.batch_size
+            rows = [
+                TrajectoryBuilder(prompt_length=len(p), episode=e, limits=limits, max_turn_tokens=params.max_new_tokens)
+                for p, e in zip(prompts[start:end], episodes[start:end])
+            ]
+            self._rollout_batch(prompts[start:end], rows, params.temperature, generator, decode, tuple(stop_strings))
+            trajectories += [row.build() for row in rows]
+        return trajectories
+
+    @torch.inference_mode()
+    def _rollout_batch(
+        self,
+        prompts: list[list[int]],
+        rows: list[TrajectoryBuilder],
+        temperature: float,
+        generator: torch.Generator,
+        decode: Callable[[list[int]], str],
+        stop_strings: tuple[str, ...],
+    ) -> None:
+        """Decode one batch of trajectories to their ends, in phases: prefill the prompts; then per step
+        sample, hand the turns that ended to the environment, retire the rows that ended, and feed the
+        rest their next chunk (the last sampled token, after an observation followed by it)."""
+        from transformers import DynamicCache
+
+        model = self._live_model()
+        step_ids, mask = left_pad(prompts, self.pad_token_id, self.device)
+        step_pos = position_ids_from_mask(mask)
+        next_pos = step_pos[:, -1] + 1  # [A]: position of each row's next input token
+        cache = DynamicCache(config=model.config)
+        live, eos = list(range(len(rows))), set(self.eos_token_ids)
+        while live:
+            logits = model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+            token, logprob = sample_with_logprob(logits, temperature, generator)
+            feeds = self._advance_rows(
+                [rows[b] for b in live], token.tolist(), logprob.tolist(), eos, decode, stop_strings
+            )
+            keep = [a for a, feed in enumerate(feeds) if feed]
+            if not keep:
+                break
+            if len(keep) < len(live):  # retire ended rows at once: the next chunk is built for live rows only
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                mask, next_pos = mask[index], next_pos[index]
+                live, feeds = [live[a] for a in keep], [feeds[a] for a in keep]
+            step_ids, step_mask = left_pad(feeds, self.pad_token_id, self.device)
+            step_pos = next_pos[:, None] + position_ids_from_mask(step_mask)
+            next_pos = next_pos + step_mask.sum(dim=1)
+            mask = torch.cat([mask, step_mask], dim=1)
+
+    def _advance_rows(
+        self,
+        rows: list[TrajectoryBuilder],
+        tokens: list[int],
+        logprobs: list[float],
+        eos: set[int],
+        decode: Callable[[list[int]], str],
+        stop_strings: tuple[str, ...],
+    ) -> list[list[int]]:
+        """Record each row's sample and run the environment on the turns that ended. Returns each row's ids
+        to feed next: its token, after an observation the token and the observation; [] once it ended."""
+        ended = []
+        for row, token, logprob in zip(rows, tokens, logprobs):
+            row.add_sampled(token, logprob)
+            stopped = bool(stop_strings) and stop_hit(decode(row.turn_ids()), stop_strings)
+            if row.turn_over(eos=token in eos, stopped=stopped):
+                ended.append(row)
+        observations = {id(row): row.apply(result) for row, result in zip(ended, self._env_steps(ended, decode))}
+        return [[] if row.done else [token, *observations.get(id(row), [])] for row, token in zip(rows, tokens)]
+
+    def _env_steps(self, rows: list[TrajectoryBuilder], decode: Callable[[list[int]], str]) -> list[StepResult]:
+        """The environment's answers to the turns that just ended, called at once (each bounded by its
+        timeout). An observation id the model cannot embed is the environment's error."""
+        if not rows:
+            return []
+
+        def call(row: TrajectoryBuilder) -> StepResult:
+            result = guarded_step(
+                row.episode, row.turn(decode), row.limits, turn_index=len(row.turns), total_tokens=row.total_tokens
+            )
+            bad = [t for t in result.observation_ids if t >= self.vocab_size]
+            if bad:
+                message = f"observation id {bad[0]} is outside the model's vocabulary ({self.vocab_size} ids)"
+                return StepResult(done=True, reason=ENV_ERROR, seconds=result.seconds, info={"error": message})
+            return result
+
+        if len(rows) == 1:
+            return [call(rows[0])]
+        with ThreadPoolExecutor(max_workers=len(rows), thread_name_prefix="env-step") as pool:
+            return list(pool.map(call, rows))
 
     def teacher_forced_logprobs(
         self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperature: float

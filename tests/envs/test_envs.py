@@ -74,6 +74,7 @@ def test_an_environment_that_raises_ends_the_trajectory_with_env_error():
         StepResult(observation_ids=(), done=False),
         StepResult(done=True),  # done with reason 'continue'
         StepResult(done=True, reason=""),
+        StepResult(observation_ids=(1,), done=False, info="not a dict"),
     ],
 )
 def test_garbage_ends_the_trajectory_with_env_error(garbage):
