@@ -7,6 +7,12 @@ JSON snapshot of what ``megatron_mugrpo.rollout.sglang_engine`` relies on:
 * ``engine``: the signatures of ``sglang.Engine``'s public methods;
 * ``server_args``: the fields of ``ServerArgs`` (every keyword ``Engine(...)`` accepts);
 * ``sampling_params`` / ``generate_req_input``: the fields of ``SamplingParams`` and ``GenerateReqInput``;
+* ``returns``: what each Engine method our engine checks answers (``RETURN_METHODS``), followed from
+  ``Engine.X`` to the tokenizer manager's ``X``: ``tuple[N]`` (a tuple whose first item is the success
+  flag), ``object[success,message]`` (an ``...Output`` with those fields), ``none``, or ``unknown``;
+* ``session``: the weight-update session's rules, read from the scheduler side: which calls are refused
+  outside ``begin_weight_update()`` / ``end_weight_update()``, and SGLang's own refusal message of each
+  session call (a second begin, an end without begin, an update outside a session);
 * ``flags``: behaviours found in the source, each a text probe of a named file (``PROBES`` below):
   whether weight updates need a begin/end session, whether log-probs are taken after the temperature,
   the environment variable that turns that off, whether per-request seeds need deterministic mode, the
@@ -45,6 +51,17 @@ ENGINE_FILE = "sglang/srt/entrypoints/engine.py"
 SERVER_ARGS_FILE = "sglang/srt/server_args.py"
 SAMPLING_PARAMS_FILE = "sglang/srt/sampling/sampling_params.py"
 IO_STRUCT_FILE = "sglang/srt/managers/io_struct.py"
+MANAGERS_DIR = "sglang/srt/managers/"
+RETURN_METHODS = (
+    "begin_weight_update",
+    "end_weight_update",
+    "update_weights_from_tensor",
+    "update_weights_from_disk",
+    "flush_cache",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+)
+"""Engine methods whose answers ``sglang_engine`` reads (``_check_ok``) or ignores."""
 NAMESPACE_FIELDS_DIR = "sglang/srt/arg_groups/fields/"
 """From 0.5.20 ``ServerArgs`` declares no field itself: it collects them from the classes in these
 files that carry ``_NS_PATH`` (``arg_groups/fields/__init__.py::collect_input_fields``)."""
@@ -205,6 +222,110 @@ def probe(sources: dict[str, str], check: Probe) -> bool:
     return any(re.search(check.pattern, text) for text in texts)
 
 
+def _functions(sources: dict[str, str], prefix: str) -> dict[str, list[tuple[str, ast.AST]]]:
+    """Every function and method under ``prefix``, name -> [(path, node)] (parse errors skipped)."""
+    found: dict[str, list[tuple[str, ast.AST]]] = {}
+    for path in sorted(p for p in sources if p.startswith(prefix)):
+        try:
+            tree = ast.parse(sources[path])
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.setdefault(node.name, []).append((path, node))
+    return found
+
+
+def _manager_call(method: ast.AST) -> str | None:
+    """The ``self.tokenizer_manager.X`` an Engine method hands its request to."""
+    for node in ast.walk(method):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "tokenizer_manager"
+        ):
+            return node.attr
+    return None
+
+
+def _answer_shape(function: ast.AST, output_fields: dict[str, set[str]]) -> str:
+    """What ``function`` returns: tuple literals win over the annotation (0.5.x's update_weights_from_disk
+    is annotated Tuple[bool, str] and returns three items)."""
+    values = [node.value for node in ast.walk(function) if isinstance(node, ast.Return) and node.value is not None]
+    arities = sorted({len(v.elts) for v in values if isinstance(v, ast.Tuple)})
+    if arities:
+        return f"tuple[{arities[-1]}]"
+    returns = getattr(function, "returns", None)
+    annotation = ast.unparse(returns) if returns is not None else ""
+    match = re.fullmatch(r"(?:typing\.)?[Tt]uple\[(.*)\]", annotation)
+    if match:
+        return f"tuple[{len(match.group(1).split(','))}]"
+    if annotation in output_fields and {"success", "message"} <= output_fields[annotation]:
+        return "object[success,message]"
+    if annotation == "None" or (not values and returns is None):
+        return "none"
+    return "unknown"
+
+
+def answer_shapes(sources: dict[str, str]) -> dict[str, str]:
+    """``RETURN_METHODS`` that Engine defines -> the shape of their answer (see the module docstring)."""
+    engine = {name: node for name, node in _functions({ENGINE_FILE: sources[ENGINE_FILE]}, ENGINE_FILE).items()}
+    managers = {
+        name: [(path, node) for path, node in nodes if "tokenizer" in path.rsplit("/", 1)[-1]]
+        for name, nodes in _functions(sources, MANAGERS_DIR).items()
+    }
+    output_fields = _output_fields(sources.get(IO_STRUCT_FILE, ""))
+    shapes = {}
+    for name in RETURN_METHODS:
+        if name not in engine:
+            continue
+        target = _manager_call(engine[name][0][1])
+        candidates = managers.get(target or "", [])
+        shapes[name] = _answer_shape(candidates[0][1], output_fields) if candidates else "unknown"
+    return shapes
+
+
+def _output_fields(source: str) -> dict[str, set[str]]:
+    """io_struct's classes -> their annotated fields."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return {}
+    return {
+        node.name: {i.target.id for i in node.body if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)}
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def session_rules(sources: dict[str, str]) -> dict[str, object]:
+    """The weight-update session as the scheduler enforces it: ``required_by`` (calls refused outside a
+    session) and ``refusals`` (call -> SGLang's message when it refuses it for the session's state)."""
+    refusals: dict[str, str] = {}
+    for name, nodes in _functions(sources, MANAGERS_DIR).items():
+        for path, node in nodes:
+            if "tokenizer" in path.rsplit("/", 1)[-1] or "_session" not in ast.unparse(node):
+                continue
+            for branch in ast.walk(node):
+                if isinstance(branch, ast.If) and "_session" in ast.unparse(branch.test):
+                    message = _returned_message(branch.body)
+                    if message is not None:
+                        refusals.setdefault(name, message)
+                        break
+    required = sorted(n for n, m in refusals.items() if re.search(r"must run between\s*begin_weight_update\(\)", m))
+    return {"required_by": required, "refusals": dict(sorted(refusals.items()))}
+
+
+def _returned_message(body: list[ast.stmt]) -> str | None:
+    """The ``message=`` string of the first ``return X(success=False, message=...)`` in ``body``."""
+    for statement in body:
+        if isinstance(statement, ast.Return) and isinstance(statement.value, ast.Call):
+            for keyword in statement.value.keywords:
+                if keyword.arg == "message" and isinstance(keyword.value, ast.Constant):
+                    return str(keyword.value.value)
+    return None
+
+
 def snapshot(wheel: Path) -> dict[str, object]:
     """The JSON-ready snapshot of one wheel."""
     sources = read_sources(wheel)
@@ -221,6 +342,8 @@ def snapshot(wheel: Path) -> dict[str, object]:
         "server_args": server_args_fields(sources),
         "sampling_params": class_fields(sources[SAMPLING_PARAMS_FILE], "SamplingParams", SAMPLING_PARAMS_FILE),
         "generate_req_input": class_fields(sources[IO_STRUCT_FILE], "GenerateReqInput", IO_STRUCT_FILE),
+        "returns": answer_shapes(sources),
+        "session": session_rules(sources),
         "flags": flags,
         "flag_meanings": {name: check.meaning for name, check in PROBES.items()},
     }
@@ -237,7 +360,7 @@ def _version_from_name(wheel: Path) -> str:
 def diff(old: dict[str, object], new: dict[str, object]) -> list[str]:
     """Human-readable differences between two snapshots (empty: same contract)."""
     lines: list[str] = []
-    for section in ("engine", "server_args", "sampling_params", "generate_req_input", "flags"):
+    for section in ("engine", "server_args", "sampling_params", "generate_req_input", "returns", "session", "flags"):
         a, b = old.get(section, {}), new.get(section, {})
         assert isinstance(a, dict) and isinstance(b, dict)
         for key in sorted(set(a) | set(b)):

@@ -205,6 +205,7 @@ class SGLangEngine:
         )
         self._memory_saver = enable_memory_saver
         self._deterministic = deterministic
+        self._gpu = torch.device("cuda", base_gpu_id)
         self._released = False
         self._weights_valid = True
 
@@ -221,13 +222,15 @@ class SGLangEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors in buckets of about WEIGHT_BUCKET_BYTES inside one weight-update
         session; the KV cache is flushed once, with the last bucket. Until every bucket and the
-        session's end succeeded the engine's weights count as invalid (``generate`` refuses)."""
+        session's end succeeded the engine's weights count as invalid (``generate`` refuses).
+        Tensors in pinned host memory (a memory publication, staged outside SGLang's GPU fraction) go to
+        the GPU one bucket at a time (``_on_gpu``)."""
         self._refuse_quantized_reload("update_weights_from_tensor")
         self._resume()
         self._weights_valid = False
         with self._weight_update_session():
             for bucket, last in _buckets(named_tensors, WEIGHT_BUCKET_BYTES):
-                result = self._engine.update_weights_from_tensor(bucket, flush_cache=last)
+                result = self._engine.update_weights_from_tensor(_on_gpu(bucket, self._gpu), flush_cache=last)
                 _check_ok(result, f"update_weights_from_tensor({[n for n, _ in bucket][:3]}...)")
         self._weights_valid = True
 
@@ -350,6 +353,13 @@ def _buckets(
     yield (ready if ready is not None else bucket), True
 
 
+def _on_gpu(bucket: list[tuple[str, torch.Tensor]], gpu: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The bucket with its pinned host tensors copied to ``gpu`` (blocking: SGLang's scheduler reads them by
+    CUDA IPC from another process): SGLang receives the tensors of a publication staged on the host the way
+    it receives a GPU's, and the GPU holds at most one bucket of them beyond SGLang's fraction."""
+    return [(name, tensor.to(gpu) if tensor.is_pinned() else tensor) for name, tensor in bucket]
+
+
 def generation_from_output(output: dict[str, Any]) -> Generation:
     """Convert one SGLang output dict (``return_logprob=True``) into a Generation."""
     meta = output["meta_info"]
@@ -368,21 +378,38 @@ def generation_from_output(output: dict[str, Any]) -> Generation:
 
 
 def _check_ok(result: Any, what: str) -> None:
-    """Raise when an SGLang call reports failure. Its answers: (success, message[, ...]) tuples (weight
-    updates, the weight-update session), objects with ``success`` / ``message`` (``flush_cache``'s
-    FlushCacheReqOutput), dicts of the same, or a bare bool."""
+    """Raise when an SGLang call reports failure, or answers in a shape this engine does not know.
+
+    SGLang's answers, as read from its source for both ends of SUPPORTED_SGLANG (the snapshots'
+    ``returns``): (success, message[, num_paused_requests]) tuples (weight updates, the weight-update
+    session) and objects with a bool ``success`` and a ``message`` (``flush_cache``'s FlushCacheReqOutput);
+    a dict of the same or a bare bool is taken too. Anything else (None, an empty tuple, a success that is
+    not a bool) is an SGLangContractError: an answer not understood is never taken for success.
+    """
     if isinstance(result, bool):
         ok, message = result, ""
-    elif isinstance(result, dict):
-        ok, message = result.get("success", True), result.get("message", "")
+    elif isinstance(result, dict) and "success" in result:
+        ok, message = result["success"], result.get("message", "")
     elif isinstance(result, (tuple, list)) and result:
         ok, message = result[0], result[1] if len(result) > 1 else ""
-    elif hasattr(result, "success"):
+    elif hasattr(result, "success") and not isinstance(result, (dict, tuple, list)):
         ok, message = result.success, getattr(result, "message", "")
     else:
-        return
+        ok, message = None, ""
+    if not isinstance(ok, bool):
+        raise SGLangContractError(
+            f"SGLang {what} answered {_shown(result)}, which is neither a (success, message) tuple nor an object "
+            "with a bool 'success': this engine cannot tell whether it worked. The installed SGLang answers "
+            f"differently from the versions this engine was checked against (sglang{SUPPORTED_SGLANG}); run "
+            "`python tools/sglang_contract.py --check VERSION` to see what changed"
+        )
     if not ok:
         raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:120]}{'...' if len(text) > 120 else ''}"
 
 
 def _hf_vocab_size(hf_dir: str | Path) -> int:

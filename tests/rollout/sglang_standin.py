@@ -7,9 +7,13 @@ source says instead: the stand-in's ``Engine``
   real dataclass raises);
 * defines exactly the snapshot's public methods (a method of another version is an AttributeError)
   and binds every call against the real signature;
-* refuses tensor weight updates outside ``begin_weight_update()`` / ``end_weight_update()`` where the
-  snapshot's ``weight_update_session`` flag says SGLang does, with SGLang's own (success, message)
-  answer;
+* keeps the weight-update session by the snapshot's ``session`` rules, read from SGLang's scheduler: the
+  calls it lists in ``required_by`` are refused outside ``begin_weight_update()`` /
+  ``end_weight_update()``, a second begin and an end without begin are refused, each with SGLang's own
+  message (``refusals``);
+* answers every call our engine checks in the shape the snapshot's ``returns`` read from SGLang's source
+  (``tuple[N]``: success first; ``object[success,message]``; ``none``), so ``_check_ok`` sees what SGLang
+  hands back, not what this file assumes;
 * fails the way SGLang does on an in-place reload of a ModelOpt FP8 model;
 * honours a request's ``sampling_seed`` only in deterministic mode, decodes greedily with T = 1
   log-probs below the snapshot's greedy temperature, and answers with SGLang's output shape:
@@ -24,6 +28,7 @@ it does not replace a GPU run.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -107,21 +112,36 @@ class _Behaviour:
 
     # ------------------------------------------------------------------------------- weights
 
-    def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
-        if self.session_open:
-            return False, "a weight-update session is already open; call end_weight_update() first"
-        self.session_open = True
-        return True, "Success"
+    def _answer(self, method: str, ok: bool, message: str) -> Any:
+        """``method``'s answer in the shape the snapshot read from SGLang's source."""
+        shape = self.snapshot["returns"].get(method, "unknown")
+        if shape.startswith("tuple["):  # (success, message[, num_paused_requests])
+            return (ok, message, *[0] * (int(shape[len("tuple[") : -1]) - 2))
+        if shape == "object[success,message]":
+            return types.SimpleNamespace(success=ok, message=message)
+        if shape == "none":
+            return None
+        raise NotImplementedError(f"the snapshot does not say what Engine.{method} answers ({shape})")
 
-    def end_weight_update(self) -> tuple[bool, str]:
+    def _refusal(self, method: str) -> str:
+        return self.snapshot["session"]["refusals"][method]
+
+    def begin_weight_update(self, selector: str = "all") -> Any:
+        if self.session_open:
+            return self._answer("begin_weight_update", False, self._refusal("begin_weight_update"))
+        self.session_open = True
+        return self._answer("begin_weight_update", True, "Success")
+
+    def end_weight_update(self) -> Any:
         if not self.session_open:
-            return False, "no weight-update session is open; call begin_weight_update() first"
+            return self._answer("end_weight_update", False, self._refusal("end_weight_update"))
         self.session_open = False
-        return True, "Success"
+        return self._answer("end_weight_update", True, "Success")
 
     def update_weights_from_tensor(self, named_tensors: Any, load_format: Any = None, flush_cache: bool = True):
-        if self.snapshot["flags"]["weight_update_session"] and not self.session_open:
-            return False, ("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+        answer = functools.partial(self._answer, "update_weights_from_tensor")
+        if "update_weights_from_tensor" in self.snapshot["session"]["required_by"] and not self.session_open:
+            return answer(False, self._refusal("update_weights_from_tensor"))
         if not isinstance(named_tensors, list) or not all(
             isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in named_tensors
         ):
@@ -130,28 +150,28 @@ class _Behaviour:
             raise RuntimeError("ModelOpt FP8 weight has no weight_loader: the scheduler died")
         update, self.recorder.tensor_updates = self.recorder.tensor_updates, self.recorder.tensor_updates + 1
         if self.recorder.fail_bucket == update:
-            return False, "Failed to update weights: shape mismatch"
+            return answer(False, "Failed to update weights: shape mismatch")
         self.version += 1
-        return True, "Success"
+        return answer(True, "Success")
 
     def update_weights_from_disk(self, model_path: str, load_format: Any = None):
         if self.quantized or (Path(model_path) / "hf_quant_config.json").is_file():
             self.dead = True  # the rollback reloads the same path, fails again, and the scheduler dies
             raise RuntimeError("scheduler died during update_weights_from_disk; SGLang kills the process tree")
         self.version += 1
-        return True, "Succeeded to update model weights.", 0
+        return self._answer("update_weights_from_disk", True, "Succeeded to update model weights.")
 
     def flush_cache(self) -> Any:
-        return types.SimpleNamespace(success=not self.recorder.fail_flush, message="flush refused: requests pending")
+        return self._answer("flush_cache", not self.recorder.fail_flush, "flush refused: requests pending")
 
     def release_memory_occupation(self, tags: Any = None) -> Any:
         assert not self.session_open, "release_memory_occupation during a weight-update session"
         self.released = True
-        return types.SimpleNamespace()
+        return self._answer("release_memory_occupation", True, "")
 
     def resume_memory_occupation(self, tags: Any = None) -> Any:
         self.released = False
-        return types.SimpleNamespace()
+        return self._answer("resume_memory_occupation", True, "")
 
     def shutdown(self) -> None:
         self.dead = True
