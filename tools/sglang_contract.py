@@ -269,7 +269,10 @@ def _answer_shape(function: ast.AST, output_fields: dict[str, set[str]]) -> str:
 
 def answer_shapes(sources: dict[str, str]) -> dict[str, str]:
     """``RETURN_METHODS`` that Engine defines -> the shape of their answer (see the module docstring)."""
-    engine = {name: node for name, node in _functions({ENGINE_FILE: sources[ENGINE_FILE]}, ENGINE_FILE).items()}
+    engine_class = _class(ast.parse(sources[ENGINE_FILE]), "Engine", ENGINE_FILE)
+    engine = {
+        node.name: node for node in engine_class.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
     managers = {
         name: [(path, node) for path, node in nodes if "tokenizer" in path.rsplit("/", 1)[-1]]
         for name, nodes in _functions(sources, MANAGERS_DIR).items()
@@ -279,7 +282,7 @@ def answer_shapes(sources: dict[str, str]) -> dict[str, str]:
     for name in RETURN_METHODS:
         if name not in engine:
             continue
-        target = _manager_call(engine[name][0][1])
+        target = _manager_call(engine[name])
         candidates = managers.get(target or "", [])
         shapes[name] = _answer_shape(candidates[0][1], output_fields) if candidates else "unknown"
     return shapes
