@@ -39,11 +39,15 @@ class MicroBatchPlan:
     """Columns: every row is cut or padded to this many (no real target lies beyond it)."""
     size: int
     """Rows including empty filler rows (mask 0): >= len(rows) and >= 1."""
+    bins: tuple[tuple[int, ...], ...] = ()
+    """Packed sequences: the update's rows each packed row holds, in order (empty: not packed)."""
+    packed_width: int = 0
+    """Columns of each packed row (packed micro-batches only)."""
 
     @property
     def tokens(self) -> int:
         """Tokens the micro-batch computes, padding included."""
-        return self.size * self.length
+        return len(self.bins) * self.packed_width if self.bins else self.size * self.length
 
 
 def row_lengths(response_mask: torch.Tensor) -> list[int]:
@@ -109,6 +113,51 @@ def budget_micro_batches(rows: list[int], lengths: list[int], budget: int, multi
     return plans
 
 
+def first_fit_decreasing(rows: list[int], lengths: list[int], width: int) -> list[list[int]]:
+    """``rows`` packed into bins of ``width`` columns: longest first, each into the first bin it fits
+    (at most 11/9 of the optimal bin count plus one)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(rows, key=lambda i: (-lengths[i], i)):
+        slot = next((b for b, free in enumerate(room) if free >= lengths[row]), None)
+        if slot is None:
+            bins.append([])
+            room.append(width)
+            slot = len(bins) - 1
+        bins[slot].append(row)
+        room[slot] -= lengths[row]
+    return bins
+
+
+def packed_micro_batches(rows: list[int], lengths: list[int], budget: int, multiple: int = 1) -> list[MicroBatchPlan]:
+    """``rows`` packed several to a row: packed rows as wide as the longest of ``rows`` (rounded up to
+    ``multiple``), filled first-fit decreasing, ``budget // width`` packed rows per micro-batch."""
+    if not rows:
+        return []
+    width = round_up(max(lengths[r] for r in rows), multiple)
+    if width > budget:
+        raise ValueError(
+            f"a row of {width} tokens (prompt + response) does not fit parallel.micro_batch_tokens={budget}; "
+            "raise it to at least rollout.max_prompt_tokens + rollout.max_new_tokens"
+        )
+    bins = first_fit_decreasing(rows, lengths, width)
+    per_micro_batch = budget // width
+    plans = []
+    for start in range(0, len(bins), per_micro_batch):
+        chosen = tuple(tuple(b) for b in bins[start : start + per_micro_batch])
+        members = tuple(r for b in chosen for r in b)
+        plans.append(
+            MicroBatchPlan(
+                rows=members,
+                length=round_up(max(lengths[r] for r in members), multiple),
+                size=len(members),
+                bins=chosen,
+                packed_width=width,
+            )
+        )
+    return plans
+
+
 def fixed_micro_batches(num_rows: int, length: int, dp: int, micro_batch_size: int) -> list[list[MicroBatchPlan]]:
     """Each rank's micro-batches of ``micro_batch_size`` rows, all ``length`` wide: rank r takes the
     r-th contiguous equal share of the rows, filler rows appended at the end so the shares are equal."""
@@ -131,13 +180,17 @@ def fixed_micro_batches(num_rows: int, length: int, dp: int, micro_batch_size: i
     return ranks
 
 
-def token_budget_plan(lengths: list[int], dp: int, budget: int, multiple: int = 1) -> list[list[MicroBatchPlan]]:
-    """Each rank's token-budget micro-batches after sharing the rows by tokens. Every rank gets the same
-    number of micro-batches (empty one-row fillers appended): expert-parallel all-to-alls and the
-    schedule's collectives need every rank to run as many forward passes as the others."""
+def token_budget_plan(
+    lengths: list[int], dp: int, budget: int, multiple: int = 1, *, pack: bool = False
+) -> list[list[MicroBatchPlan]]:
+    """Each rank's token-budget micro-batches (packed ones with ``pack``) after sharing the rows by
+    tokens. Every rank gets the same number of micro-batches (empty one-row fillers appended):
+    expert-parallel all-to-alls and the schedule's collectives need every rank to run as many forward
+    passes as the others."""
     if budget < 1:
         raise ValueError(f"parallel.micro_batch_tokens={budget} must be >= 1")
-    ranks = [budget_micro_batches(share, lengths, budget, multiple) for share in partition_by_tokens(lengths, dp)]
+    cut = packed_micro_batches if pack else budget_micro_batches
+    ranks = [cut(share, lengths, budget, multiple) for share in partition_by_tokens(lengths, dp)]
     count = max(1, max(len(plans) for plans in ranks))
     filler = MicroBatchPlan(rows=(), length=multiple, size=1)
     return [plans + [filler] * (count - len(plans)) for plans in ranks]
@@ -151,15 +204,19 @@ def plan_update(
     micro_batch_size: int,
     micro_batch_tokens: int | None = None,
     multiple: int = 1,
+    pack: bool = False,
 ) -> list[list[MicroBatchPlan]]:
     """Every DP rank's micro-batches for an update whose rows need ``lengths`` columns of ``width``.
 
-    ``micro_batch_tokens`` None: fixed rows of ``micro_batch_size``; else the token budget.
-    ``multiple``: every micro-batch's width is a multiple of it (the TP size under sequence parallelism).
+    ``micro_batch_tokens`` None: fixed rows of ``micro_batch_size``; else the token budget, with
+    several sequences per row when ``pack``. ``multiple``: every micro-batch's width is a multiple of
+    it (the TP size under sequence parallelism).
     """
     if micro_batch_tokens is None:
+        if pack:
+            raise ValueError("parallel.pack_sequences needs parallel.micro_batch_tokens (the packed rows' budget)")
         return fixed_micro_batches(len(lengths), round_up(width, multiple), dp, micro_batch_size)
-    return token_budget_plan(lengths, dp, micro_batch_tokens, multiple)
+    return token_budget_plan(lengths, dp, micro_batch_tokens, multiple, pack=pack)
 
 
 def token_imbalance(ranks: list[list[MicroBatchPlan]]) -> float:

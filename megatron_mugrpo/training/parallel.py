@@ -57,6 +57,11 @@ class ParallelConfig:
     computes far fewer padding tokens, and the update is the same. At least the longest row
     (rollout.max_prompt_tokens + rollout.max_new_tokens); micro_batch_size × that keeps today's peak
     memory. null: fixed micro_batch_size rows, each padded to the update's longest row."""
+    pack_sequences: bool = False
+    """Several responses per row under micro_batch_tokens (``training.packing``): packed rows as wide
+    as the longest row, per-sequence position ids, attention confined to each sequence by a
+    block-diagonal mask through Megatron's local attention. Exact, but each packed row computes its
+    full width² attention scores; RoPE models only, not with moe.routing_replay=rollout."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
     sequence_parallel: bool = False
@@ -79,6 +84,11 @@ class ParallelConfig:
             self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
             f"parallel.micro_batch_tokens must be >= 1 or null (fixed micro_batch_size rows), got "
             f"{self.micro_batch_tokens}",
+        )
+        require(
+            not self.pack_sequences or self.micro_batch_tokens is not None,
+            "parallel.pack_sequences=true needs parallel.micro_batch_tokens (the budget of a micro-batch of "
+            "packed rows); set it, or set pack_sequences to false",
         )
         require(
             self.expert_tensor_parallel is None or self.expert_tensor_parallel >= 1,

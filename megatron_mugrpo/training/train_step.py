@@ -31,6 +31,7 @@ reported metrics: each micro-batch's loss returns its diagnostics as sums and co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,6 +69,7 @@ from megatron_mugrpo.training.logprobs import (
 )
 from megatron_mugrpo.training.moe import moe_step_metrics, reset_moe_metrics
 from megatron_mugrpo.training.optimizer import current_lr
+from megatron_mugrpo.training.packing import PackedRows, pack_micro_batch, per_sequence_rotary
 from megatron_mugrpo.training.parallel import ParallelGroups
 from megatron_mugrpo.training.routing_replay import routes_for_schedule, set_micro_batch_routes
 from megatron_mugrpo.training.setup import Policy
@@ -132,9 +134,11 @@ def update_plan(
     micro_batch_tokens: int | None = None,
     *,
     sequence_parallel: bool = False,
+    pack_sequences: bool = False,
 ) -> list[list[MicroBatchPlan]]:
     """Every DP rank's micro-batches for ``batch`` (``training.batching``): fixed rows when
-    ``micro_batch_tokens`` is None, else token-budget micro-batches over a by-tokens DP share."""
+    ``micro_batch_tokens`` is None, else token-budget micro-batches over a by-tokens DP share,
+    several sequences per row with ``pack_sequences``."""
     return plan_update(
         row_lengths(batch.response_mask),
         width=batch.tokens.shape[1],
@@ -142,20 +146,34 @@ def update_plan(
         micro_batch_size=micro_batch_size,
         micro_batch_tokens=micro_batch_tokens,
         multiple=groups.tp if sequence_parallel else 1,
+        pack=pack_sequences,
     )
 
 
-def local_micro_batches(
-    batch: TrainBatch,
-    groups: ParallelGroups,
-    micro_batch_size: int,
-    *,
-    sequence_parallel: bool = False,
-    micro_batch_tokens: int | None = None,
-) -> list[TrainBatch]:
-    """This DP rank's micro-batches (on its device), as ``update_plan`` cuts them."""
-    plans = update_plan(batch, groups, micro_batch_size, micro_batch_tokens, sequence_parallel=sequence_parallel)
-    return [take(batch, plan).to(groups.device) for plan in plans[groups.dp_rank]]
+MicroBatch = tuple[TrainBatch, PackedRows | None]
+"""What the schedule's data iterator yields: the micro-batch one response per row (the loss's
+layout), and its packed rows when it is packed (the model's input)."""
+
+
+def build_micro_batches(batch: TrainBatch, plans: list[MicroBatchPlan], device: torch.device) -> list[MicroBatch]:
+    """This rank's micro-batches of ``batch`` as ``plans`` cut them, on ``device``."""
+    lengths = row_lengths(batch.response_mask)
+    out: list[MicroBatch] = []
+    for plan in plans:
+        mb = take(batch, plan)
+        if plan.bins and mb.routes is not None:
+            raise ValueError(
+                "parallel.pack_sequences cannot replay routes (moe.routing_replay=rollout) yet; turn one of them off"
+            )
+        packed = pack_micro_batch(mb, plan, lengths) if plan.bins else None
+        out.append((mb.to(device), _packed_to(packed, device)))
+    return out
+
+
+def _packed_to(packed: PackedRows | None, device: torch.device) -> PackedRows | None:
+    if packed is None:
+        return None
+    return PackedRows(**{f.name: getattr(packed, f.name).to(device) for f in dataclasses.fields(packed)})
 
 
 def plan_metrics(plans: list[list[MicroBatchPlan]], batch: TrainBatch) -> dict[str, float]:
@@ -208,27 +226,32 @@ def _forward_step_func(
     budget = int(logits_budget_mib * 2**20)
 
     def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Callable[[Tensor], Any]]:
-        mb: TrainBatch = next(data_iterator)
+        mb, packed = next(data_iterator)
         set_micro_batch_routes(_bare(model), mb.routes, mb.response_mask)  # MoE: replay / agreement
+        tokens = mb.tokens if packed is None else packed.tokens
         n_columns = _bare(model).vocab_size // groups.tp  # the padded vocabulary's rows on this TP rank
         path = choose_logprob_path(
-            impl, n_tokens=mb.tokens.numel(), n_columns=n_columns, device=mb.tokens.device, budget_bytes=budget
+            impl, n_tokens=tokens.numel(), n_columns=n_columns, device=tokens.device, budget_bytes=budget
         )
-        if path == "fused":
-            with hidden_states_instead_of_logits(_bare(model)) as head:
-                output = model(mb.tokens, _position_ids(mb.tokens), None)
-        else:
-            head = None
-            output = model(mb.tokens, _position_ids(mb.tokens), None)
+        with contextlib.ExitStack() as stack:
+            head = stack.enter_context(hidden_states_instead_of_logits(_bare(model))) if path == "fused" else None
+            if packed is None:
+                output = model(tokens, _position_ids(tokens), None)
+            else:
+                stack.enter_context(per_sequence_rotary(_bare(model), packed.positions))
+                output = model(tokens, packed.positions, packed.attention_mask)
 
         def loss_func(model_output: Tensor) -> Any:
-            targets = torch.where(mb.response_mask.bool(), mb.targets, 0)  # pad ids need not be real ids
+            if packed is None:
+                targets = torch.where(mb.response_mask.bool(), mb.targets, 0)  # pad ids need not be real ids
+            else:
+                targets = packed.targets
             kwargs = {"temperature": temperature, "vocab_size": vocab_size, "tp_group": groups.tp_group}
             if head is not None:
                 logprobs = logprobs_from_hidden(model_output, head.weight, targets, keep_bytes=budget, **kwargs)
             else:
                 logprobs = logprobs_from_logits(model_output, targets, **kwargs)
-            return loss_fn(mb, logprobs)
+            return loss_fn(mb, logprobs if packed is None else packed.unpack(logprobs))
 
         return output, loss_func
 
@@ -236,20 +259,20 @@ def _forward_step_func(
 
 
 def _run_schedule(
-    policy: Policy, micro_batches: list[TrainBatch], forward_step: Callable, *, forward_only: bool
+    policy: Policy, micro_batches: list[MicroBatch], forward_step: Callable, *, forward_only: bool
 ) -> list[dict[str, Any]]:
     """Run all micro-batches through the forward(-backward) schedule; the last stage's per-micro-batch
     loss outputs come back (other stages get an empty list)."""
     schedule = get_forward_backward_func()
-    shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
-    with routes_for_schedule(policy.model_chunks), _variable_shapes(policy.model_chunks, len(shapes) > 1):
+    shapes = [tuple((mb if packed is None else packed).tokens.shape) for mb, packed in micro_batches]
+    with routes_for_schedule(policy.model_chunks), _variable_shapes(policy.model_chunks, len(set(shapes)) > 1):
         return schedule(
             forward_step_func=forward_step,
             data_iterator=[iter(micro_batches)],
             model=policy.model_chunks,
             num_microbatches=len(micro_batches),
-            seq_length=micro_batches[0].tokens.shape[1],
-            micro_batch_size=micro_batches[0].num_sequences,
+            seq_length=shapes[0][1],
+            micro_batch_size=shapes[0][0],
             forward_only=forward_only,
         )
 
@@ -367,6 +390,7 @@ def train_step(
     rollout_correction: RolloutCorrectionConfig | None = None,
     logits_budget_mib: float = DEFAULT_LOGITS_BUDGET_MIB,
     micro_batch_tokens: int | None = None,
+    pack_sequences: bool = False,
 ) -> dict[str, float]:
     """One optimizer update on ``batch`` (the whole update's rows, identical on every rank).
 
@@ -398,12 +422,18 @@ def train_step(
             impl=impl,
             logits_budget_mib=logits_budget_mib,
             micro_batch_tokens=micro_batch_tokens,
+            pack_sequences=pack_sequences,
         )
         batch = with_update_inputs(batch, scores, loss_name, loss_options, caps)
     plans = update_plan(
-        batch, groups, micro_batch_size, micro_batch_tokens, sequence_parallel=_sequence_parallel(policy)
+        batch,
+        groups,
+        micro_batch_size,
+        micro_batch_tokens,
+        sequence_parallel=_sequence_parallel(policy),
+        pack_sequences=pack_sequences,
     )
-    micro_batches = [take(batch, plan).to(groups.device) for plan in plans[groups.dp_rank]]
+    micro_batches = build_micro_batches(batch, plans[groups.dp_rank], groups.device)
     for chunk in policy.model_chunks:
         chunk.train()
         chunk.zero_grad_buffer()
@@ -450,6 +480,7 @@ def forward_logprobs(
     impl: str = "fused",
     logits_budget_mib: float = DEFAULT_LOGITS_BUDGET_MIB,
     micro_batch_tokens: int | None = None,
+    pack_sequences: bool = False,
 ) -> Tensor:
     """Per-token log-probs [B, L] float32 of ``batch.targets`` (0 where the response mask is 0).
 
@@ -459,10 +490,15 @@ def forward_logprobs(
     """
     groups = policy.groups
     plans = update_plan(
-        batch, groups, micro_batch_size, micro_batch_tokens, sequence_parallel=_sequence_parallel(policy)
+        batch,
+        groups,
+        micro_batch_size,
+        micro_batch_tokens,
+        sequence_parallel=_sequence_parallel(policy),
+        pack_sequences=pack_sequences,
     )
     mine = plans[groups.dp_rank]
-    micro_batches = [take(batch, plan).to(groups.device) for plan in mine]
+    micro_batches = build_micro_batches(batch, mine, groups.device)
     for chunk in policy.model_chunks:
         chunk.eval()
     forward_step = _forward_step_func(impl, temperature, policy.vocab_size, groups, _logprob_only_fn, logits_budget_mib)
@@ -471,7 +507,7 @@ def forward_logprobs(
     # micro-batches differ in width and DP shares in size under the token budget.
     full = torch.zeros(batch.tokens.shape, device=groups.device)
     if groups.is_last_stage:
-        for plan, mb, record in zip(mine, micro_batches, records):
+        for plan, (mb, _), record in zip(mine, micro_batches, records):
             width = min(plan.length, full.shape[1])
             scores = torch.where(mb.response_mask.bool(), record["logprobs"].float(), 0.0)
             rows = torch.tensor(plan.rows, dtype=torch.long, device=full.device)

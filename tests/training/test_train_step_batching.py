@@ -32,7 +32,9 @@ from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, col
 from megatron_mugrpo.training.batching import (
     MicroBatchPlan,
     budget_micro_batches,
+    first_fit_decreasing,
     fixed_micro_batches,
+    packed_micro_batches,
     padding_fraction,
     partition_by_tokens,
     row_lengths,
@@ -40,6 +42,7 @@ from megatron_mugrpo.training.batching import (
     token_imbalance,
 )
 from megatron_mugrpo.training.moe import MoeConfig
+from megatron_mugrpo.training.packing import pack_micro_batch, per_sequence_rotary
 from megatron_mugrpo.training.parallel import ParallelConfig, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import forward_logprobs, policy_loss_fn, take, train_step, with_update_inputs
@@ -108,9 +111,11 @@ def test_row_lengths_end_at_the_last_response_target():
     assert row_lengths(mask) == [3, 1, 5]
 
 
-def test_config_key_is_checked():
+def test_config_keys_are_checked():
     with pytest.raises(ConfigError, match=r"parallel\.micro_batch_tokens"):
         ParallelConfig(micro_batch_tokens=0)
+    with pytest.raises(ConfigError, match=r"parallel\.pack_sequences=true needs parallel\.micro_batch_tokens"):
+        ParallelConfig(pack_sequences=True)
 
 
 # ---------------------------------------------------------------- the loss contract, float64
@@ -229,6 +234,76 @@ def test_take_carries_each_rows_routes():
                 assert torch.equal(mb.tokens[i], batch.tokens[row, : plan.length])
 
 
+# ------------------------------------------------------------------------------------ packing
+
+
+def test_first_fit_decreasing_and_packed_micro_batches():
+    lengths = [9, 3, 8, 2, 5, 4]
+    # width 9, longest first into the first bin with room: 9 | 8 | 5 + 4 | 3 + 2 (8's bin has 1 left).
+    assert first_fit_decreasing(list(range(6)), lengths, 9) == [[0], [2], [4, 5], [1, 3]]
+    plans = packed_micro_batches(list(range(6)), lengths, budget=18)  # 2 packed rows of 9 per micro-batch
+    assert [p.bins for p in plans] == [((0,), (2,)), ((4, 5), (1, 3))]
+    assert [(p.rows, p.length, p.packed_width, p.tokens) for p in plans] == [
+        ((0, 2), 9, 9, 18),
+        ((4, 5, 1, 3), 5, 9, 18),
+    ]
+
+
+def test_packed_rows_keep_each_sequence_to_itself():
+    batch = _model_batch()
+    lengths = row_lengths(batch.response_mask)
+    plan = next(p for p in packed_micro_batches(list(range(12)), lengths, BUDGET) if len(p.bins[0]) > 1)
+    mb = take(batch, plan)
+    packed = pack_micro_batch(mb, plan, lengths)
+    # unpack() of the packed tokens / positions gives each row's own tokens / positions back
+    torch.testing.assert_close(packed.unpack(packed.tokens), torch.where(packed.valid, mb.tokens, 0))
+    columns = torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens)
+    torch.testing.assert_close(packed.unpack(packed.positions), torch.where(packed.valid, columns, 0))
+    # token (r, j) sees token (r, k) iff same sequence and k <= j
+    seg = torch.full(packed.tokens.shape, -1)
+    seg.view(-1)[packed.index[packed.valid]] = torch.arange(len(plan.rows)).repeat_interleave(packed.valid.sum(1))
+    r, j, k = 0, packed.tokens.shape[1] - 1, 0
+    for r in range(packed.tokens.shape[0]):
+        for j in range(packed.tokens.shape[1]):
+            for k in range(packed.tokens.shape[1]):
+                sees = bool(seg[r, j] >= 0 and seg[r, j] == seg[r, k] and k <= j)
+                assert bool(packed.attention_mask[r, 0, j, k]) is not sees
+
+
+def _packed_logprobs_in_float64(rank: int, world_size: int) -> None:
+    """The model's log-probs of packed rows equal those of the sequences alone, in float64 (the
+    kernels take float32 at most, so this scores the logits directly)."""
+    groups = initialize_parallel(1, 1, seed=0)
+    model = build_policy(hf_config(), groups=groups, dtype=torch.float64, optim=OPTIM).unwrapped()[0].eval()
+    batch = _model_batch()
+    lengths = row_lengths(batch.response_mask)
+    vocab = hf_config()["vocab_size"]
+
+    def scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return logits[..., :vocab].log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+
+    worst, packed_rows = 0.0, 0
+    with torch.no_grad():
+        for plan in token_budget_plan(lengths, dp=1, budget=BUDGET, pack=True)[0]:
+            mb = take(batch, plan)
+            packed = pack_micro_batch(mb, plan, lengths)
+            with per_sequence_rotary(model, packed.positions):
+                together = packed.unpack(
+                    scores(model(packed.tokens, packed.positions, packed.attention_mask), packed.targets)
+                )
+            positions = torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens)
+            alone = scores(model(mb.tokens, positions, None), torch.where(mb.response_mask.bool(), mb.targets, 0))
+            mask = mb.response_mask.bool()
+            worst = max(worst, float((together - alone)[mask].abs().max()))
+            packed_rows += sum(len(b) > 1 for b in plan.bins)
+            # without the block-diagonal mask a packed sequence attends to its neighbours
+            if any(len(b) > 1 for b in plan.bins):
+                leaky = packed.unpack(scores(model(packed.tokens, packed.positions, None), packed.targets))
+                assert float((leaky - alone)[mask].abs().max()) > 1e-3
+    assert packed_rows > 0
+    assert worst < EXACT, worst
+
+
 # ------------------------------------------------------------------ through Megatron's schedule
 
 
@@ -251,32 +326,42 @@ def _model_batch() -> TrainBatch:
     return collate(_long_tailed_groups(4, groups=3, group_size=4), pad_id=0)
 
 
+VARIANTS = {
+    "fixed": {"micro_batch_tokens": None},
+    "budget": {"micro_batch_tokens": BUDGET},
+    "packed": {"micro_batch_tokens": BUDGET, "pack_sequences": True},
+}
+"""Today's 4-row micro-batches, token-budget ones, and packed rows under the same budget."""
+
+
 def _budget_vs_fixed(policy_kwargs: dict[str, Any], batch: TrainBatch, losses: tuple[str, ...]) -> dict[str, Any]:
-    """Fixed 4-row micro-batches vs the token budget from the same weights: log-probs, metrics, weights."""
+    """Every variant from the same weights gives fixed micro-batches' log-probs, metrics and weights."""
     results: dict[str, Any] = {}
     for name in losses:
-        runs = []
-        for tokens in (None, BUDGET):
+        runs = {}
+        for variant, options in VARIANTS.items():
             policy = _policy(seed=0, **policy_kwargs)
-            score = dict(temperature=1.0, micro_batch_size=4, micro_batch_tokens=tokens)
+            score = dict(temperature=1.0, micro_batch_size=4, **options)
             logprobs = forward_logprobs(policy, batch, **score)
             metrics = train_step(policy, batch, loss_name=name, loss_options=_options(name), **score)
-            runs.append((logprobs, metrics, _params(policy)))
-        (lf, mf, pf), (lb, mb, pb) = runs
-        torch.testing.assert_close(lb, lf, atol=ATOL, rtol=0)
-        for key, value in mf.items():
-            if not key.startswith("perf/"):
-                assert mb[key] == pytest.approx(value, abs=ATOL, rel=ATOL, nan_ok=True), (name, key)
-        _assert_params_close(pb, pf)
-        results[name] = (mf, mb)
+            runs[variant] = (logprobs, metrics, _params(policy))
+        lf, mf, pf = runs["fixed"]
+        for variant in ("budget", "packed"):
+            lb, mb, pb = runs[variant]
+            torch.testing.assert_close(lb, lf, atol=ATOL, rtol=0, msg=variant)
+            for key, value in mf.items():
+                if not key.startswith("perf/"):
+                    assert mb[key] == pytest.approx(value, abs=ATOL, rel=ATOL, nan_ok=True), (name, variant, key)
+            _assert_params_close(pb, pf)
+        results[name] = {variant: metrics for variant, (_, metrics, _) in runs.items()}
     return results
 
 
 def _single_rank(rank: int, world_size: int) -> None:
-    results = _budget_vs_fixed({}, _model_batch(), ("mu_grpo", "m2po"))
-    fixed, budget = results["mu_grpo"]
-    assert budget["perf/padding_frac"] < fixed["perf/padding_frac"]
-    assert budget["perf/dp_token_imbalance"] == 1.0
+    metrics = _budget_vs_fixed({}, _model_batch(), ("mu_grpo", "m2po"))["mu_grpo"]
+    padding = {variant: m["perf/padding_frac"] for variant, m in metrics.items()}
+    assert padding["packed"] < padding["budget"] < padding["fixed"], padding
+    assert metrics["budget"]["perf/dp_token_imbalance"] == 1.0
 
 
 def _routing_replay(rank: int, world_size: int) -> None:
@@ -309,7 +394,8 @@ def _routing_replay(rank: int, world_size: int) -> None:
 def _data_parallel(rank: int, world_size: int) -> None:
     """DP = 2: a by-tokens share per rank gives the update of today's contiguous row shares."""
     batch = _model_batch()
-    fixed, budget = _budget_vs_fixed({}, batch, ("mu_grpo",))["mu_grpo"]
+    metrics = _budget_vs_fixed({}, batch, ("mu_grpo",))["mu_grpo"]
+    fixed, budget = metrics["fixed"], metrics["budget"]
     plans = token_budget_plan(row_lengths(batch.response_mask), dp=2, budget=BUDGET)
     assert budget["perf/dp_token_imbalance"] == pytest.approx(token_imbalance(plans))
     assert 1.0 <= budget["perf/dp_token_imbalance"] < 1.25
@@ -321,7 +407,9 @@ def _pipeline_parallel(rank: int, world_size: int) -> None:
     _budget_vs_fixed({"pp": 2}, _model_batch(), ("mu_grpo",))
 
 
-@pytest.mark.parametrize("body", [_single_rank, _routing_replay], ids=lambda fn: fn.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "body", [_single_rank, _routing_replay, _packed_logprobs_in_float64], ids=lambda fn: fn.__name__.strip("_")
+)
 def test_one_rank_token_budget_equals_fixed_micro_batches(body):
     run_distributed(body, 1)
 

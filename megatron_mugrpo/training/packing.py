@@ -1,0 +1,117 @@
+"""Packed sequences on the local attention path: several responses in one row, each seeing only itself.
+
+``parallel.pack_sequences`` (with ``parallel.micro_batch_tokens``): ``training.batching`` puts rows
+into packed rows first-fit decreasing; this module builds what the model sees and reads its
+log-probs back:
+
+* the tokens of each sequence side by side, with **per-sequence position ids** (0, 1, ... again at
+  each sequence's start) turned into per-token rotary embeddings (``per_sequence_rotary``);
+* a **block-diagonal causal mask** [R, 1, W, W] (True = masked), so attention stays inside each
+  sequence. Megatron's local attention applies it (``FusedScaleMaskSoftmax`` fills masked scores
+  with -10000, whose softmax weight underflows to exactly 0), so a packed sequence's log-probs are
+  those of the same sequence alone up to the order of float additions;
+* each sequence's own targets, and an index that gathers the packed [R, W] log-probs back into the
+  unpacked micro-batch's [n, L] layout, where the loss runs unchanged (per-response aggregation
+  needs one response per row). The gather carries the gradient.
+
+On GPU with Transformer Engine the same packing would use THD with ``cu_seqlens``
+(``PackedSeqParams``); that path is not built: this one is exact on every device but computes the
+full W × W attention scores of each packed row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_mugrpo.records import TrainBatch
+from megatron_mugrpo.training.batching import MicroBatchPlan
+
+
+@dataclass(kw_only=True)
+class PackedRows:
+    """One packed micro-batch: the model's inputs and the way back to one response per row."""
+
+    tokens: Tensor
+    """[R, W] int64 input ids, sequences side by side, 0 after the last one."""
+    targets: Tensor
+    """[R, W] int64: each sequence's own response targets, 0 elsewhere (pad ids need not be real)."""
+    positions: Tensor
+    """[R, W] int64 position of each token within its own sequence."""
+    attention_mask: Tensor
+    """[R, 1, W, W] bool, True = masked: causal inside each sequence, nothing across sequences."""
+    index: Tensor
+    """[n, L] int64: flat index into [R · W] of the unpacked micro-batch's (row, column)."""
+    valid: Tensor
+    """[n, L] bool: columns of the unpacked rows that lie inside their sequence."""
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        """[R, W] per-token values (log-probs) → the unpacked [n, L] layout, 0 outside each sequence."""
+        gathered = packed.reshape(-1)[self.index]
+        return torch.where(self.valid, gathered, torch.zeros((), dtype=packed.dtype, device=packed.device))
+
+
+def pack_micro_batch(mb: TrainBatch, plan: MicroBatchPlan, lengths: list[int]) -> PackedRows:
+    """Pack ``mb`` (``train_step.take(batch, plan)``: row i is the update's row ``plan.rows[i]``) into
+    ``plan.bins``; ``lengths`` are the update's ``batching.row_lengths``."""
+    rows, width = len(plan.bins), plan.packed_width
+    device = mb.tokens.device
+    tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
+    targets = torch.zeros_like(tokens)
+    positions = torch.zeros_like(tokens)
+    segment = torch.full_like(tokens, -1)
+    index = torch.zeros_like(mb.tokens)
+    valid = torch.zeros(mb.tokens.shape, dtype=torch.bool, device=device)
+    own_targets = torch.where(mb.response_mask.bool(), mb.targets, 0)
+    i = 0
+    for r, members in enumerate(plan.bins):
+        offset = 0
+        for row in members:
+            n = lengths[row]
+            span = torch.arange(n, device=device)
+            tokens[r, offset : offset + n] = mb.tokens[i, :n]
+            targets[r, offset : offset + n] = own_targets[i, :n]
+            positions[r, offset : offset + n] = span
+            segment[r, offset : offset + n] = i
+            index[i, :n] = r * width + offset + span
+            valid[i, :n] = True
+            offset += n
+            i += 1
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    same = (segment[:, :, None] == segment[:, None, :]) & (segment >= 0)[:, :, None]
+    return PackedRows(
+        tokens=tokens,
+        targets=targets,
+        positions=positions,
+        attention_mask=~(same & causal)[:, None],
+        index=index,
+        valid=valid,
+    )
+
+
+@contextmanager
+def per_sequence_rotary(model: torch.nn.Module, positions: Tensor) -> Iterator[None]:
+    """For one forward: ``model``'s rotary embedding at ``positions`` [R, W] per token, not at 0..W-1.
+
+    megatron-core 0.16.1's ``GPTModel`` computes RoPE for positions 0..S-1 of the whole row whatever
+    ``position_ids`` says (per-sequence positions exist only on its THD path); the embedding it
+    returns, [S, 1, 1, dim], broadcasts over the batch in ``apply_rotary_pos_emb``, so a per-row
+    [S, R, 1, dim] table gathered at each token's own position applies per-sequence positions.
+    """
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if getattr(model, "position_embedding_type", None) != "rope" or rotary is None:
+        raise ValueError(
+            "parallel.pack_sequences needs a RoPE model (position_embedding_type 'rope'), got "
+            f"{getattr(model, 'position_embedding_type', None)!r}; set parallel.pack_sequences=false"
+        )
+    table = rotary.get_emb(int(positions.max()) + 1)[:, 0, 0, :]  # [S, dim]
+    per_token = table[positions.t()][:, :, None, :]  # [W, R, 1, dim], sequence-major like the activations
+    rotary.forward = lambda *_args, **_kwargs: per_token  # the instance attribute shadows the cached method
+    try:
+        yield
+    finally:
+        del rotary.forward
