@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_mugrpo.envs.base import EnvError, EnvLimits, Problem, StepResult, Turn
@@ -50,6 +51,9 @@ class SearchOptions:
 
     url: str = ""
     """Base URL of the retrieval server (``http://host:port``); ``POST {url}/retrieve`` is called."""
+    corpus: str = ""
+    """Without ``url``: a JSONL corpus ({"id", "title", "text"} rows) that the environment serves itself on
+    loopback (``mugrpo serve-search``'s app in a thread), started with it and stopped by ``close()``."""
     topk: int = 3
     """Documents per search."""
     latency_s: float = 0.0
@@ -65,6 +69,15 @@ class SearchOptions:
         require(
             not self.url or self.url.startswith(("http://", "https://")),
             f"env.search.url={self.url!r} must start with http:// or https:// (the retrieval server's address)",
+        )
+        require(
+            not (self.url and self.corpus),
+            "env.search.url and env.search.corpus are both set; set url for a running server or corpus to serve "
+            "one on loopback, not both",
+        )
+        require(
+            not self.corpus or Path(self.corpus).is_file(),
+            f"env.search.corpus={self.corpus!r} does not exist; give a JSONL file of {{'id', 'title', 'text'}} rows",
         )
         require(self.topk >= 1, f"env.search.topk={self.topk} must be >= 1")
         require(self.latency_s >= 0, f"env.search.latency_s={self.latency_s} must be >= 0 (seconds)")
@@ -86,11 +99,15 @@ class Document:
 class SearchClient:
     """``POST {url}/retrieve {"queries": [...], "topk": k}`` → one list of ``Document`` per query, best first."""
 
-    def __init__(self, options: SearchOptions) -> None:
-        if not options.url:
-            raise EnvError("env.search.url is empty: start `mugrpo serve-search --corpus C.jsonl --port N` and set it")
+    def __init__(self, options: SearchOptions, url: str = "") -> None:
+        url = url or options.url
+        if not url:
+            raise EnvError(
+                "env.search.url is empty: start `mugrpo serve-search --corpus C.jsonl --port N` and set it, or set "
+                "env.search.corpus to serve a corpus on loopback"
+            )
         self.options = options
-        self.endpoint = options.url.rstrip("/") + "/retrieve"
+        self.endpoint = url.rstrip("/") + "/retrieve"
 
     def retrieve(self, queries: Sequence[str], topk: int) -> list[list[Document]]:
         """Top-``topk`` documents per query; raises ``EnvError`` once every retry failed."""
@@ -161,7 +178,6 @@ class SearchEnvironment:
         self, *, tokenizer: PreTrainedTokenizerBase, limits: EnvLimits, options: SearchOptions, client: Any = None
     ) -> None:
         self.tokenizer, self.limits, self.options = tokenizer, limits, options
-        self.client = client if client is not None else SearchClient(options)
         head, tail = self._encode(INFO_HEAD), self._encode(INFO_TAIL)
         if len(head) + len(tail) >= limits.max_observation_tokens:
             raise EnvError(
@@ -169,12 +185,21 @@ class SearchEnvironment:
                 f"inside the {len(head) + len(tail)} tokens of the <information> tags; raise it"
             )
         self._head, self._tail = head, tail
+        self._server: Any = None
+        if client is None and not options.url and options.corpus:
+            from megatron_mugrpo.envs.server import LocalSearchServer, load_corpus
+
+            self._server = LocalSearchServer(load_corpus(options.corpus)).start()
+        self.client = client if client is not None else SearchClient(options, self._server.url if self._server else "")
 
     def start(self, problem: Problem) -> SearchEpisode:
         return SearchEpisode(self)
 
     def close(self) -> None:
-        return None
+        """Stop the loopback server the environment started (if any)."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

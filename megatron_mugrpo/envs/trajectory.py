@@ -22,7 +22,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from megatron_mugrpo.envs.base import MAX_TOTAL_TOKENS, EnvLimits, Episode, StepResult, Turn
+from megatron_mugrpo.envs.base import (
+    ENV_ERROR,
+    ENV_TIMEOUT,
+    MAX_TOTAL_TOKENS,
+    EnvError,
+    EnvLimits,
+    Episode,
+    StepResult,
+    Turn,
+)
 
 STOP = "stop"
 """End reason of a trajectory whose policy sampled EOS."""
@@ -147,3 +156,34 @@ def stop_hit(text: str, stop_strings: Sequence[str]) -> bool:
     """Whether the turn's text holds a stop string. The turn ends at the first one, so one found now came
     with the token just sampled (a stop string inside one token counts too)."""
     return any(stop in text for stop in stop_strings)
+
+
+def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "rollout/") -> dict[str, float]:
+    """A stage's multi-turn metrics: policy turns and tool calls per trajectory, environment seconds (summed
+    over calls: with calls at once this exceeds their wall clock), failed trajectories, and tokens per
+    trajectory by who wrote them."""
+    n = len(trajectories)
+    if n == 0:
+        return {}
+    policy = sum(sum(t.policy_mask) for t in trajectories)
+    return {
+        f"{prefix}turns_mean": sum(len(t.turns) for t in trajectories) / n,
+        f"{prefix}tool_calls_mean": sum(t.tool_calls for t in trajectories) / n,
+        f"{prefix}env_seconds": sum(sum(t.env_seconds) for t in trajectories),
+        f"{prefix}env_errors": float(sum(t.end_reason in (ENV_ERROR, ENV_TIMEOUT) for t in trajectories)),
+        f"{prefix}policy_tokens_mean": policy / n,
+        f"{prefix}observation_tokens_mean": (sum(len(t.token_ids) for t in trajectories) - policy) / n,
+    }
+
+
+def check_error_budget(trajectories: Sequence[Trajectory], max_error_frac: float, env_name: str) -> None:
+    """Raise ``EnvError`` naming the environment and its last error when more than ``max_error_frac`` of a
+    stage's trajectories ended in env_error / env_timeout (a broken environment must stop the run, not
+    train it on zero rewards)."""
+    failed = [t for t in trajectories if t.end_reason in (ENV_ERROR, ENV_TIMEOUT)]
+    if trajectories and len(failed) > max_error_frac * len(trajectories):
+        last = failed[-1]
+        raise EnvError(
+            f"{len(failed)} of {len(trajectories)} trajectories failed in environment {env_name!r}, more than "
+            f"env.max_error_frac={max_error_frac}; last: {last.end_reason}: {last.error}"
+        )

@@ -155,3 +155,39 @@ def test_the_cli_serves_until_stopped(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_without_a_url_the_environment_serves_its_corpus_on_loopback_and_stops_it(tmp_path):
+    from megatron_mugrpo.envs.fictional import corpus_rows, make_world
+    from megatron_mugrpo.rewards.qa import score_answer
+
+    world = make_world(7, people=8, cities=3, countries=2)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", corpus_rows(world))
+    tokenizer = build_char_tokenizer()
+    env = SearchEnvironment(
+        tokenizer=tokenizer, limits=EnvLimits(max_observation_tokens=400), options=SearchOptions(corpus=str(corpus))
+    )
+    person = world.people[0]
+    try:
+        url = env.client.endpoint
+        assert url.startswith("http://127.0.0.1:")
+        turn = f"<search>{person.name} born</search>"
+        result = env.start(Problem(prompt="q", answer="a")).step(Turn(token_ids=(1,), text=turn))
+        observation = tokenizer.decode(list(result.observation_ids))
+        assert f"(Title: {person.name}) {person.name} is" in observation
+        # The whole trajectory's text, scored as the reward reads it: the answer from the retrieved document.
+        text = turn + observation + f"<answer>{person.city.name}</answer>"
+        assert tuple(score_answer(text, json.dumps([person.city.name]), "answered")) == (1.0, "correct")
+    finally:
+        env.close()
+    with pytest.raises(EnvError, match="failed"):
+        SearchClient(SearchOptions(url=url.removesuffix("/retrieve"), retries=0)).retrieve(["x"], 1)
+
+
+def test_url_and_corpus_are_exclusive_and_the_corpus_must_exist(tmp_path):
+    from megatron_mugrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="both set"):
+        SearchOptions(url="http://127.0.0.1:1", corpus=str(write_corpus(tmp_path / "c.jsonl", [])))
+    with pytest.raises(ConfigError, match="does not exist"):
+        SearchOptions(corpus=str(tmp_path / "missing.jsonl"))
