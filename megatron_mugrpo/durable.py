@@ -51,6 +51,10 @@ DEFAULT_ALGORITHM = "xxh3_128"
 so checksumming costs less than writing the bytes. Checksums guard against accidental damage (torn
 writes, truncation, bit rot); like SHA-256 next to the files it protects, none is a defence against
 someone who can rewrite both."""
+PRE_RELEASE_ALGORITHM = "sha256"
+"""What files written before checksums named their algorithm (pre-release runs) used: a bare digest
+under ``sha256`` in a record, a manifest without ``algorithm``. ``Checksum.split_record`` is the one
+reader that still understands them; delete it there when those files no longer matter."""
 HASH_CHUNK_BYTES = 1024 * 1024
 """Read size when hashing a file: small enough that each chunk is still in the CPU cache when it is
 hashed (16 MiB chunks hashed at 2.9 GB/s here, 1 MiB chunks at 6.4 GB/s), large enough that the
@@ -104,14 +108,20 @@ class Checksum:
             raise ChecksumError(f"{value!r} is not a checksum record (algorithm, hexdigest)") from exc
 
     @classmethod
-    def split_record(cls, record: dict[str, Any]) -> tuple[Checksum, dict[str, Any]]:
-        """(the checksum, the other fields) of a JSON record that holds one under ``checksum``, or, when
-        written before records named their algorithm, a bare SHA-256 hex digest under ``sha256``."""
-        rest = {key: value for key, value in record.items() if key not in ("checksum", "sha256")}
+    def split_record(cls, record: dict[str, Any], algorithm: str | None = None) -> tuple[Checksum, dict[str, Any]]:
+        """(the checksum, the other fields) of a JSON record that holds one under ``checksum``.
+
+        ``algorithm``: the one its container names (a checkpoint manifest names it once for all its
+        entries, each of which holds a bare hex digest); None: the record names its own
+        (``{"algorithm", "hexdigest"}``). Pre-release records hold the bare digest under the
+        algorithm's name instead (``PRE_RELEASE_ALGORITHM`` when nothing names it)."""
+        legacy = algorithm or PRE_RELEASE_ALGORITHM
+        rest = {key: value for key, value in record.items() if key not in ("checksum", legacy)}
         if "checksum" in record:
-            return cls.from_json(record["checksum"]), rest
-        if "sha256" in record:
-            return cls("sha256", record["sha256"]), rest
+            value = record["checksum"]
+            return (cls(algorithm, value) if algorithm and isinstance(value, str) else cls.from_json(value)), rest
+        if legacy in record:
+            return cls(legacy, record[legacy]), rest
         raise ChecksumError(f"record {sorted(record)} holds no checksum")
 
     def verify_file(self, path: str | Path, what: str = "file") -> None:

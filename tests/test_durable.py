@@ -205,3 +205,13 @@ def test_only_durable_renames() -> None:
                 continue
             found += [f"{path.relative_to(ROOT)}:{line}" for line in hand_written_renames(path.read_text())]
     assert not found, f"renames outside durable.py (use durable.atomic_write_* / atomic_path / atomic_dir): {found}"
+
+
+def test_a_manifest_entry_takes_the_algorithm_its_manifest_names() -> None:
+    """A checkpoint manifest names the algorithm once; each entry holds a bare digest (pre-release: keyed by
+    the algorithm's name). Both read through the one pre-release reader."""
+    entry = {"checksum": "ab", "bytes": 3}
+    assert Checksum.split_record(entry, "xxh3_128") == (Checksum("xxh3_128", "ab"), {"bytes": 3})
+    assert Checksum.split_record({"sha256": "cd", "bytes": 4}, "sha256") == (Checksum("sha256", "cd"), {"bytes": 4})
+    with pytest.raises(ChecksumError, match="holds no checksum"):
+        Checksum.split_record({"bytes": 4}, "xxh3_128")

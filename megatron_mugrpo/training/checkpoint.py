@@ -543,19 +543,19 @@ def save_checkpoint(
 def _read_manifest(step_dir: Path) -> tuple[str, dict[str, dict[str, Any]]]:
     """(checksum algorithm, {relative path: {"checksum", "bytes"}}) of a step directory's manifest.
 
-    Manifests written before xxHash3 name ``sha256`` and key each file's digest by that name.
+    Pre-release manifests are read through ``durable.Checksum.split_record`` (its one home).
     """
     path = step_dir / MANIFEST
     try:
         manifest = json.loads(path.read_text())
-        files, algorithm = manifest["files"], manifest.get("algorithm", "sha256")
+        files, algorithm = manifest["files"], manifest.get("algorithm", durable.PRE_RELEASE_ALGORITHM)
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
             raise ValueError(f"format {manifest.get('format')!r}")
         if algorithm not in durable.CHECKSUMS:
             raise ValueError(f"checksum algorithm {algorithm!r} is not one of {sorted(durable.CHECKSUMS)}")
-        files = {  # earlier manifests key the digest by the algorithm's name
-            name: {"checksum": entry.get("checksum", entry.get(algorithm)), "bytes": entry["bytes"]}
-            for name, entry in files.items()
+        split = {name: durable.Checksum.split_record(entry, algorithm) for name, entry in files.items()}
+        files = {
+            name: {"checksum": checksum.hexdigest, "bytes": rest["bytes"]} for name, (checksum, rest) in split.items()
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path} is missing or unreadable ({exc}); {step_dir} cannot be verified") from exc
