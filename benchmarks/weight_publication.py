@@ -84,7 +84,7 @@ def worker_main(root: str, rank: int, bucket_timeout_s: float) -> None:
     from safetensors.torch import load_file
 
     root_path = Path(root)
-    staging = Staging(root_path, rank=rank, timeout_s=bucket_timeout_s, device=torch.device("cpu")).start()
+    staging = Staging(root_path, rank=rank, timeout_s=bucket_timeout_s, gpu=None, engine="transformers").start()
     held: dict[str, torch.Tensor] = {}
     current: Publication | None = None
     peak = {"disk": 0, "memory": 0}

@@ -57,7 +57,9 @@ class AsyncConfig:
     engine, tokenizer and prompts from it."""
     bucket_mib: float = 256.0
     """Bytes per broadcast in memory publication (MiB): the trainer's only buffer. Larger buckets mean
-    fewer round trips; a tensor larger than a bucket goes alone."""
+    fewer round trips; a tensor larger than a bucket goes alone. An SGLang worker stages publications in
+    pinned host memory (two model copies at most), and over NCCL one bucket lands on its GPU outside
+    rollout.sglang.mem_fraction_static: leave that much room (``transport.staging_place``)."""
     publish_timeout_s: float = 600.0
     """A memory publication (workers joining the group included) that takes longer stops the run with an
     error naming the worker that fell behind."""

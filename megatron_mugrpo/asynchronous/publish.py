@@ -43,7 +43,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from megatron_mugrpo.asynchronous.files import write_json
-from megatron_mugrpo.asynchronous.transport import PublicationGroup, Received, Receiver, Sender, SendStats, join_group
+from megatron_mugrpo.asynchronous.transport import (
+    PublicationGroup,
+    Received,
+    Receiver,
+    Sender,
+    SendStats,
+    join_group,
+    staging_place,
+)
 from megatron_mugrpo.durable import read_json
 
 if TYPE_CHECKING:
@@ -266,12 +274,15 @@ class Staging:
     newest complete one to the main loop at its safe point.
 
     A publication received while an older one still waits replaces it (the older is never applied):
-    besides the engine's weights a worker holds at most the staged publication and the one arriving.
+    besides the engine's weights a worker holds at most the staged publication and the one arriving,
+    where ``transport.staging_place`` says for its engine (an SGLang worker: pinned host memory, outside
+    the GPU memory SGLang reserved).
     The thread's failure is raised by the next ``take()``.
     """
 
-    def __init__(self, root: Path, *, rank: int, timeout_s: float, device: torch.device):
-        self.root, self.rank, self.timeout_s, self.device = root, rank, timeout_s, device
+    def __init__(self, root: Path, *, rank: int, timeout_s: float, gpu: torch.device | None, engine: str):
+        """``gpu``: the worker's GPU (None: CPU only); ``engine``: its rollout engine (rollout.engine)."""
+        self.root, self.rank, self.timeout_s, self.gpu, self.engine = root, rank, timeout_s, gpu, engine
         self._ready: Received | None = None
         self._error: BaseException | None = None
         self._lock, self._stop = threading.Lock(), threading.Event()
@@ -295,7 +306,10 @@ class Staging:
     def _run(self) -> None:
         try:
             self.group = join_group(self.root, self.rank, timeout_s=self.timeout_s, alive=self._alive)
-            self._receiver = Receiver(self.group, device=self.device, alive=self._alive)
+            place = staging_place(self.engine, data_backend=self.group.address.data_backend, gpu=self.gpu)
+            self._receiver = Receiver(
+                self.group, device=place.wire, hold=place.hold, pinned=place.pinned, alive=self._alive
+            )
             while (received := self._receiver.next()) is not None:
                 with self._lock:
                     replaced, self._ready, self.received = self._ready, received, self.received + 1

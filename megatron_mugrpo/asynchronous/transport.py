@@ -2,12 +2,33 @@
 over a process group made for publication, in buckets, while the workers keep generating.
 
 Who joins: the trainer's writer rank (rank 0 of the group, the broadcasts' root) and every rollout
-worker (rank 1 + w). The group is its own: a TCP store the trainer hosts at a free port, named in
-``RUN_DIR/async/publish_group.json`` with a key prefix fresh for each launch, and process groups
+worker (rank 1 + w). The group is its own: a TCP store the trainer hosts, named in
+``RUN_DIR/async/publish_group.json`` with a launch prefix fresh for each launch, and process groups
 built on it directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), so neither the trainer's
 torch.distributed world nor Megatron's groups see it, and the workers still never call
 ``init_process_group``. Control messages go over gloo (CPU); the weights' bytes over gloo on CPU,
 over NCCL when the trainer has CUDA.
+
+Who may talk to the store (threat model). A ``TCPStore`` has no authentication: whoever reaches its
+port may read or write any key whose name it knows. Two things keep others out:
+
+* **Where it listens.** The trainer binds the store's socket itself, to the one address the workers use
+  (``listen_address``: the local end of the route to torchrun's ``MASTER_ADDR``; loopback on one node),
+  and hands the bound socket to the store (``master_listen_fd``). Nothing listens on the other
+  interfaces, and the port is the kernel's choice at bind time, so there is no window in which another
+  program can take it (the old pick-a-free-port-then-bind had one).
+* **A per-launch secret.** The trainer draws 128 random bits (``secrets``) and writes them to
+  ``RUN_DIR/async/publish_secret`` (mode 0600, written before the group file names the store). Every
+  key the group reads or writes (hand-shake, announcements, receipts, and the process groups'
+  rendezvous, through which peers learn each other's addresses) lives under a prefix derived from the
+  secret (``GroupSecret.keys``), so a client without the run directory can neither forge a receipt or
+  an announcement nor slip its own address into a process group. Before a worker uses a store it checks
+  the trainer's proof, an HMAC of the launch's address under the secret stored under the public launch
+  prefix: a store without it (an earlier launch's port, another program) is never told a secret key.
+
+Out of scope: an attacker who can read the run directory (the same user, or root), and one on the
+network path: the store, gloo and NCCL send everything, weights included, unencrypted. On a shared
+network, run the workers and the trainer on a private one (or set async.publish=disk).
 
 Hand-shake through the store (polled with ``check``, which never blocks, so that a worker waiting
 hours for the next publication never trips a collective's timeout)::
@@ -36,14 +57,32 @@ never holds more than two buckets of the exported model. A tensor larger than a 
 (the buffer grows to fit it). A worker receives into buffers it reuses from the publication before
 (fresh memory, faulted in as the bytes arrive, halves the receive rate on CPU).
 
+Where a worker holds what it receives (``staging_place``): a worker holds up to two publications
+besides its engine's weights (the one staged, the one arriving), two full copies of the model. An
+SGLang engine has taken ``rollout.sglang.mem_fraction_static`` of the GPU for weights and KV cache, and
+those copies would come on top of it (at 7B in bf16, 30 GB), so an SGLang worker with a GPU holds them in
+pinned host memory: over NCCL each bucket lands in one GPU buffer (``async.bucket_mib``, the only GPU
+memory staging takes outside SGLang's fraction) and is copied to the host at once. A transformers engine
+has no such fraction and keeps them on its device, ready to copy.
+
 A publication that does not finish within ``async.publish_timeout_s`` raises ``PublishTimeoutError``
-naming the worker(s) that fell behind, read from their progress keys.
+naming the worker(s) that fell behind, read from their progress keys. The trainer never blocks on the
+wire without a bound: it polls its broadcasts' completion (``wait_until``), checking the workers'
+heartbeats and the deadline between looks. Over NCCL a blocking wait would be ``cuda.synchronize``, which a
+worker that died during the last bucket leaves hanging until NCCL's watchdog kills the trainer with a
+message that names nobody.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import ipaddress
 import json
+import logging
+import os
+import secrets
 import socket
 import time
 import uuid
@@ -57,16 +96,22 @@ import torch.distributed as dist
 
 from megatron_mugrpo.asynchronous.files import write_json
 from megatron_mugrpo.asynchronous.liveness import RankFailedError
-from megatron_mugrpo.durable import read_json
+from megatron_mugrpo.durable import atomic_write_bytes, read_json
 
 BUCKET, END = 1, 2
 """Message kinds (the first field of every header)."""
 PUBLISH, CLOSE = "publish", "close"
 """What an announce/<n> key says."""
 GROUP_FILE = "publish_group.json"
-HOSTED = "hosted"
-"""Set by the trainer in its store under the launch's prefix: a worker that reaches a store without it
-(an earlier launch's port, reused) goes on looking."""
+SECRET_FILE = "publish_secret"
+"""The launch's secret (hex), mode 0600, next to the group file."""
+SECRET_BYTES = 16
+"""128 bits: no client that cannot read the run directory guesses the keys."""
+PROOF = "proof"
+"""Set by the trainer under the public launch prefix: ``GroupSecret.proof`` of its address. A worker that
+reaches a store without the right one (an earlier launch's port, reused, or someone else's store)
+goes on looking, and never sends it a key under the secret prefix."""
+LISTEN_BACKLOG = 128
 POLL_S = 0.02
 """Seconds between two looks at the store (a new publication, the workers' progress)."""
 ANNOUNCE_POLL_S = 0.005
@@ -82,6 +127,9 @@ DTYPES = {
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8)
 }
 """Dtypes a publication carries, by the name SGLang's ``dtypes`` take ('bfloat16')."""
+
+
+log = logging.getLogger(__name__)
 
 
 class PublishTimeoutError(RankFailedError):
@@ -174,7 +222,8 @@ class GroupAddress:
     world_size: int
     """1 (the trainer) + the rollout workers."""
     prefix: str
-    """Store key prefix of this launch."""
+    """Public store key prefix of this launch (the proof lives under it; every other key under
+    ``GroupSecret.keys``)."""
     data_backend: str
     """'gloo' or 'nccl': what carries the weights' bytes."""
 
@@ -183,17 +232,108 @@ def worker_name(rank: int) -> str:
     return f"rollout worker {rank - 1} (publication rank {rank})"
 
 
+@dataclass(frozen=True)
+class GroupSecret:
+    """The launch's secret (hex) and what is derived from it for one address."""
+
+    token: str
+
+    @classmethod
+    def fresh(cls) -> GroupSecret:
+        return cls(secrets.token_hex(SECRET_BYTES))
+
+    def _mac(self, what: str) -> str:
+        return hmac.new(bytes.fromhex(self.token), what.encode(), hashlib.sha256).hexdigest()
+
+    def keys(self, address: GroupAddress) -> str:
+        """The store prefix of every key but the proof: unguessable without the secret."""
+        return f"{address.prefix}/{self._mac(f'keys:{address.prefix}')[:32]}"
+
+    def proof(self, address: GroupAddress) -> str:
+        """What the trainer stores under ``address.prefix/PROOF``: binds the secret to this launch's address."""
+        return self._mac(f"proof:{address.prefix}:{address.host}:{address.port}")
+
+    def verifies(self, address: GroupAddress, proof: bytes) -> bool:
+        return hmac.compare_digest(self.proof(address).encode(), proof)
+
+
+def write_secret(path: Path, secret: GroupSecret) -> None:
+    """``path`` holds the secret, readable by its owner only: created 0600 (never the umask's mode, even
+    for a moment) and replaced atomically (``durable``)."""
+    atomic_write_bytes(path, secret.token.encode(), mode=0o600)
+
+
+def read_secret(path: Path) -> GroupSecret | None:
+    """The secret in ``path`` (None when there is none yet)."""
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return GroupSecret(token) if len(token) == 2 * SECRET_BYTES else None
+
+
+def listen_address(environ: dict[str, str] | os._Environ = os.environ) -> str:
+    """The IPv4 address the workers reach the trainer at, which the store listens on alone.
+
+    torchrun gives every rank ``MASTER_ADDR``, the host all of them reach: loopback there (one node)
+    means loopback here; otherwise the local end of the route to it (no packet is sent: connecting a
+    UDP socket only asks the kernel which interface it would use). Without ``MASTER_ADDR`` (one process,
+    the tests) the store is local: 127.0.0.1.
+    """
+    master = environ.get("MASTER_ADDR", "").strip()
+    if not master:
+        return "127.0.0.1"
+    try:
+        resolved = socket.getaddrinfo(master, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        if ipaddress.ip_address(resolved).is_loopback:
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((resolved, 9))
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot find the local address that reaches MASTER_ADDR={master!r} ({exc}), where the publication "
+            "store would listen for the rollout workers: set MASTER_ADDR to an address of the trainer's node, or "
+            "set async.publish=disk"
+        ) from exc
+
+
+def _listener(host: str) -> socket.socket:
+    """A TCP socket bound to ``host`` at a port the kernel picks, listening: the store's, from the start."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class PublicationGroup:
     """One member's end of the publication group (see the module docstring)."""
 
-    def __init__(self, address: GroupAddress, rank: int, *, timeout_s: float, connect_s: float | None = None):
-        self.address, self.rank, self.timeout_s = address, rank, timeout_s
+    def __init__(
+        self,
+        address: GroupAddress,
+        rank: int,
+        *,
+        secret: GroupSecret,
+        timeout_s: float,
+        connect_s: float | None = None,
+        listener: socket.socket | None = None,
+    ):
+        """``listener``: the trainer's bound, listening socket, which the store takes over (and closes)."""
+        self.address, self.rank, self.timeout_s, self.secret = address, rank, timeout_s, secret
         connect = datetime.timedelta(seconds=connect_s if connect_s is not None else timeout_s)
+        listen = {} if listener is None else {"master_listen_fd": listener.detach()}
         self.store = dist.TCPStore(
-            address.host, address.port, address.world_size, rank == 0, timeout=connect, wait_for_workers=False
+            address.host, address.port, address.world_size, rank == 0, timeout=connect, wait_for_workers=False, **listen
         )
         self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        self.keys = dist.PrefixStore(address.prefix, self.store)
+        self.public = dist.PrefixStore(address.prefix, self.store)
+        """The launch's public keys: only the proof."""
+        self.keys = dist.PrefixStore(secret.keys(address), self.store)
         self.control: dist.ProcessGroup | None = None
         self.data: dist.ProcessGroup | None = None
 
@@ -233,27 +373,53 @@ class PublicationGroup:
         group.broadcast([tensor], dist.BroadcastOptions()).wait()
 
 
+def wait_until(
+    done: Callable[[], bool],
+    *,
+    deadline: float,
+    watch: Callable[[], None],
+    expired: Callable[[], BaseException],
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Poll ``done()`` until true. Between looks ``watch()`` may raise (a worker's heartbeat stopped: its
+    error names it), and past ``deadline`` (``clock()`` time) ``expired()`` is raised. ``done()`` is looked
+    at once more after the deadline, so work that completed meanwhile is never reported as late."""
+    while not done():
+        watch()
+        if clock() > deadline:
+            if done():
+                return
+            raise expired()
+        sleep(ANNOUNCE_POLL_S)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
 
 
-def host_group(root: Path, *, world_size: int, timeout_s: float, data_backend: str) -> PublicationGroup:
-    """The trainer's side: start the store at a free port and name it in ``root/publish_group.json``.
-    Nothing blocks here; the process groups are built at the first publication (``Sender``)."""
-    with socket.socket() as sock:  # a free port, released just before the store binds it
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
+def host_group(
+    root: Path, *, world_size: int, timeout_s: float, data_backend: str, host: str | None = None
+) -> PublicationGroup:
+    """The trainer's side: start the store on ``host`` (default ``listen_address()``) at a port the kernel
+    picks, write a fresh secret, and name the store in ``root/publish_group.json``. Nothing blocks here;
+    the process groups are built at the first publication (``Sender``)."""
+    listener = _listener(host or listen_address())
+    bound_host, port = listener.getsockname()[:2]
     address = GroupAddress(
-        host=socket.gethostname(),
+        host=bound_host,
         port=port,
         world_size=world_size,
         prefix=f"publish/{uuid.uuid4().hex[:12]}",
         data_backend=data_backend,
     )
-    group = PublicationGroup(address, 0, timeout_s=timeout_s)
-    group.keys.set(HOSTED, "1")
+    secret = GroupSecret.fresh()
+    group = PublicationGroup(address, 0, secret=secret, timeout_s=timeout_s, listener=listener)
+    group.public.set(PROOF, secret.proof(address))
+    write_secret(root / SECRET_FILE, secret)  # before the group file: a worker that reads the file finds it
     write_json(root / GROUP_FILE, asdict(address))  # after the store listens: a reader always finds it
+    log.info("publication store listening on %s:%d (key prefix %s)", bound_host, port, address.prefix)
     return group
 
 
@@ -261,16 +427,19 @@ def join_group(root: Path, rank: int, *, timeout_s: float, alive: Callable[[], N
     """A worker's side: connect to the store ``root/publish_group.json`` names, and say so.
 
     Retries until it reaches this launch's store: the file may not exist yet, or be an earlier
-    launch's (nobody listens at its port, or another program's store does: no ``HOSTED`` key).
+    launch's (nobody listens at its port, or another program's store does), or the secret beside it
+    may be another launch's: a store is used only once its proof checks out against the secret
+    (``GroupSecret.verifies``), before any key under the secret prefix is sent to it.
     ``alive()`` is called between attempts and raises when the worker stops.
     """
     while True:
         alive()
-        values = read_json(root / GROUP_FILE)
-        if values is not None:
+        values, secret = read_json(root / GROUP_FILE), read_secret(root / SECRET_FILE)
+        if values is not None and secret is not None:
+            address = GroupAddress(**values)
             try:
-                group = PublicationGroup(GroupAddress(**values), rank, timeout_s=timeout_s, connect_s=CONNECT_S)
-                ours = group.has(HOSTED)  # a port an earlier launch named may now be another program's store
+                group = PublicationGroup(address, rank, secret=secret, timeout_s=timeout_s, connect_s=CONNECT_S)
+                ours = group.public.check([PROOF]) and secret.verifies(address, group.public.get(PROOF))
             except (RuntimeError, OSError):  # dist's store errors are RuntimeErrors: nobody listens there
                 ours = False
             if ours:
@@ -330,8 +499,8 @@ class Sender:
         try:
             for bucket in plan_buckets(named_tensors, self.bucket_bytes):
                 slot = buckets % len(self._buffers)  # bucket b+1 is packed while bucket b is on the wire
-                if in_flight[slot] is not None:
-                    in_flight[slot].wait()  # its buffer is free again
+                if in_flight[slot] is not None:  # its buffer is free again once bucket b-2 has gone
+                    self._drain([in_flight[slot]], deadline, watch, f"sending bucket {buckets - 1}", last=False)
                 size = bucket_nbytes([meta for meta, _ in bucket])
                 metas = [[m.name, m.dtype, list(m.shape), m.offset] for m, _ in bucket]
                 self._message(BUCKET, version, metas)
@@ -339,11 +508,7 @@ class Sender:
                 in_flight[slot] = self.group.data.broadcast([flat], dist.BroadcastOptions())
                 buckets, nbytes = buckets + 1, nbytes + size
                 self._check_deadline(deadline, f"after bucket {buckets}")
-            for work in in_flight:
-                if work is not None:
-                    work.wait()
-            if self.device.type == "cuda":  # the blocked time includes the transfer itself
-                torch.cuda.synchronize(self.device)
+            self._drain([w for w in in_flight if w is not None], deadline, watch, f"sending bucket {buckets}")
             self._message(END, version, {"name": name, "version": version, "digest": digest()})
             self._wait_received(deadline, watch)
         except RankFailedError:  # ours, or a dead worker named by ``watch``
@@ -369,6 +534,24 @@ class Sender:
         header = torch.tensor([kind, encoded.numel(), 0, version], dtype=torch.int64)
         self.group.broadcast(header)
         self.group.broadcast(encoded)
+
+    def _drain(
+        self, works: list[Any], deadline: float, watch: Callable[[], None], where: str, *, last: bool = True
+    ) -> None:
+        """Return once ``works`` (broadcasts) completed: polled, so that a dead worker is named by ``watch``
+        (its heartbeat) or by the deadline (``_behind``), never left to NCCL's watchdog. Then ``wait()``
+        raises a failed broadcast's error (and orders the compute stream after NCCL's); after the
+        ``last`` ones, on CUDA, the blocked time includes the transfer itself."""
+        wait_until(
+            lambda: all(work.is_completed() for work in works),
+            deadline=deadline,
+            watch=watch,
+            expired=lambda: PublishTimeoutError(self._behind(f"publication {self.serial} is still {where}", None)),
+        )
+        for work in works:
+            work.wait()
+        if last and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every broadcast is complete: returns at once
 
     def _check_deadline(self, deadline: float, where: str) -> None:
         if time.monotonic() > deadline:
@@ -426,12 +609,54 @@ class Received:
         return sum(t.numel() * t.element_size() for _, t in self.tensors)
 
 
+@dataclass(frozen=True)
+class StagingPlace:
+    """Where a worker's publications arrive and where they are held (see the module docstring)."""
+
+    wire: torch.device
+    """Where a bucket lands: NCCL needs the GPU."""
+    hold: torch.device
+    """Where the received publications are held until the engine copies them."""
+    pinned: bool
+    """``hold`` is pinned host memory (fast copies to and from the GPU)."""
+
+
+HOST_STAGING_ENGINES = ("sglang",)
+"""Engines that reserve a fixed fraction of the GPU for themselves: their workers stage on the host."""
+
+
+def staging_place(engine: str, *, data_backend: str, gpu: torch.device | None) -> StagingPlace:
+    """Where a rollout worker with ``engine`` and GPU ``gpu`` (None: CPU only) receives and holds the
+    publications sent over ``data_backend``. Worked example: SGLang on cuda:3 over NCCL lands each bucket on
+    cuda:3 and holds it in pinned host memory; transformers on cuda:3 lands and holds on cuda:3; without a
+    GPU, both on the CPU."""
+    cpu = torch.device("cpu")
+    if gpu is None:
+        return StagingPlace(wire=cpu, hold=cpu, pinned=False)
+    if engine in HOST_STAGING_ENGINES:
+        return StagingPlace(wire=gpu if data_backend == "nccl" else cpu, hold=cpu, pinned=True)
+    return StagingPlace(wire=gpu, hold=gpu, pinned=False)
+
+
 class Receiver:
     """A worker's end: ``next()`` waits for the trainer's next message and returns the publication it
     carries (None: the run's publications are over)."""
 
-    def __init__(self, group: PublicationGroup, *, device: torch.device, alive: Callable[[], None]):
+    def __init__(
+        self,
+        group: PublicationGroup,
+        *,
+        device: torch.device,
+        alive: Callable[[], None],
+        hold: torch.device | None = None,
+        pinned: bool = False,
+    ):
+        """``device``: where buckets land; ``hold`` (default ``device``): where publications are held, in
+        pinned host memory when ``pinned`` (``staging_place``)."""
         self.group, self.device, self.alive = group, device, alive
+        self.hold, self.pinned = hold or device, pinned
+        self._wire: torch.Tensor | None = None
+        """The one landing buffer when ``device`` is not ``hold`` (grown to the largest bucket)."""
         self.serial = 0
         self._spare: list[torch.Tensor] = []
         """Bucket buffers of a publication that was applied or replaced, reused by the next one: fresh
@@ -443,11 +668,21 @@ class Receiver:
         self._spare = list(received.buffers)
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A buffer of ``nbytes`` where publications are held."""
         spare = self._spare  # the main thread may replace the list meanwhile (``recycle``)
         for i, buffer in enumerate(spare):
             if buffer.numel() == nbytes:  # bucket sizes repeat: every publication exports the same tensors
                 return spare.pop(i)
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.hold, pin_memory=self.pinned)
+
+    def _landing(self, nbytes: int) -> torch.Tensor:
+        """Where a bucket of ``nbytes`` arrives: the held buffer itself, or the one landing buffer."""
+        if self.device == self.hold:
+            return self._buffer(nbytes)
+        if self._wire is None or self._wire.numel() < nbytes:
+            self._wire = None  # the old one goes first
+            self._wire = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._wire[:nbytes]
 
     def next(self) -> Received | None:
         key = f"announce/{self.serial}"
@@ -490,10 +725,11 @@ class Receiver:
                     seconds=time.monotonic() - started,
                 )
             metas = [TensorMeta(n, d, tuple(s), o) for n, d, s, o in meta]
-            flat = self._buffer(bucket_nbytes(metas))  # the staging area
-            self.group.broadcast(flat, data=True)
-            if flat.is_cuda:  # NCCL's wait only orders streams: the bytes must be there before we say so,
-                torch.cuda.synchronize(flat.device)  # and before another process (SGLang) reads them by IPC
+            landed = self._landing(bucket_nbytes(metas))
+            self.group.broadcast(landed, data=True)
+            flat = landed if self.device == self.hold else self._buffer(landed.numel()).copy_(landed)
+            if landed.is_cuda:  # NCCL's wait only orders streams: the bytes must be there before we say so,
+                torch.cuda.synchronize(landed.device)  # and before another process (SGLang) reads them by IPC
             buffers.append(flat)
             tensors += unpack(metas, flat)
             buckets += 1

@@ -238,13 +238,16 @@ class Worker:
         return True if self.subscription.current is not None else None
 
     def start_staging(self) -> None:
-        """Receive memory publications from now on (async.publish=memory): publication rank 1 + w,
-        staged on this worker's GPU when it has one."""
-        device = torch.device("cpu")
-        if torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        root = self.paths.weights
-        self.staging = Staging(root, rank=1 + self.index, timeout_s=self.cfg.async_.publish_timeout_s, device=device)
+        """Receive memory publications from now on (async.publish=memory): publication rank 1 + w, staged
+        where ``transport.staging_place`` says for this engine (SGLang: pinned host memory)."""
+        gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
+        self.staging = Staging(
+            self.paths.weights,
+            rank=1 + self.index,
+            timeout_s=self.cfg.async_.publish_timeout_s,
+            gpu=gpu,
+            engine=self.cfg.rollout.engine,
+        )
         self.staging.start()
 
 

@@ -124,7 +124,7 @@ def _worker(root: str, base: str, timeout_s: float, results) -> None:
 
     try:
         engine = TransformersEngine(base, device="cpu", batch_size=4)
-        staging = Staging(Path(root), rank=1, timeout_s=timeout_s, device=torch.device("cpu")).start()
+        staging = Staging(Path(root), rank=1, timeout_s=timeout_s, gpu=None, engine="transformers").start()
         batches, applied = 0, []
         while len(applied) < 2:
             engine.generate([[1, 2, 3]], 2, SamplingParams(max_new_tokens=4, seed=batches))  # a "batch"
