@@ -542,16 +542,27 @@ class Sender:
         (its heartbeat) or by the deadline (``_behind``), never left to NCCL's watchdog. Then ``wait()``
         raises a failed broadcast's error (and orders the compute stream after NCCL's); after the
         ``last`` ones, on CUDA, the blocked time includes the transfer itself."""
-        wait_until(
-            lambda: all(work.is_completed() for work in works),
-            deadline=deadline,
-            watch=watch,
-            expired=lambda: PublishTimeoutError(self._behind(f"publication {self.serial} is still {where}", None)),
-        )
+        try:
+            wait_until(
+                lambda: all(work.is_completed() for work in works),
+                deadline=deadline,
+                watch=watch,
+                expired=lambda: PublishTimeoutError(self._behind(f"publication {self.serial} is still {where}", None)),
+            )
+        except RankFailedError:
+            self._abandon()
+            raise
         for work in works:
             work.wait()
         if last and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # every broadcast is complete: returns at once
+
+    def _abandon(self) -> None:
+        """Abort the NCCL communicator of a broadcast that will never complete: its kernel would otherwise
+        hold the GPU stream (and the process's exit) until NCCL's watchdog kills the trainer, before the
+        error naming the worker is printed. Gloo's pending work ends with its own timeout."""
+        if self.group.address.data_backend == "nccl" and self.group.data is not None:
+            self.group.data.abort()
 
     def _check_deadline(self, deadline: float, where: str) -> None:
         if time.monotonic() > deadline:

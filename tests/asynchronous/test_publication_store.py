@@ -224,6 +224,28 @@ def test_a_broadcast_that_never_completes_ends_in_an_error_naming_the_worker(tmp
     assert "rollout worker 1" not in message and "async.publish_timeout_s=0.3" in message
 
 
+def test_an_nccl_broadcast_that_never_completes_is_aborted_before_the_error(tmp_path: Path) -> None:
+    """Over NCCL the abandoned broadcast's communicator is aborted, so neither the stream nor the exit waits
+    for NCCL's watchdog; the error names the worker whose heartbeat stopped."""
+
+    class _Communicator:
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    group = host_group(tmp_path, world_size=2, timeout_s=60.0, data_backend="nccl", host="127.0.0.1")
+    group.data = _Communicator()
+    sender = Sender(group, bucket_bytes=1024, device=torch.device("cpu"))
+
+    def watch() -> None:
+        raise RankFailedError("rollout worker 0 (rank 1) stopped: its heartbeat is 30 s old")
+
+    with pytest.raises(RankFailedError, match=r"rollout worker 0 \(rank 1\)"):
+        sender._drain([_NeverCompletes()], transport.time.monotonic() + 60.0, watch, "sending bucket 9")
+    assert group.data.aborted
+
+
 # ------------------------------------------------------------------------------------ where staging lives
 
 
