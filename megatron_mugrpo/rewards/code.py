@@ -507,7 +507,8 @@ def _lines(text: str) -> list[str]:
 
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
-_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# Unambiguous (no two ways to split a digit run): a hostile 5,000-digit token fails in linear time.
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 def _token_match(a: str, b: str, tolerance: float) -> bool:
