@@ -10,6 +10,7 @@
     mugrpo report runs/mu_grpo runs/grpo --out reports/cmp
     mugrpo sweep experiments/f1_mu_vs_grpo.yaml --out runs/sweeps/f1 --parallel 2
     mugrpo convert {hf-to-megatron,megatron-to-hf,verify} ...
+    mugrpo plan --config configs/paper/qwen2.5_math_7b__mu_grpo.yaml --gpus 8 --gpu h100 [--json]
     mugrpo serve-search --corpus corpus.jsonl --port 8000   # BM25 retrieval for env.search.url
 
 Multi-GPU and multi-node runs go through launch/torchrun.sh and launch/slurm.sbatch, which call
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_mugrpo.conversion.cli import add_convert_parser
 
     add_convert_parser(verbs)
+    from megatron_mugrpo.plan.command import add_plan_parser
+
+    add_plan_parser(verbs)
     from megatron_mugrpo.envs.server import add_serve_search_parser
 
     add_serve_search_parser(verbs)
@@ -406,6 +410,13 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.plan.command import run_plan
+
+    return run_plan(args, load=load_config)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from megatron_mugrpo.report import write_report
 
@@ -451,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         "report": cmd_report,
         "score": cmd_score,
         "sweep": cmd_sweep,
+        "plan": cmd_plan,
         "serve-search": cmd_serve_search,
     }
     try:

@@ -36,6 +36,9 @@ ROUTE_BYTES = 8
 """The trainer's replayed routes are int64 [moe_layers, tokens, k] (``training.routing_replay``)."""
 LOGITS_COPIES_UNFUSED = 3
 """The materialised log-prob path holds about three float32 [tokens, V/tp] buffers (``kernels.config``)."""
+SGLANG_RUNTIME_BYTES = 3 * 2**30
+"""What SGLang needs outside its static pool (activations of a decode batch, CUDA-graph buffers, sampling):
+an assumption; SGLang's docs only say the rest of the memory after mem_fraction_static is for these."""
 FUSED_BLOCK_BYTES = 32 * 2**20
 """The fused log-prob's working block (``kernels.autograd.DEFAULT_BLOCK_BYTES``), float32."""
 
@@ -236,7 +239,7 @@ class EngineBytes:
     max_sequences: int
     """Sequences at full length that the KV pool holds at once."""
     outside_pool: int
-    """Memory left outside SGLang's static pool for staging (and its own activations)."""
+    """Memory outside SGLang's static pool left for staging, after SGLang's own runtime needs."""
 
 
 def engine_bytes(
@@ -264,5 +267,5 @@ def engine_bytes(
         staging=staging,
         kv_per_sequence=per_sequence,
         max_sequences=max(0, kv // per_sequence),
-        outside_pool=usable_bytes - int(mem_fraction * gpu_bytes) + (gpu_bytes - usable_bytes),
+        outside_pool=gpu_bytes - int(mem_fraction * gpu_bytes) - SGLANG_RUNTIME_BYTES,
     )

@@ -1,0 +1,700 @@
+"""A run's plan: per role and per GPU, the bytes it holds and whether they fit, and how long it takes.
+
+``make_plan`` is arithmetic on the run's config sections, the model's ``config.json`` fields and the
+hardware; ``suggest`` re-plans single-key changes through a loader the caller gives (the CLI's, which
+validates each changed config as ``mugrpo train`` would) and keeps the first that makes every role fit,
+or that brings the async trainer's idle fraction down.
+
+    plan = make_plan(cfg, hf_fields, Hardware(gpu=gpu_spec("h100"), gpus=8, gpus_per_node=8))
+    print(render(plan)); json.dumps(plan_json(plan))
+
+Roles: the **trainer** (every GPU in staged mode; the first world − async.rollout_ranks in async mode)
+and the **rollout engine** (staged: colocated on the trainer's GPUs, the trainer's weights, gradients
+and optimizer state staying resident while it generates, its activations not; async: the last
+async.rollout_ranks GPUs). The engine releases its memory before the optimizer phase
+(``rollout.sglang.enable_memory_saver``), so the trainer's peak does not include it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatron_mugrpo.errors import ConfigError, require
+from megatron_mugrpo.plan.gpus import GpuSpec
+from megatron_mugrpo.plan.memory import (
+    ActivationInputs,
+    EngineBytes,
+    TrainerLayout,
+    activation_bytes,
+    engine_bytes,
+    logits_bytes,
+    routing_replay_bytes,
+    static_bytes,
+)
+from megatron_mugrpo.plan.models import ModelShape, RankLayout
+from megatron_mugrpo.plan.timing import (
+    PUBLISH_BYTES_PER_S,
+    SYNC_BYTES_PER_S,
+    AsyncBalance,
+    async_balance,
+    rollout_time,
+    update_flops,
+    update_s,
+)
+from megatron_mugrpo.training.parallel import check_expert_parallel, check_model_parallelism
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ENGINE_WEIGHT_BYTES = {"none": 2.0, "fp8": 1.0, "fp8_per_channel": 1.0, "nvfp4": 0.5625}
+"""Bytes per parameter of the rollout engine's weights by rollout.quantization (nvfp4: 4 bits + scales)."""
+STAGING_COPIES = 2
+"""Async memory publication: a worker holds the staged publication and the one arriving (publish.Staging)."""
+IDLE_WORTH_FIXING = 0.1
+"""An async trainer idle for more than this share of its time gets a suggestion."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    gpu: GpuSpec
+    gpus: int
+    """GPUs of the launch (all nodes)."""
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        require(self.gpus >= 1 and self.gpus_per_node >= 1, "--gpus and --gpus-per-node must be >= 1")
+        require(
+            self.gpus <= self.gpus_per_node or self.gpus % self.gpus_per_node == 0,
+            f"--gpus {self.gpus} is not a whole number of nodes of --gpus-per-node {self.gpus_per_node}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assumptions:
+    """What a plan cannot know from the config; each is printed with the plan."""
+
+    mfu: float = 0.35
+    """Model FLOPs utilisation of the optimizer phase (--mfu)."""
+    response_fill: float = 0.5
+    """Mean response length as a fraction of rollout.max_new_tokens (--response-fill)."""
+    rollout_tokens_per_s: float | None = None
+    """Measured decode rate of one engine (--rollout-tokens-per-s); None: the roofline."""
+
+    def __post_init__(self) -> None:
+        require(0 < self.mfu <= 1, f"--mfu {self.mfu} must be in (0, 1]")
+        require(0 < self.response_fill <= 1, f"--response-fill {self.response_fill} must be in (0, 1]")
+        require(
+            self.rollout_tokens_per_s is None or self.rollout_tokens_per_s > 0,
+            "--rollout-tokens-per-s must be > 0",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerPlan:
+    ranks: int
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    distributed_optimizer: bool
+    params_per_rank: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    routing_replay: int
+    micro_batch_tokens: int
+    in_flight: int
+    peak_stage: int
+    """The pipeline stage whose rank peaks highest."""
+    usable: int
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.routing_replay
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.usable
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnginePlan:
+    engine: str
+    gpus: int
+    engines: int
+    tp: int
+    resident: int
+    """A colocated trainer's bytes still on the GPU while the engine runs (staged mode)."""
+    bytes: EngineBytes
+    context: int
+    usable: int
+
+    @property
+    def peak(self) -> int:
+        b = self.bytes
+        return self.resident + b.weights + max(b.kv_cache, 0) + b.staging
+
+    @property
+    def problem(self) -> str:
+        b = self.bytes
+        if b.max_sequences < 1:
+            return f"its KV cache ({b.kv_cache / GIB:.1f} GiB) holds no {self.context}-token sequence"
+        if b.staging > b.outside_pool:
+            return (
+                f"staging a publication ({b.staging / GIB:.1f} GiB) does not fit outside the engine's pool "
+                f"({b.outside_pool / GIB:.1f} GiB)"
+            )
+        if self.peak > self.usable:
+            return f"peak {self.peak / GIB:.1f} GiB exceeds the GPU's {self.usable / GIB:.1f} GiB"
+        return ""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problem
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimePlan:
+    stages: int
+    updates_per_stage: int
+    rollout_s: float
+    """Per stage (staged mode); per stage's worth of groups on the rollout GPUs (async mode)."""
+    rollout_tokens: float
+    tokens_per_s_per_engine: float
+    concurrency: int
+    update_s: float
+    update_tflop: float
+    optimize_s: float
+    """Per stage."""
+    boundary_s: float
+    """Per stage: the weight sync (staged) or the publications of a stage's updates (async)."""
+    total_s: float
+    balance: AsyncBalance | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suggestion:
+    change: str
+    """``key a → b``."""
+    effect: str
+    plan: Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: str
+    params: int
+    active_params: int
+    mode: str
+    hardware: Hardware
+    assumptions: Assumptions
+    trainer: TrainerPlan
+    engine: EnginePlan
+    time: TimePlan
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        out = []
+        if not self.trainer.fits:
+            t = self.trainer
+            out.append(f"trainer: peak {t.peak / GIB:.1f} GiB exceeds the GPU's {t.usable / GIB:.1f} GiB")
+        if not self.engine.fits:
+            out.append(f"rollout engine: {self.engine.problem}")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def trainer_ranks(cfg: Any, gpus: int) -> int:
+    """GPUs that train: all of them in staged mode, all but async.rollout_ranks in async mode."""
+    if cfg.mode != "async":
+        return gpus
+    trainers = gpus - cfg.async_.rollout_ranks
+    require(
+        trainers >= 1,
+        f"async.rollout_ranks={cfg.async_.rollout_ranks} leaves no trainer among --gpus {gpus}; "
+        "lower async.rollout_ranks or plan more GPUs",
+    )
+    return trainers
+
+
+def check_layout(cfg: Any, shape: ModelShape, hardware: Hardware) -> RankLayout:
+    """The trainer's layout; ConfigError (as at launch) when the model or the GPUs cannot be split so."""
+    par = cfg.parallel
+    world = trainer_ranks(cfg, hardware.gpus)
+    tp, pp, ep = par.tensor_parallel, par.pipeline_parallel, par.expert_parallel
+    require(
+        world % (tp * pp) == 0,
+        f"{world} trainer GPUs are not a multiple of parallel.tensor_parallel × parallel.pipeline_parallel = "
+        f"{tp} × {pp}; change them or --gpus",
+    )
+    check_model_parallelism(shape.heads, shape.kv_heads, shape.layers, par)
+    require(
+        shape.is_moe or shape.ffn % tp == 0,
+        f"parallel.tensor_parallel={tp} does not divide the MLP width {shape.ffn}",
+    )
+    etp = tp if par.expert_tensor_parallel is None else par.expert_tensor_parallel
+    if shape.is_moe:
+        require(shape.experts % ep == 0, f"parallel.expert_parallel={ep} does not divide the {shape.experts} experts")
+        require(
+            shape.expert_ffn % etp == 0,
+            f"expert tensor parallel size {etp} does not divide moe_intermediate_size={shape.expert_ffn}",
+        )
+        check_expert_parallel(world, tp, pp, ep, etp)
+    else:
+        require(ep == 1, f"parallel.expert_parallel={ep} needs a mixture-of-experts model; set it to 1")
+        etp = tp
+    rtp = cfg.rollout.tensor_parallel
+    engine_gpus = hardware.gpus if cfg.mode != "async" else cfg.async_.rollout_ranks
+    require(
+        engine_gpus % rtp == 0 and min(hardware.gpus_per_node, hardware.gpus) % rtp == 0,
+        f"rollout.tensor_parallel={rtp} must divide the {engine_gpus} rollout GPUs and the "
+        f"{min(hardware.gpus_per_node, hardware.gpus)} GPUs per node (an engine lies inside one node)",
+    )
+    return RankLayout(tp=tp, pp=pp, ep=ep, etp=etp)
+
+
+def make_plan(
+    cfg: Any, hf: dict[str, Any], hardware: Hardware, assumptions: Assumptions | None = None, *, model: str = ""
+) -> Plan:
+    """The plan of run config ``cfg`` (a ``RunConfig``: its model, parallel, rollout, stages, kernels, moe,
+    mode and async sections) for the model of ``hf`` (config.json fields) on ``hardware``."""
+    assumptions = assumptions or Assumptions()
+    shape = ModelShape.from_hf(hf)
+    layout = check_layout(cfg, shape, hardware)
+    trainer = _trainer_plan(cfg, shape, layout, hardware)
+    engine = _engine_plan(cfg, shape, hardware, trainer)
+    time = _time_plan(cfg, shape, hardware, assumptions, trainer, engine)
+    return Plan(
+        model=model or str(hf.get("_name_or_path") or hf.get("model_type")),
+        params=shape.total_params(),
+        active_params=shape.active_params(),
+        mode=cfg.mode,
+        hardware=hardware,
+        assumptions=assumptions,
+        trainer=trainer,
+        engine=engine,
+        time=time,
+    )
+
+
+def _rows_per_update(cfg: Any) -> int:
+    return cfg.stages.mini_groups * cfg.rollout.group_size
+
+
+def _trainer_plan(cfg: Any, shape: ModelShape, layout: RankLayout, hardware: Hardware) -> TrainerPlan:
+    par, world = cfg.parallel, trainer_ranks(cfg, hardware.gpus)
+    dp, edp = world // (layout.tp * layout.pp), world // (layout.pp * layout.etp * layout.ep)
+    tlayout = TrainerLayout(model=layout, dp=dp, edp=edp, distributed_optimizer=par.use_distributed_optimizer)
+    dtype = DTYPE_BYTES[cfg.model.dtype]
+    seq = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    budget = getattr(par, "micro_batch_tokens", None)  # a token budget replaces micro_batch_size rows
+    tokens = budget or par.micro_batch_size * seq
+    rows_per_rank = math.ceil(_rows_per_update(cfg) / dp)
+    micro_batches = (
+        max(1, math.ceil(rows_per_rank * seq / tokens)) if budget else math.ceil(rows_per_rank / par.micro_batch_size)
+    )
+    best: TrainerPlan | None = None
+    for stage in range(layout.pp):
+        static = max(
+            (
+                static_bytes(shape, tlayout, dtype_bytes=dtype, pp_rank=stage, dp_rank=r, edp_rank=min(r, edp - 1))
+                for r in {0, dp - 1}
+            ),
+            key=lambda s: s.total,
+        )
+        in_flight = min(layout.pp - stage, micro_batches)  # 1F1B: stage s holds up to PP − s micro-batches
+        acts = ActivationInputs(
+            tokens=tokens,
+            seq_len=seq,
+            dtype_bytes=dtype,
+            sequence_parallel=par.sequence_parallel,
+            flash_attention=True,  # the GPU layer spec (Transformer Engine) keeps no [S, S] scores
+            in_flight=in_flight,
+        )
+        last = stage == layout.pp - 1
+        logits = (
+            logits_bytes(
+                shape,
+                layout.tp,
+                tokens,
+                fused=cfg.kernels.logprob_impl != "unfused",
+                budget_bytes=cfg.kernels.logits_budget_bytes,
+            )
+            if last
+            else 0
+        )
+        routes = routing_replay_bytes(shape, layout.pp, tokens, in_flight) if cfg.moe.routing_replay != "none" else 0
+        plan = TrainerPlan(
+            ranks=world,
+            tp=layout.tp,
+            pp=layout.pp,
+            dp=dp,
+            ep=layout.ep,
+            etp=layout.etp,
+            edp=edp,
+            distributed_optimizer=par.use_distributed_optimizer,
+            params_per_rank=static.params,
+            weights=static.weights,
+            grads=static.grads,
+            optimizer=static.optimizer,
+            activations=activation_bytes(shape, layout, acts, pp_rank=stage),
+            logits=logits,
+            routing_replay=routes,
+            micro_batch_tokens=tokens,
+            in_flight=in_flight,
+            peak_stage=stage,
+            usable=hardware.gpu.usable_bytes,
+        )
+        if best is None or plan.peak > best.peak:
+            best = plan
+    assert best is not None
+    return best
+
+
+def _engine_plan(cfg: Any, shape: ModelShape, hardware: Hardware, trainer: TrainerPlan) -> EnginePlan:
+    gpu, ro = hardware.gpu, cfg.rollout
+    is_async = cfg.mode == "async"
+    context = ro.max_prompt_tokens + ro.max_new_tokens
+    tp = ro.tensor_parallel
+    gpus = cfg.async_.rollout_ranks if is_async else hardware.gpus
+    resident = 0 if is_async else trainer.weights + trainer.grads + trainer.optimizer
+    weight_bytes = ENGINE_WEIGHT_BYTES.get(ro.quantization, 2.0)
+    staging = 0
+    if is_async and cfg.async_.publish == "memory":
+        staging = STAGING_COPIES * shape.total_params() * DTYPE_BYTES[cfg.model.dtype]
+    if ro.engine == "sglang":
+        fraction = ro.sglang.mem_fraction_static
+    else:
+        # transformers engine: no static pool; its KV cache is batch_size sequences at full length, so the
+        # "fraction" is what those take, and the check is that they fit beside everything else.
+        need = (
+            resident
+            + shape.total_params() * weight_bytes / tp
+            + ro.transformers.batch_size * shape.kv_bytes_per_token() * context / tp
+        )
+        fraction = min(1.0, (need + (gpu.memory_bytes - gpu.usable_bytes)) / gpu.memory_bytes)
+    eb = engine_bytes(
+        shape,
+        engine_tp=tp,
+        gpu_bytes=gpu.memory_bytes,
+        usable_bytes=gpu.usable_bytes,
+        mem_fraction=fraction,
+        weight_bytes_per_param=weight_bytes,
+        resident=resident,
+        context=context,
+        staging=staging,
+    )
+    return EnginePlan(
+        engine=ro.engine,
+        gpus=gpus,
+        engines=gpus // tp,
+        tp=tp,
+        resident=resident,
+        bytes=eb,
+        context=context,
+        usable=gpu.usable_bytes,
+    )
+
+
+def _time_plan(
+    cfg: Any, shape: ModelShape, hardware: Hardware, assumptions: Assumptions, trainer: TrainerPlan, engine: EnginePlan
+) -> TimePlan:
+    ro, st = cfg.rollout, cfg.stages
+    response = ro.max_new_tokens * assumptions.response_fill
+    weight_bytes = ENGINE_WEIGHT_BYTES.get(ro.quantization, 2.0)
+    rollout = rollout_time(
+        shape,
+        hardware.gpu,
+        sequences=st.train_groups * ro.group_size,
+        engines=engine.engines,
+        tp=engine.tp,
+        max_concurrent=max(1, engine.bytes.max_sequences),
+        prompt=ro.max_prompt_tokens,
+        response=response,
+        weight_bytes=weight_bytes,
+        measured_tokens_per_s=assumptions.rollout_tokens_per_s,
+    )
+    fp8 = cfg.kernels.fp8 != "none"
+    flops = update_flops(shape, sequences=_rows_per_update(cfg), seq_tokens=ro.max_prompt_tokens + response)
+    one = update_s(flops, hardware.gpu, gpus=trainer.ranks, mfu=assumptions.mfu, fp8=fp8)
+    model_bytes = shape.total_params() * 2
+    mu = st.updates_per_stage
+    if cfg.mode != "async":
+        boundary = model_bytes / SYNC_BYTES_PER_S
+        total = st.num_stages * (rollout.seconds + mu * one + boundary)
+        return TimePlan(
+            stages=st.num_stages,
+            updates_per_stage=mu,
+            rollout_s=rollout.seconds,
+            rollout_tokens=rollout.tokens,
+            tokens_per_s_per_engine=rollout.tokens_per_s_per_engine,
+            concurrency=rollout.concurrency,
+            update_s=one,
+            update_tflop=flops / 1e12,
+            optimize_s=mu * one,
+            boundary_s=boundary,
+            total_s=total,
+        )
+    a = cfg.async_
+    publish = model_bytes / PUBLISH_BYTES_PER_S
+    balance = async_balance(
+        produce_groups_per_s=st.train_groups / rollout.seconds,
+        update_s=one,
+        mini_groups=st.mini_groups,
+        sync_every=a.sync_every,
+        publish_s=publish,
+        queue_groups=a.queue_groups,
+        batch_groups=a.batch_groups,
+        workers=a.rollout_ranks,
+        max_lag=a.max_lag,
+    )
+    total = st.num_stages * mu * one / max(1e-9, 1.0 - balance.idle_fraction)
+    return TimePlan(
+        stages=st.num_stages,
+        updates_per_stage=mu,
+        rollout_s=rollout.seconds,
+        rollout_tokens=rollout.tokens,
+        tokens_per_s_per_engine=rollout.tokens_per_s_per_engine,
+        concurrency=rollout.concurrency,
+        update_s=one,
+        update_tflop=flops / 1e12,
+        optimize_s=mu * one,
+        boundary_s=publish * mu / a.sync_every,
+        total_s=total,
+        balance=balance,
+    )
+
+
+# ---- suggestions -------------------------------------------------------------------------------------------
+
+
+def candidate_changes(cfg: Any, plan: Plan, shape_experts: int) -> list[tuple[str, Any, Any]]:
+    """Single-key changes worth trying, smallest first: (key, current, proposed)."""
+    par, ro, out = cfg.parallel, cfg.rollout, []
+    if not plan.trainer.fits or (not plan.engine.fits and plan.mode != "async"):
+        budget, longest = getattr(par, "micro_batch_tokens", None), ro.max_prompt_tokens + ro.max_new_tokens
+        if budget is not None and budget // 2 >= longest:  # a budget holds at least the longest row
+            out.append(("parallel.micro_batch_tokens", budget, budget // 2))
+        elif budget is None and par.micro_batch_size > 1:
+            out.append(("parallel.micro_batch_size", par.micro_batch_size, par.micro_batch_size // 2))
+        if not par.use_distributed_optimizer:
+            out.append(("parallel.use_distributed_optimizer", False, True))
+        if shape_experts:
+            out.append(("parallel.expert_parallel", par.expert_parallel, par.expert_parallel * 2))
+        out.append(("parallel.tensor_parallel", par.tensor_parallel, par.tensor_parallel * 2))
+        out.append(("parallel.pipeline_parallel", par.pipeline_parallel, par.pipeline_parallel * 2))
+    if not plan.engine.fits and ro.engine == "sglang":
+        f = ro.sglang.mem_fraction_static
+        for step in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4):
+            proposed = (
+                round(f - step, 2) if plan.engine.bytes.staging > plan.engine.bytes.outside_pool else round(f + step, 2)
+            )
+            if 0.1 <= proposed <= 0.95:
+                out.append(("rollout.sglang.mem_fraction_static", f, proposed))
+        out.append(("rollout.tensor_parallel", ro.tensor_parallel, ro.tensor_parallel * 2))
+    balance = plan.time.balance
+    if balance is not None and balance.idle_fraction > IDLE_WORTH_FIXING:
+        for extra in range(1, 5):
+            out.append(("async.rollout_ranks", cfg.async_.rollout_ranks, cfg.async_.rollout_ranks + extra))
+    return out
+
+
+def _progress(before: Plan, after: Plan) -> bool:
+    """Fewer roles fail, or none fails in either and the async trainer idles clearly less."""
+    if len(after.problems) != len(before.problems):
+        return len(after.problems) < len(before.problems)
+    b, a = before.time.balance, after.time.balance
+    return after.fits and b is not None and a is not None and a.idle_fraction < b.idle_fraction - 0.02
+
+
+def _effect(before: Plan, after: Plan) -> str:
+    parts = []
+    if before.trainer.peak != after.trainer.peak:
+        parts.append(f"trainer peak {before.trainer.peak / GIB:.0f} → {after.trainer.peak / GIB:.0f} GiB")
+    if before.engine.bytes.max_sequences != after.engine.bytes.max_sequences:
+        parts.append(f"engine sequences {before.engine.bytes.max_sequences} → {after.engine.bytes.max_sequences}")
+    b, a = before.time.balance, after.time.balance
+    if b is not None and a is not None:
+        parts.append(f"idle {b.idle_fraction:.2f} → {a.idle_fraction:.2f}")
+    parts.append(f"T_total {before.time.total_s / 3600:.1f} → {after.time.total_s / 3600:.1f} h")
+    return ", ".join(parts)
+
+
+MAX_CHANGES = 3
+"""At most this many single-key changes are chained (one per role that does not fit, and the idle fraction)."""
+
+
+def _done(plan: Plan) -> bool:
+    return plan.fits and (plan.time.balance is None or plan.time.balance.idle_fraction <= IDLE_WORTH_FIXING)
+
+
+def suggest(cfg: Any, plan: Plan, replan: Callable[[list[str]], tuple[Any, Plan]], experts: int) -> Suggestion | None:
+    """The smallest change that makes every role fit (or, when all fit, lowers the async idle fraction).
+
+    Each step tries ``candidate_changes`` in order and keeps the first whose own plan has fewer failing
+    roles (or clearly less idle); steps chain, one key each, up to ``MAX_CHANGES``. ``replan(overrides)``
+    plans the run with extra overrides and returns (config, plan); a change the config or the layout
+    refuses (ConfigError) is skipped. None when nothing needs changing or no chain of changes helps.
+    """
+    if _done(plan):
+        return None
+    applied: list[str] = []
+    described: list[str] = []
+    current_cfg, current = cfg, plan
+    while not _done(current) and len(applied) < MAX_CHANGES:
+        for key, old, new in candidate_changes(current_cfg, current, experts):
+            override = f"{key}={str(new).lower() if isinstance(new, bool) else new}"
+            try:
+                other_cfg, other = replan([*applied, override])
+            except ConfigError:
+                continue  # this change does not split the model or the GPUs
+            if _progress(current, other):
+                applied.append(override)
+                described.append(f"{key} {old} → {new}")
+                current_cfg, current = other_cfg, other
+                break
+        else:
+            break
+    if not applied or not (current.fits or _progress(plan, current)):
+        return None
+    return Suggestion(change="; ".join(described), effect=_effect(plan, current), plan=current)
+
+
+# ---- output ---------------------------------------------------------------------------------------------------
+
+
+def _gib(n: float) -> str:
+    """Bytes in GiB, or MiB / KiB for the tiny CPU models (right-aligned for the table)."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
+        if abs(n) >= size / 10:
+            return f"{n / size:8.2f} {unit}"
+    return f"{n / 2**10:8.2f} KiB"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def _hours(s: float) -> str:
+    return f"{s / 3600:.2f} h" if s >= 3600 else f"{s:.1f} s"
+
+
+def render(plan: Plan) -> str:
+    """The plan as a readable table."""
+    t, e, hw, tm = plan.trainer, plan.engine, plan.hardware, plan.time
+    lines = [
+        f"plan: {plan.model}  {_count(plan.params)} parameters ({_count(plan.active_params)} active), "
+        f"mode {plan.mode}, {hw.gpus} × {hw.gpu.name} ({hw.gpu.memory_gb:.0f} GB, {hw.gpus_per_node} per node)",
+        *(f"note: {n}" for n in plan.notes),
+        "",
+        f"trainer  {t.ranks} GPUs: TP {t.tp} × PP {t.pp} × DP {t.dp}"
+        + (f", EP {t.ep} × ETP {t.etp} (expert DP {t.edp})" if t.ep > 1 or t.etp != t.tp else "")
+        + f", distributed optimizer {'on' if t.distributed_optimizer else 'off'}; "
+        f"per GPU (pipeline stage {t.peak_stage}):",
+        f"  parameters          {_count(t.params_per_rank):>8}",
+        f"  weights             {_gib(t.weights)}",
+        f"  gradients (fp32)    {_gib(t.grads)}",
+        f"  optimizer state     {_gib(t.optimizer)}",
+        f"  activations         {_gib(t.activations)}   ({t.micro_batch_tokens} tokens per micro-batch × "
+        f"{t.in_flight} in flight)",
+        f"  logits              {_gib(t.logits)}",
+    ]
+    if t.routing_replay:
+        lines.append(f"  routing replay      {_gib(t.routing_replay)}")
+    lines += [
+        f"  peak                {_gib(t.peak)}   of {_gib(t.usable).strip()} usable: "
+        + ("fits" if t.fits else "DOES NOT FIT")
+        + f", headroom {(t.usable - t.peak) / GIB:.1f} GiB",
+        "",
+        f"rollout  {e.engine}, {e.engines} engine(s) of {e.tp} GPU(s)"
+        + (", colocated with the trainer" if plan.mode != "async" else ", on their own GPUs")
+        + "; per GPU:",
+    ]
+    if e.resident:
+        lines.append(f"  trainer resident    {_gib(e.resident)}   (weights, gradients, optimizer state)")
+    lines += [
+        f"  weights             {_gib(e.bytes.weights)}",
+        f"  KV cache            {_gib(max(e.bytes.kv_cache, 0))}   → {e.bytes.max_sequences} concurrent sequences of "
+        f"{e.context} tokens ({_gib(e.bytes.kv_per_sequence).strip()} each)",
+    ]
+    if e.bytes.staging:
+        lines.append(
+            f"  publication staging {_gib(e.bytes.staging)}   (outside the pool: {e.bytes.outside_pool / GIB:.1f} GiB)"
+        )
+    lines += [
+        f"  peak                {_gib(e.peak)}   " + ("fits" if e.fits else f"DOES NOT FIT: {e.problem}"),
+        "",
+        f"time     {tm.stages} stages × μ = {tm.updates_per_stage} updates (mfu {plan.assumptions.mfu}, mean response "
+        f"{plan.assumptions.response_fill:.0%} of max_new_tokens)",
+        f"  rollout per stage   {_hours(tm.rollout_s)}   ({tm.rollout_tokens / 1e6:.1f}M tokens, "
+        f"{tm.tokens_per_s_per_engine:,.0f} tokens/s per engine at {tm.concurrency} sequences"
+        + (", measured" if plan.assumptions.rollout_tokens_per_s else ", roofline")
+        + ")",
+        f"  one update          {tm.update_s:.2f} s   ({tm.update_tflop:,.0f} TFLOP)",
+        f"  optimize per stage  {_hours(tm.optimize_s)}",
+        f"  stage boundary      {_hours(tm.boundary_s)}   ("
+        + ("weight sync" if tm.balance is None else "publications")
+        + ")",
+    ]
+    if tm.balance is not None:
+        b = tm.balance
+        lines.append(
+            f"  async               trainer idle {b.idle_fraction:.2f}, mean lag {b.mean_lag:.1f} updates "
+            f"(rollout {b.produce_groups_per_s:.2f} groups/s vs trainer {b.consume_groups_per_s:.2f})"
+        )
+    lines.append(f"  T_total             {_hours(tm.total_s)}")
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan, suggestion: Suggestion | None = None) -> dict[str, Any]:
+    """The plan for scripts: parameter count, each role's peak bytes and ``fits``, times."""
+    out = {
+        "model": plan.model,
+        "params": plan.params,
+        "active_params": plan.active_params,
+        "mode": plan.mode,
+        "gpu": {
+            "name": plan.hardware.gpu.name,
+            "count": plan.hardware.gpus,
+            "memory_bytes": plan.hardware.gpu.memory_bytes,
+        },
+        "assumptions": asdict(plan.assumptions),
+        "fits": plan.fits,
+        "problems": plan.problems,
+        "roles": {
+            "trainer": {**asdict(plan.trainer), "peak_bytes": plan.trainer.peak, "fits": plan.trainer.fits},
+            "rollout": {
+                "engine": plan.engine.engine,
+                "engines": plan.engine.engines,
+                "tp": plan.engine.tp,
+                "resident": plan.engine.resident,
+                **asdict(plan.engine.bytes),
+                "peak_bytes": plan.engine.peak,
+                "fits": plan.engine.fits,
+            },
+        },
+        "time": {k: v for k, v in asdict(plan.time).items() if k != "balance"},
+        "notes": plan.notes,
+    }
+    if plan.time.balance is not None:
+        out["time"]["async"] = asdict(plan.time.balance)
+    if suggestion is not None:
+        out["suggestion"] = {
+            "change": suggestion.change,
+            "effect": suggestion.effect,
+            "plan": plan_json(suggestion.plan),
+        }
+    return out
