@@ -180,11 +180,7 @@ class RunConfig:
         """Each data source is scored by a reward that can read its reference answers."""
         data = self.data
         source = f"data.format={data.format!r}" if data.train_path else f"data.builtin_task={data.builtin_task!r}"
-        require(
-            self.reward.kind == data.reward_kind,
-            f"reward.kind={self.reward.kind!r} cannot score the training data ({source} needs "
-            f"{data.reward_kind!r}); set reward.kind={data.reward_kind}",
-        )
+        require(self.reward.kind == data.reward_kind, reward_mismatch(self.reward.kind, data, source))
         for bench in self.eval.benchmarks:
             builtin = bench.path == "builtin"
             needed = data.reward_kind if builtin else format_reward_kind(bench.format)
@@ -273,6 +269,19 @@ def _field_key(dotted: str) -> str:
     """A dotted key as the user writes it (``async.max_lag``) → the schema's (``async_.max_lag``)."""
     head, _, rest = dotted.partition(".")
     return KEY_ALIASES.get(head, head) + ("." + rest if rest else "")
+
+def reward_mismatch(kind: str, data: DataConfig, source: str) -> str:
+    """The error for a reward that cannot score the training data. A data file read as 'problems' (the
+    default format) under a code reward most likely holds coding problems whose format was not named:
+    that fix comes first."""
+    message = f"reward.kind={kind!r} cannot score the training data ({source} needs {data.reward_kind!r}); "
+    if data.train_path and data.format == "problems" and kind == "code":
+        return message + (
+            "if the file holds coding problems, set data.format=code_contests or data.format=livecodebench "
+            "(its rows' format); if it holds math problems, set reward.kind=math"
+        )
+    return message + f"set reward.kind={data.reward_kind}"
+
 
 
 def _user_spelling(text: str) -> str:

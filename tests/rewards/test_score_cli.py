@@ -200,12 +200,15 @@ def test_a_code_contests_file_is_scored_as_its_rows_format_with_the_code_demo_co
     assert [(x["reward"], x["reason"]) for x in lines] == [(1.0, "correct"), (0.0, "wrong_answer")]
     assert "scored as data.format=code_contests" in err and "the config says data.format=problems" in err
 
-    # data.format on the command line is obeyed: the reward then cannot read the file, and says so.
+    # data.format on the command line is obeyed: the reward then cannot read the file, and the error names
+    # the likely fix first (the file's coding-problem format), then the reward.
     code = main(
         ["score", "--config", str(demo), "--data", str(data), "--responses", str(responses), "data.format=problems"]
     )
     _, err = capsys.readouterr()
-    assert code == 2 and "set reward.kind=math" in err
+    assert code == 2 and "reward.kind='code' cannot score the training data (data.format='problems'" in err
+    fixes = err.index("set data.format=code_contests or data.format=livecodebench"), err.index("set reward.kind=math")
+    assert fixes[0] < fixes[1], err
 
 
 def test_row_formats_read_the_fields_of_each_format() -> None:
