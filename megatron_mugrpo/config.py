@@ -256,6 +256,19 @@ class RunConfig:
         return _rename_top_level(dataclasses.asdict(self), FIELD_ALIASES)
 
 
+def reward_mismatch(kind: str, data: DataConfig, source: str) -> str:
+    """The error for a reward that cannot score the training data. A data file read as 'problems' (the
+    default format) under a code reward most likely holds coding problems whose format was not named:
+    that fix comes first."""
+    message = f"reward.kind={kind!r} cannot score the training data ({source} needs {data.reward_kind!r}); "
+    if data.train_path and data.format == "problems" and kind == "code":
+        return message + (
+            "if the file holds coding problems, set data.format=code_contests or data.format=livecodebench "
+            "(its rows' format); if it holds math problems, set reward.kind=math"
+        )
+    return message + f"set reward.kind={data.reward_kind}"
+
+
 FIELD_ALIASES = {"async_": "async"}
 """RunConfig fields whose name avoids a Python keyword → their YAML / command-line key."""
 KEY_ALIASES = {key: name for name, key in FIELD_ALIASES.items()}
@@ -269,19 +282,6 @@ def _field_key(dotted: str) -> str:
     """A dotted key as the user writes it (``async.max_lag``) → the schema's (``async_.max_lag``)."""
     head, _, rest = dotted.partition(".")
     return KEY_ALIASES.get(head, head) + ("." + rest if rest else "")
-
-def reward_mismatch(kind: str, data: DataConfig, source: str) -> str:
-    """The error for a reward that cannot score the training data. A data file read as 'problems' (the
-    default format) under a code reward most likely holds coding problems whose format was not named:
-    that fix comes first."""
-    message = f"reward.kind={kind!r} cannot score the training data ({source} needs {data.reward_kind!r}); "
-    if data.train_path and data.format == "problems" and kind == "code":
-        return message + (
-            "if the file holds coding problems, set data.format=code_contests or data.format=livecodebench "
-            "(its rows' format); if it holds math problems, set reward.kind=math"
-        )
-    return message + f"set reward.kind={data.reward_kind}"
-
 
 
 def _user_spelling(text: str) -> str:
