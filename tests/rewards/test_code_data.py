@@ -44,6 +44,7 @@ def test_code_contests_rows(tmp_path):
     assert record.problem_id == "1_A" and "```python" in record.prompt and record.prompt.startswith("Add two")
     assert record.problem.inputs == ("1 2\n", "5 5\n", "0 0\n")  # public first
     assert record.problem.time_limit_s == 2.5 and record.problem.memory_limit_mib == 256
+    assert record.problem.harness == "plain"  # code_contests programs run as written
     bad = dict(row, public_tests={"input": ["1"], "output": []}, private_tests=None, generated_tests=None)
     with pytest.raises(CodeDataError, match=r"cc2\.jsonl row 1: public_tests must be"):
         load_code_problems(write_jsonl(tmp_path / "cc2.jsonl", [bad]), "code_contests")
@@ -71,6 +72,8 @@ def test_livecodebench_rows_stdin_functional_and_compressed(tmp_path):
     assert records[0].problem.inputs == ([[1, 2], 0], [[4, 5], 2]) and records[0].problem.outputs == ("3", "9")
     assert "def total" in records[0].prompt
     assert records[1].problem.kind == "stdin" and records[1].problem.inputs == ("a\n",)
+    # LiveCodeBench's runner puts its import prelude before every solution, functional and stdin alike
+    assert {r.problem.harness for r in records} == {"livecodebench"}
 
 
 def test_a_pickle_that_names_a_class_is_refused(tmp_path):

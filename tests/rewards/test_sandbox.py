@@ -398,3 +398,37 @@ def test_a_non_root_trainer_with_many_threads(reachable_dir):
     assert report["threads"] > 32
     assert report["bound"] == "seccomp"  # no cgroup for an unprivileged user here: the filter holds
     assert (report["correct"], report["fork_bomb"], report["memfd"]) == ("correct", "runtime_error", "runtime_error")
+
+
+def test_a_cgroup_v2_jail_gets_memory_swap_and_pids_limits(tmp_path):
+    """The v2 path's files (on a stand-in directory: this machine's v2 hierarchy has no controllers)."""
+    base = tmp_path / "delegated"
+    base.mkdir()
+    jail = sandbox.MemoryBound("cgroup v2", (base,)).jail(LIMITS, "jail-0")
+    group = base / "jail-0"
+    assert jail.procs == [str(group / "cgroup.procs")]
+    assert int((group / "memory.max").read_text()) == (256 + 8 + sandbox.JAIL_MEMORY_OVERHEAD_MIB) << 20
+    assert int((group / "pids.max").read_text()) == LIMITS.processes + sandbox.JAIL_EXTRA_PROCESSES
+    (group / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert jail.oom_kills() == 1
+    for name in ("memory.max", "pids.max", "memory.events"):
+        (group / name).unlink()
+    jail.remove()
+    assert not group.exists()
+
+
+def test_a_delegated_cgroup_v2_is_found_and_one_without_controllers_is_named(tmp_path, monkeypatch):
+    if sandbox._mount_point("cgroup2", None) is None:
+        pytest.skip("no cgroup2 hierarchy mounted")
+    base = tmp_path / "delegated"
+    base.mkdir()
+    (base / "cgroup.controllers").write_text("cpu io\n")
+    (base / "cgroup.subtree_control").write_text("")
+    monkeypatch.setenv(sandbox.CGROUP_ENV, str(base))
+    monkeypatch.setattr(sandbox, "KILL_GRACE_S", 0.05)  # a stand-in directory with files cannot be rmdir'ed
+    with pytest.raises(SandboxUnavailableError, match=r"has controllers \['cpu', 'io'\], not memory and pids"):
+        sandbox._cgroup_v2()
+    (base / "cgroup.controllers").write_text("cpu memory pids\n")
+    bound = sandbox._cgroup_v2()
+    assert bound.kind == "cgroup v2" and bound.bases == (base,)
+    assert (base / "cgroup.subtree_control").read_text() == "+memory +pids"
