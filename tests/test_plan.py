@@ -71,7 +71,7 @@ def test_static_bytes_of_a_7b_model_by_hand() -> None:
 def test_activations_per_layer_by_hand() -> None:
     """Qwen2.5-7B at TP 2 with sequence parallelism, flash attention, 8192 tokens, bf16."""
     inputs = ActivationInputs(
-        tokens=8192, seq_len=4096, dtype_bytes=2, sequence_parallel=True, flash_attention=True, in_flight=1
+        tokens=8192, seq_len=4096, dtype_bytes=2, sequence_parallel=True, fused_kernels=True, in_flight=1
     )
     per_token = 2 * 3584 / 2 + (2 * 3584 + 2 * 512) / 2 + 2 * 3584 / 2 + 3 * 18944 / 2
     assert activation_bytes(QWEN7B, RankLayout(tp=2, pp=1), inputs) == int(28 * per_token * 8192 * 2)

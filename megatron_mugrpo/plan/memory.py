@@ -166,8 +166,10 @@ class ActivationInputs:
     """Longest row: the attention score matrices of the unfused (CPU) attention are [S, S] per head."""
     dtype_bytes: int
     sequence_parallel: bool
-    flash_attention: bool
-    """Transformer Engine's fused attention (GPU) keeps no [S, S] scores."""
+    fused_kernels: bool
+    """The GPU layer spec (Transformer Engine): fused attention keeps no [S, S] scores, fused RMSNorm and
+    SwiGLU keep only their inputs. False: megatron-core's local spec in torch ops (CPU), which also keeps
+    each norm's normalised input and the SwiGLU's gate activation."""
     in_flight: int
     """Micro-batches whose activations a stage holds at once (1F1B: min(PP, micro-batches))."""
 
@@ -176,21 +178,26 @@ def layer_activation_elements(shape: ModelShape, layout: RankLayout, sparse: boo
     """Elements one layer saves for backward per token (Korthikanti et al. 2022, for GQA and SwiGLU).
 
     Norm inputs and the linear layers' inputs are split over TP only with sequence parallelism; the
-    QKV, attention output and MLP intermediates are split over TP. The unfused attention keeps scores
-    and probabilities (heads/TP × S each per token); experts see each token top-k times.
+    QKV, attention output and MLP intermediates are split over TP; experts see each token top-k times.
+    Without fused kernels (``ActivationInputs.fused_kernels``) the attention also keeps its scores and
+    probabilities (heads/TP × S each per token), every RMSNorm its normalised input, and every SwiGLU
+    its gate activation (one more MLP width).
     """
-    tp = layout.tp
+    tp, fused = layout.tp, inputs.fused_kernels
     sp = tp if inputs.sequence_parallel else 1
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    elements = 2 * shape.hidden / sp + (2 * q + 2 * kv) / tp  # norm in, QKV in; q, k, v and context out
-    if not inputs.flash_attention:
+    norms = 1 if fused else 2  # elements per normalised element: input (+ normalised input, unfused)
+    glu = 3 if fused else 4  # fc1 out (gate and up) and the product (+ the gate's activation, unfused)
+    elements = (norms + 1) * shape.hidden / sp + (2 * q + 2 * kv) / tp  # norm, QKV in; q, k, v, context
+    if not fused:
         elements += 2 * shape.heads / tp * inputs.seq_len
-    elements += 2 * shape.hidden / sp  # the MLP's norm in and its first linear's in
+        elements += (q + kv) / tp if shape.qk_norm else 0  # q / k norms' normalised inputs
+    elements += (norms + 1) * shape.hidden / sp  # the MLP's norm and its first linear's input
     if not sparse:
-        return elements + 3 * shape.ffn / tp  # fc1 out (gate and up) and the SwiGLU product
+        return elements + glu * shape.ffn / tp
     width = shape.expert_ffn / layout.etp
-    routed = shape.topk * (2 * shape.hidden + 3 * width)  # permuted in, fc1 out, SwiGLU, expert out
-    return elements + shape.experts + routed + (3 * shape.shared_ffn / tp if shape.shared_ffn else 0)
+    routed = shape.topk * (2 * shape.hidden + glu * width)  # permuted in, SwiGLU, expert out
+    return elements + shape.experts + routed + (glu * shape.shared_ffn / tp if shape.shared_ffn else 0)
 
 
 def activation_bytes(shape: ModelShape, layout: RankLayout, inputs: ActivationInputs, pp_rank: int = 0) -> int:

@@ -318,7 +318,7 @@ def _trainer_plan(cfg: Any, shape: ModelShape, layout: RankLayout, hardware: Har
             seq_len=seq,
             dtype_bytes=dtype,
             sequence_parallel=par.sequence_parallel,
-            flash_attention=True,  # the GPU layer spec (Transformer Engine) keeps no [S, S] scores
+            fused_kernels=True,  # planned for the GPU layer spec (Transformer Engine)
             in_flight=in_flight,
         )
         last = stage == layout.pp - 1
