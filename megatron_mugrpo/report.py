@@ -70,6 +70,7 @@ matplotlib.use("Agg")  # files only: never needs a display, safe on headless nod
 import matplotlib.pyplot as plt  # the backend above must be chosen before pyplot loads
 
 from megatron_mugrpo import durable
+from megatron_mugrpo.drift_plots import plot_drift
 from megatron_mugrpo.metrics import read_metrics
 
 EVAL_AVG = "eval/avg_pass@1"
@@ -472,6 +473,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Pa
         *_plot_replay(runs, out),
         *_plot_async(runs, out),
         *_plot_moe(runs, out),
+        *plot_drift([(run.label, run.records) for run in runs], out, notes),  # per update in a stage
     ]
     lines = ["# Run comparison", "", *summary_table(runs), "", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in written]
