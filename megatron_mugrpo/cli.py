@@ -36,6 +36,7 @@ from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.loop import preemption
 
 if TYPE_CHECKING:
+    from megatron_mugrpo.asynchronous.roles import ProcessRole
     from megatron_mugrpo.config import RunConfig
     from megatron_mugrpo.rundir import Claim
 
@@ -196,30 +197,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from megatron_mugrpo.asynchronous.files import AsyncPaths
     from megatron_mugrpo.asynchronous.liveness import beating
+    from megatron_mugrpo.loop.lost_ranks import rank_heartbeat
 
     # Async mode: rank 0 beats for the trainer from here (before Megatron is even imported) to the end; the
-    # last beat says done, or failed with the error, and the workers stop on reading it.
-    with beating(AsyncPaths(run_dir).trainer_heartbeat, enabled=role.rank == 0 and role.num_workers > 0):
-        from megatron_mugrpo.loop.asynchronous import train_async
-        from megatron_mugrpo.loop.setup import open_run
-        from megatron_mugrpo.loop.staged import train
-
-        run = open_run(cfg, run_dir, claimed=claimed, world_size=role.trainer_world, **open_args)
-        if run.is_writer:
-            preemption.clear_marker(run_dir)  # resumed: the marker no longer describes the run
-        preemption.install(grace_s=cfg.checkpoint.preempt_grace_s, run_dir=run_dir if run.is_writer else None)
-        preempted = None
-        try:
-            result = train_async(run, role) if cfg.mode == "async" else train(run)
-        except preemption.Preempted as exc:  # checkpointed at a safe point; the writer publishes it below
-            preempted = exc
-        finally:
-            run.close()
-        if preempted is not None:
-            preemption.finished()
-            if run.is_writer:
-                preemption.write_marker(run_dir, preempted)
-            raise preempted
+    # last beat says done, or failed with the error, and the workers stop on reading it. Every other trainer
+    # rank of a multi-rank run beats too, so a rank whose collective fails can name the one that was lost.
+    async_rank0 = role.rank == 0 and role.num_workers > 0
+    with (
+        beating(AsyncPaths(run_dir).trainer_heartbeat, enabled=async_rank0),
+        rank_heartbeat(run_dir, role.rank, world_size=role.trainer_world, beats_elsewhere=async_rank0),
+    ):
+        run, result = _train_rank(cfg, run_dir, role, claimed, open_args)
     if run.is_writer:
         print_summary(result)
         if cfg.logging.report:
@@ -227,6 +215,41 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             write_report([run_dir], run_dir / "report")
     return 0
+
+
+def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim | None, open_args: dict) -> tuple:
+    """A trainer rank's run: open it, train, close it; a preemption or a lost peer ends it as they should."""
+    from megatron_mugrpo.asynchronous.files import AsyncPaths
+    from megatron_mugrpo.asynchronous.liveness import doing
+    from megatron_mugrpo.loop.asynchronous import train_async
+    from megatron_mugrpo.loop.lost_ranks import beat_path, is_peer_loss, lost_rank_error
+    from megatron_mugrpo.loop.setup import open_run
+    from megatron_mugrpo.loop.staged import train
+
+    run = open_run(cfg, run_dir, claimed=claimed, world_size=role.trainer_world, **open_args)
+    if run.is_writer:
+        preemption.clear_marker(run_dir)  # resumed: the marker no longer describes the run
+    preemption.install(grace_s=cfg.checkpoint.preempt_grace_s, run_dir=run_dir if run.is_writer else None)
+    preempted = None
+    try:
+        result = train_async(run, role) if cfg.mode == "async" else train(run)
+    except preemption.Preempted as exc:  # checkpointed at a safe point; the writer publishes it below
+        preempted = exc
+    except RuntimeError as exc:  # a collective whose peer died: name the lost rank, not gloo's address
+        if role.trainer_world <= 1 or not is_peer_loss(exc):
+            raise
+        beats = {r: beat_path(run_dir, r) for r in range(role.trainer_world) if r != role.rank}
+        if role.num_workers > 0 and role.rank != 0:
+            beats[0] = AsyncPaths(run_dir).trainer_heartbeat  # async rank 0 beats for the workers
+        raise lost_rank_error(beats, me=role.rank, doing=doing() or "working", exc=exc) from exc
+    finally:
+        run.close()
+    if preempted is not None:
+        preemption.finished()
+        if run.is_writer:
+            preemption.write_marker(run_dir, preempted)
+        raise preempted
+    return run, result
 
 
 def _train_run_dir(args: argparse.Namespace) -> Path:

@@ -153,6 +153,12 @@ def advance(doing: str | None = None, steps: int = 1) -> None:
         beat.advance(doing, steps)
 
 
+def doing() -> str:
+    """What this process's main loop said it does last (``advance``), or '' without a heartbeat."""
+    beat = _current
+    return beat._doing if beat is not None else ""
+
+
 @contextmanager
 def beating(path: Path, *, enabled: bool) -> Iterator[None]:
     """``with Heartbeat(path)`` when ``enabled``, else nothing (the CLI's trainer rank 0 in async mode)."""

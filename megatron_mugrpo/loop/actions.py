@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from megatron_mugrpo import durable
+from megatron_mugrpo.asynchronous.liveness import advance
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.loop import hdr, preemption
 from megatron_mugrpo.loop.engines import release_engine, sync_engine
@@ -101,6 +102,7 @@ def run_evaluation(run: Run) -> dict[str, float]:
     """Evaluate the current policy on every benchmark over every engine host; records the best by average."""
     if not run.benchmarks:
         return {}
+    advance(f"evaluating after update {run.state.global_update}")
     with run.timer("perf/t_eval_s"):
         synced = sync_engine(run)
         with engine_threads(run.placement.cpu_threads):
@@ -129,6 +131,7 @@ def checkpoint(run: Run) -> None:
     The state also stores how many metrics records exist now: a run resumed from this checkpoint drops
     exactly the records logged after it (work it redoes), even those logged at this same step.
     """
+    advance(f"checkpointing update {run.state.global_update}")
     run.state.timers = timers(run)
     run.state.metrics_records = run.logger.records
     best = run.state.best
