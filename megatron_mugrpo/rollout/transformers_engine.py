@@ -272,12 +272,13 @@ class TransformersEngine:
         for step in range(batch.steps):
             logits = self._forward(model, batch, step)
             token = self._step(batch, logits, step, params.temperature, generator, version)
-            if bool(batch.done.all()):
+            finished = int(batch.done.sum())  # the step's one host sync
+            if finished == batch.done.numel():
                 break
             batch.feed(token, with_cache=batch.cache is not None)
             # Partial rollouts: new weights between two steps, the same sequences go on under them.
             switched = interrupt is not None and step + 1 < batch.steps and interrupt.between_steps()
-            self._retire(batch, force=switched)
+            self._retire(batch, finished, force=switched)
             if switched:
                 model, version = self._switch_weights(batch, step)
         return self._results(prompts, batch)
@@ -356,13 +357,12 @@ class TransformersEngine:
         return token
 
     @staticmethod
-    def _retire(batch: _Batch, *, force: bool) -> None:
+    def _retire(batch: _Batch, finished: int, *, force: bool) -> None:
         """Phase 4, retire: done rows leave the batch (their cache rows are dropped) once they are
         ``_COMPACT_FRACTION`` of the rows computed, so the long tail of unfinished responses does not pay
         for finished ones, and the copy of the cache that dropping costs is paid a few times per batch
         rather than at almost every step. ``force`` (a weight switch) drops any done row: it must not
-        be recomputed."""
-        finished = int(batch.done.sum())
+        be recomputed. ``finished``: the computed rows that are done."""
         if finished >= _COMPACT_FRACTION * batch.done.numel() or (force and finished):
             batch.keep((~batch.done).nonzero().squeeze(1))
 
