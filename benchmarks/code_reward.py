@@ -6,10 +6,11 @@
 A fixed set of programs for a two-test stdin/stdout problem (sum of two integers): correct ones,
 wrong ones (a wrong answer on the first test stops the rest), and ones that loop until their CPU
 limit. Each set is scored twice with the same limits and the same pool size, once through the
-bubblewrap sandbox (``reward.code.sandbox=bwrap``) and once through plain processes
+bubblewrap sandbox (``reward.code.sandbox=bwrap``: each jail with its memory bound, a cgroup of its
+own where one can be made, and the runner's clean-up between tests) and once through plain processes
 (``reward.code.sandbox=none``), and the rewards must agree. Last line::
 
-    sandbox_ratio=<sandboxed / plain programs per second> programs_per_s=<sandboxed, with the pool>
+    sandbox_ratio=<sandboxed / plain programs per second> programs_per_s=<sandboxed, with the pool> bound=<kind>
 
 Target on the 2-core machine: sandbox_ratio >= 0.5.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_mugrpo.rewards.code import CodeProblem, CodeRewardConfig, CodeRewardPool
+from megatron_mugrpo.rewards.sandbox import memory_bound
 
 PROBLEM = CodeProblem(inputs=("1 2\n", "20 22\n"), outputs=("3\n", "42\n"), time_limit_s=0.5)
 CORRECT = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
@@ -62,7 +64,8 @@ def main() -> int:
         f"programs={len(responses)} workers={args.workers} plain={plain_rate:.2f}/s sandboxed={boxed_rate:.2f}/s "
         f"mean_reward={sum(boxed_rewards) / len(boxed_rewards):.3f}"
     )
-    print(f"sandbox_ratio={boxed_rate / plain_rate:.3f} programs_per_s={boxed_rate:.2f}")
+    bound = memory_bound().kind.replace(" ", "_")
+    print(f"sandbox_ratio={boxed_rate / plain_rate:.3f} programs_per_s={boxed_rate:.2f} bound={bound}")
     return 0
 
 

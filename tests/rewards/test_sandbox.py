@@ -432,3 +432,12 @@ def test_a_delegated_cgroup_v2_is_found_and_one_without_controllers_is_named(tmp
     bound = sandbox._cgroup_v2()
     assert bound.kind == "cgroup v2" and bound.bases == (base,)
     assert (base / "cgroup.subtree_control").read_text() == "+memory +pids"
+
+
+def test_the_start_up_check_says_which_memory_bound_holds(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="megatron_mugrpo.rewards.sandbox"):
+        check_available()
+    kind = sandbox.memory_bound().kind
+    assert f"memory bound of every jail: {kind}" in caplog.text
