@@ -402,7 +402,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from megatron_mugrpo.config import load_config
+    from megatron_mugrpo.config import config_values, load_config
     from megatron_mugrpo.rewards.registry import RewardSet
     from megatron_mugrpo.scoring import detect_format, read_responses, reference_answers, score_responses
 
@@ -414,9 +414,9 @@ def cmd_score(args: argparse.Namespace) -> int:
     # which the rows' fields decide unless data.format is given on the command line.
     overrides = [*args.overrides, f"data.train_path={args.data}"]
     if not any(o.startswith("data.format=") for o in args.overrides):
-        data = load_config(args.config, args.overrides).data  # the run's own format and fields
+        data = config_values(args.config, overrides)["data"]  # unchecked: the reward may not fit it yet
         found, note = detect_format(
-            args.data, data.format, prompt_field=data.prompt_field, answer_field=data.answer_field
+            args.data, data["format"], prompt_field=data["prompt_field"], answer_field=data["answer_field"]
         )
         if note:
             print(f"note: {note}", file=sys.stderr)

@@ -375,6 +375,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     A YAML file may start with ``inherit: [base.yaml, ...]`` (paths relative to it): those are merged
     first, so the paper configs share one file per model and one per method.
     """
+    return _instantiate(config_values(path, overrides))
+
+
+def config_values(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """``load_config``'s merged YAML and overrides as plain values, before any section checks itself or the
+    others (``mugrpo score`` reads a config's data section this way, before it knows the data's format)."""
     merged = _schema()
     try:
         if path is not None:
@@ -408,7 +414,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         detail = str(exc).split("\n")[0]
         message = f"invalid configuration{where}: {key + ': ' if key else ''}{detail}"
         raise ConfigError(_user_spelling(message)) from exc
-    return _instantiate(container)
+    return container
 
 
 def _aliased(node: Any, where: object) -> Any:
