@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from megatron_mugrpo.envs.base import EnvLimits, StepResult
+from megatron_mugrpo.envs.base import EnvLimits, Problem, StepResult
 from megatron_mugrpo.envs.trajectory import Trajectory
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, teacher_forced_logprobs
@@ -188,3 +188,35 @@ def test_the_engine_refuses_what_it_cannot_do_yet(engine):
             rollout(engine, [Recorder(seed=0)])
     finally:
         engine.use_cache = True
+
+
+def test_the_search_environment_runs_in_the_engine_through_run_episodes(tmp_path):
+    """The pieces compose: the char tokenizer decodes turns for Search-R1's environment (stop strings included),
+    episodes group by problem, and the qa reward scores each trajectory with its end reason."""
+    from transformers import AutoTokenizer
+
+    from megatron_mugrpo.envs.episodes import run_episodes, score_episodes
+    from megatron_mugrpo.envs.search import Document, SearchEnvironment, SearchOptions
+    from megatron_mugrpo.rewards.qa import QaOptions, QaReward
+
+    class Client:
+        def retrieve(self, queries, topk):
+            return [[Document(id="0", title="T", text="x", score=1.0)] for _ in queries]
+
+    shape = {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 256}
+    path = tiny_hf_dir(tmp_path / "m", seed=1, **shape)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    chat = TransformersEngine(path, dtype="float32", device="cpu", batch_size=4)
+    limits = EnvLimits(max_turns=2, max_observation_tokens=64)
+    env = SearchEnvironment(tokenizer=tokenizer, limits=limits, options=SearchOptions(), client=Client())
+    problems = [Problem(prompt="Who?", answer='["Ada"]'), Problem(prompt="Where?", answer='["Tarsk"]')]
+    prompts = [list(tokenizer(p.prompt)["input_ids"]) for p in problems]
+    params = SamplingParams(max_new_tokens=8, seed=0)
+    groups = run_episodes(chat, env, problems, prompts, n=2, params=params, limits=limits, decode=tokenizer.decode)
+    assert [len(g) for g in groups] == [2, 2]
+    for trajectory in (t for g in groups for t in g):
+        assert trajectory.end_reason in ("no_action", "stop", "answered", "max_turns")  # a random policy
+        assert sum(trajectory.policy_mask) == len(trajectory.logprobs) > 0
+    reward = QaReward(workers=1, timeout_s=1.0, options=QaOptions())
+    scores = score_episodes(reward, groups, [p.answer for p in problems], tokenizer.decode)
+    assert all(s.reason in ("no_answer", "wrong_answer", "max_turns", "correct") for g in scores for s in g)
