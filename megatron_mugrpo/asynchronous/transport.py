@@ -33,8 +33,8 @@ network, run the workers and the trainer on a private one (or set async.publish=
 Hand-shake through the store (polled with ``check``, which never blocks, so that a worker waiting
 hours for the next publication never trips a collective's timeout)::
 
-    trainer (Feed.open)      store up, publish_group.json written
-    worker (receiver thread) connects, sets joined/<rank>, waits for 'open'
+    trainer (Feed.open)      store up, proof set, publish_secret then publish_group.json written
+    worker (receiver thread) connects, checks the proof, sets joined/<rank>, waits for 'open'
     trainer (1st publication) sets 'open'; both build the process groups (the trainer waits at most
                              async.publish_timeout_s, then names the workers that never joined)
     per publication n        trainer sets announce/<n> (publish | close), then broadcasts:

@@ -30,6 +30,7 @@ from megatron_mugrpo.asynchronous.transport import (
     host_group,
     join_group,
     listen_address,
+    read_secret,
     staging_place,
     wait_until,
     write_secret,
@@ -115,6 +116,9 @@ def test_the_secret_is_private_and_every_trusted_key_needs_it(tmp_path: Path) ->
     assert not any(group.has(key) for key in ("joined/1", "received/1/0", "progress/1", "announce/0", "closed/1"))
 
     worker = join_group(tmp_path, 1, timeout_s=5.0, alive=lambda: None)  # reads the secret: it joins
+    assert read_secret(tmp_path / "missing") is None
+    (tmp_path / "torn").write_text(token[:10])  # never a secret of the wrong length
+    assert read_secret(tmp_path / "torn") is None
     assert group.has("joined/1") and worker.keys.check(["joined/1"])
 
 
