@@ -80,11 +80,6 @@ LossFn = Callable[[TrainBatch, Tensor], tuple[Tensor, Tensor, dict[str, float]]]
 # ------------------------------------------------------------------------------------ batching
 
 
-def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
-    """Append empty responses (mask 0, advantage 0) until the row count is a multiple of ``multiple``."""
-    return append_rows(batch, -batch.num_sequences % multiple)
-
-
 def append_rows(batch: TrainBatch, extra: int) -> TrainBatch:
     """``batch`` with ``extra`` empty responses (mask 0, advantage 0) appended."""
     if extra == 0:
