@@ -222,7 +222,7 @@ def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim
     from megatron_mugrpo.asynchronous.files import AsyncPaths
     from megatron_mugrpo.asynchronous.liveness import doing
     from megatron_mugrpo.loop.asynchronous import train_async
-    from megatron_mugrpo.loop.lost_ranks import beat_path, is_peer_loss, lost_rank_error
+    from megatron_mugrpo.loop.lost_ranks import beat_path, collective_error, is_peer_loss, is_timeout
     from megatron_mugrpo.loop.setup import open_run
     from megatron_mugrpo.loop.staged import train
 
@@ -235,13 +235,14 @@ def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim
         result = train_async(run, role) if cfg.mode == "async" else train(run)
     except preemption.Preempted as exc:  # checkpointed at a safe point; the writer publishes it below
         preempted = exc
-    except RuntimeError as exc:  # a collective whose peer died: name the lost rank, not gloo's address
-        if role.trainer_world <= 1 or not is_peer_loss(exc):
+    except RuntimeError as exc:  # a collective whose peer died or hangs: name it and the phase, not an address
+        if role.trainer_world <= 1 or not (is_peer_loss(exc) or is_timeout(exc)):
             raise
         beats = {r: beat_path(run_dir, r) for r in range(role.trainer_world) if r != role.rank}
         if role.num_workers > 0 and role.rank != 0:
             beats[0] = AsyncPaths(run_dir).trainer_heartbeat  # async rank 0 beats for the workers
-        raise lost_rank_error(beats, me=role.rank, doing=doing() or "working", exc=exc) from exc
+        timeout_s = cfg.parallel.timeout_s
+        raise collective_error(beats, me=role.rank, doing=doing() or "working", exc=exc, timeout_s=timeout_s) from exc
     finally:
         run.close()
     if preempted is not None:

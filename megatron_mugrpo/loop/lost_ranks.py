@@ -46,6 +46,13 @@ PEER_LOSS_MARKERS = (
     "NCCL communicator was aborted",
 )
 """Phrases of gloo, the c10d store and NCCL when the process at the other end of a collective is gone."""
+TIMEOUT_MARKERS = (
+    "Timed out waiting",
+    "Application timeout caused pair closure",
+    "Watchdog caught collective operation timeout",
+    "timed out after",
+)
+"""Phrases of gloo and NCCL when a collective waited longer than the process group's timeout."""
 
 
 def beat_path(run_dir: Path, rank: int) -> Path:
@@ -66,6 +73,30 @@ def rank_heartbeat(run_dir: Path, rank: int, *, world_size: int, beats_elsewhere
 def is_peer_loss(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because a peer process is gone (not a bug of this rank)."""
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_LOSS_MARKERS)
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that waited past ``parallel.timeout_s``."""
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in TIMEOUT_MARKERS)
+
+
+def collective_error(
+    paths: dict[int, Path], *, me: int, doing: str, exc: BaseException, timeout_s: float, watch_s: float = LOST_AFTER_S
+) -> RankFailedError:
+    """The one-line error of rank ``me`` whose collective failed (a lost peer, or a timeout) while ``doing``."""
+    if is_peer_loss(exc) or lost(paths, watch_s=watch_s):
+        return lost_rank_error(paths, me=me, doing=doing, exc=exc, watch_s=watch_s)
+    peers = "; ".join(f"rank {rank}: {_last_doing(path)}" for rank, path in sorted(paths.items()))
+    return RankFailedError(
+        f"rank {me}: a collective timed out after parallel.timeout_s={timeout_s:g} s while {doing}; the other "
+        f"ranks were last {peers}. One of them hangs or is far behind: see its log and stacks (`py-spy dump "
+        "--pid PID`), then continue with `mugrpo train --resume RUN_DIR`"
+    )
+
+
+def _last_doing(path: Path) -> str:
+    beat = read_beat(path)
+    return "never beat" if beat is None else f"{beat.doing or 'starting up'} (pid {beat.pid} on {beat.host})"
 
 
 def lost(paths: dict[int, Path], *, watch_s: float = LOST_AFTER_S, poll_s: float = 0.1) -> dict[int, Beat | None]:

@@ -180,6 +180,7 @@ def open_run(
             world_size=world_size,
             ep=parallel.expert_parallel,
             etp=parallel.expert_tensor_parallel,
+            timeout_s=parallel.timeout_s,
         )
         if claimed is None and groups.rank == 0:
             claimed = claim(run_dir, replace_failed_start=replace_failed_start)

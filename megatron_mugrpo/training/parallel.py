@@ -77,7 +77,13 @@ class ParallelConfig:
     keeps experts whole (no TP collectives inside an expert). ETP × EP must divide the ranks of one
     pipeline stage."""
 
+    timeout_s: float = 1800.0
+    """Seconds a collective may wait for the other ranks before it fails; the error then names what this
+    rank was doing (weight sync, store plan, an update, a checkpoint) and what each other rank last said
+    it was doing. A lost rank is reported at once, whatever this is."""
+
     def __post_init__(self) -> None:
+        require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be > 0 seconds")
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "expert_parallel"):
             require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         require(
@@ -225,7 +231,7 @@ class ParallelGroups:
         return self.pp_rank == self.pp - 1
 
 
-def _init_process_group(world_size: int | None = None) -> None:
+def _init_process_group(world_size: int | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Start torch.distributed from the environment (torchrun's variables), single process if absent.
 
     ``world_size`` below the launch's WORLD_SIZE makes ranks [0, world_size) a process group of their
@@ -243,7 +249,7 @@ def _init_process_group(world_size: int | None = None) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=DEFAULT_TIMEOUT)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _free_port() -> int:
@@ -268,7 +274,14 @@ def seed_everything(seed: int) -> None:
 
 
 def initialize_parallel(
-    tp: int, pp: int, seed: int, *, ep: int = 1, etp: int | None = None, world_size: int | None = None
+    tp: int,
+    pp: int,
+    seed: int,
+    *,
+    ep: int = 1,
+    etp: int | None = None,
+    world_size: int | None = None,
+    timeout_s: float | None = None,
 ) -> ParallelGroups:
     """Initialise torch.distributed (NCCL with CUDA, gloo without) and Megatron's TP/PP/DP/EP/ETP state.
 
@@ -276,12 +289,13 @@ def initialize_parallel(
     is allowed (the existing groups are reused); different sizes need ``destroy_parallel()`` first.
     ``world_size``: the ranks that train, when fewer than the launch's (async mode's rollout workers
     are the launch's last ranks and stay outside). ``ep``: expert-parallel size (MoE models only);
-    ``etp``: expert-tensor-parallel size (None: ``tp``).
+    ``etp``: expert-tensor-parallel size (None: ``tp``). ``timeout_s``: how long a collective may wait
+    (None: 30 minutes).
     """
     from megatron.core import parallel_state
 
     cpu_compat.activate()
-    _init_process_group(world_size)
+    _init_process_group(world_size, DEFAULT_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if tp < 1 or pp < 1 or world % (tp * pp) != 0:
         raise ConfigError(

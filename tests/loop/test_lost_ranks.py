@@ -47,3 +47,41 @@ def test_the_error_names_the_lost_rank_its_host_and_phase() -> None:
                                   watch_s=0.2))  # fmt: skip
     assert message.startswith("lost rank 1 (no heartbeat ever): rank 0's collective failed while making update 3")
     assert "Connection reset by peer" in message and "--resume" in message
+
+
+def _hung_peer(rank: int, world_size: int, tmp: str) -> None:
+    """Rank 1 beats but never joins the all-reduce (a hang); rank 0's collective times out."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_mugrpo.asynchronous.liveness import advance, doing
+    from megatron_mugrpo.loop.lost_ranks import collective_error, is_timeout
+    from megatron_mugrpo.training.parallel import initialize_parallel
+
+    initialize_parallel(1, 1, 0, timeout_s=2.0)
+    run_dir = Path(tmp)
+    with Heartbeat(beat_path(run_dir, rank), interval_s=0.2):
+        if rank == 1:
+            advance("generating stage 3")
+            time.sleep(8)  # alive, beating, never in the collective
+            os._exit(0)  # the group is broken by the timeout: no teardown barrier can succeed
+        advance("syncing weights for stage 3")
+        try:
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError as exc:
+            assert is_timeout(exc), str(exc)[:300]
+            message = str(collective_error({1: beat_path(run_dir, 1)}, me=0, doing=doing(), exc=exc, timeout_s=2.0))
+            (run_dir / "message.txt").write_text(message)
+            os._exit(0)
+        raise AssertionError("the all-reduce did not time out")
+
+
+def test_a_collective_timeout_names_the_phase_and_what_the_other_ranks_do(tmp_path: Path) -> None:
+    from dist_utils import run_distributed
+
+    run_distributed(_hung_peer, 2, str(tmp_path))
+    message = (tmp_path / "message.txt").read_text()
+    assert message.startswith("rank 0: a collective timed out after parallel.timeout_s=2 s while syncing weights")
+    assert "rank 1: generating stage 3 (pid" in message and "--resume" in message
