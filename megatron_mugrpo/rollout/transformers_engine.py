@@ -441,6 +441,12 @@ class TransformersEngine:
                 "multi-turn rollouts need the KV cache and support neither partial rollouts nor route recording yet"
             )
         check_prompt_ids(prompts, self.vocab_size)
+        positions = getattr(self._config, "max_position_embeddings", None)
+        require(
+            positions is None or limits.max_total_tokens <= positions,
+            f"env.max_total_tokens={limits.max_total_tokens} is more than the rollout model's "
+            f"max_position_embeddings={positions}; lower it",
+        )
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         trajectories: list[Trajectory] = []
         for start in range(0, len(prompts), self.batch_size):

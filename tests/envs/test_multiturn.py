@@ -12,6 +12,7 @@ import torch
 
 from megatron_mugrpo.envs.base import EnvLimits, Problem, StepResult
 from megatron_mugrpo.envs.trajectory import Trajectory
+from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, teacher_forced_logprobs
 from megatron_mugrpo.training.tiny import tiny_hf_dir
@@ -23,6 +24,8 @@ rows of a batch end their turns at different steps and sit at different turns.""
 EOS_IDS = [2]
 MAX_OBSERVATION = 5
 PROMPTS = [[1, 5, 6], [1, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20], [1, 30, 31, 32, 33], [1, 3, 4, 5, 6, 7]]
+POSITIONS = 256
+"""max_position_embeddings of the test models: env.max_total_tokens may not exceed it."""
 LOGPROB_TOLERANCE = 1e-5
 """float32 engine log-probs vs one unpadded forward per sequence (as tests/rollout/test_engine.py)."""
 
@@ -52,7 +55,12 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    shape = {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 256, "tie_word_embeddings": True}
+    shape = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "max_position_embeddings": POSITIONS,
+        "tie_word_embeddings": True,
+    }
     path = tiny_hf_dir(tmp_path_factory.mktemp("tiny") / "m", seed=0, tokenizer=False, vocab_size=VOCAB, **shape)
     return TransformersEngine(path, dtype="float32", device="cpu", batch_size=4, eos_token_ids=EOS_IDS)
 
@@ -60,7 +68,12 @@ def engine(tmp_path_factory):
 def rollout(engine, episodes, limits=None, max_new_tokens=6, seed=3, prompts=PROMPTS):
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, seed=seed)
     return engine.generate_trajectories(
-        prompts[: len(episodes)], episodes, params, limits=limits or EnvLimits(), decode=decode, stop_strings=("|",)
+        prompts[: len(episodes)],
+        episodes,
+        params,
+        limits=limits or EnvLimits(max_total_tokens=POSITIONS),
+        decode=decode,
+        stop_strings=("|",),
     )
 
 
@@ -135,7 +148,9 @@ def test_the_same_seed_gives_the_same_trajectories(engine):
 
 
 def test_limits_end_trajectories(engine):
-    [capped] = rollout(engine, [Recorder(seed=1, answer_after=10)], limits=EnvLimits(max_turns=2))
+    [capped] = rollout(
+        engine, [Recorder(seed=1, answer_after=10)], limits=EnvLimits(max_turns=2, max_total_tokens=POSITIONS)
+    )
     assert capped.end_reason in ("max_turns", "stop") and len(capped.turns) <= 2
     budget = len(PROMPTS[0]) + 9
     [short] = rollout(engine, [Recorder(seed=2, answer_after=10)], limits=EnvLimits(max_total_tokens=budget))
@@ -143,7 +158,12 @@ def test_limits_end_trajectories(engine):
 
 
 def test_eos_ends_the_trajectory(tmp_path):
-    shape = {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 256, "tie_word_embeddings": True}
+    shape = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "max_position_embeddings": POSITIONS,
+        "tie_word_embeddings": True,
+    }
     path = tiny_hf_dir(tmp_path / "m", seed=0, tokenizer=False, vocab_size=VOCAB, **shape)
     eager = TransformersEngine(path, dtype="float32", device="cpu", eos_token_ids=list(range(2, 40)))
     trajectories = rollout(eager, [Recorder(seed=i, answer_after=50) for i in range(3)], max_new_tokens=30)
@@ -159,7 +179,7 @@ def test_bad_environments_end_their_own_trajectories_only(engine):
         Recorder(seed=3, fail=lambda: StepResult(observation_ids=(VOCAB + 7,), done=False)),
         Recorder(seed=4),
     ]
-    limits = EnvLimits(timeout_s=0.5)
+    limits = EnvLimits(timeout_s=0.5, max_total_tokens=POSITIONS)
     start = time.perf_counter()
     trajectories = rollout(engine, episodes, limits=limits, max_new_tokens=4)
     release.set()
@@ -181,7 +201,11 @@ def test_bad_environments_end_their_own_trajectories_only(engine):
 def test_the_engine_refuses_what_it_cannot_do_yet(engine):
     params = SamplingParams(max_new_tokens=4, seed=0)
     with pytest.raises(ValueError, match="one episode per prompt"):
-        engine.generate_trajectories(PROMPTS[:2], [Recorder(seed=0)], params, limits=EnvLimits(), decode=decode)
+        engine.generate_trajectories(
+            PROMPTS[:2], [Recorder(seed=0)], params, limits=EnvLimits(max_total_tokens=POSITIONS), decode=decode
+        )
+    with pytest.raises(ConfigError, match=r"env\.max_total_tokens=4096 is more than"):
+        rollout(engine, [Recorder(seed=0)], limits=EnvLimits(max_total_tokens=4096))  # the model has 256 positions
     engine.use_cache = False
     try:
         with pytest.raises(ValueError, match="need the KV cache"):
@@ -203,11 +227,11 @@ def test_the_search_environment_runs_in_the_engine_through_run_episodes(tmp_path
         def retrieve(self, queries, topk):
             return [[Document(id="0", title="T", text="x", score=1.0)] for _ in queries]
 
-    shape = {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 256}
+    shape = {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": POSITIONS}
     path = tiny_hf_dir(tmp_path / "m", seed=1, **shape)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     chat = TransformersEngine(path, dtype="float32", device="cpu", batch_size=4)
-    limits = EnvLimits(max_turns=2, max_observation_tokens=64)
+    limits = EnvLimits(max_turns=2, max_observation_tokens=64, max_total_tokens=POSITIONS)
     env = SearchEnvironment(tokenizer=tokenizer, limits=limits, options=SearchOptions(), client=Client())
     problems = [Problem(prompt="Who?", answer='["Ada"]'), Problem(prompt="Where?", answer='["Tarsk"]')]
     prompts = [list(tokenizer(p.prompt)["input_ids"]) for p in problems]
