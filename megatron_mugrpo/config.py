@@ -175,6 +175,12 @@ class RunConfig:
             "replay.enabled cannot be combined with algo.rollout_correction: replayed groups do not carry the "
             "log π_old of the stage that generated them; turn one of the two off",
         )
+        require(
+            not (self.replay.enabled and self.algo.needs_old_logprobs),
+            f"replay.enabled cannot be combined with algo.loss={self.algo.loss}: it masks on π_old / β, and "
+            "replayed groups do not carry the log π_old of the stage that generated them; use "
+            "algo.loss=icepop_current (masks on π_θ / β) or turn replay off",
+        )
 
     def _check_rewards(self) -> None:
         """Each data source is scored by a reward that can read its reference answers."""
@@ -231,6 +237,12 @@ class RunConfig:
             "algo.rollout_correction (tis_cap / mask_bound) needs log π_old at each group's behaviour weights, "
             "which the staged loop computes once per stage; mode: async has no such pass. Set both to 0 or use "
             "mode: staged",
+        )
+        require(
+            not self.algo.needs_old_logprobs,
+            f"algo.loss={self.algo.loss} masks on π_old / β, the trainer's log-probs at the stage's start, which "
+            "the staged loop computes once per stage; mode: async has no such pass. Use algo.loss=icepop_current "
+            "(masks on π_θ / β) or mode: staged",
         )
         require(
             not self.replay.enabled,

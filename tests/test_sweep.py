@@ -293,6 +293,7 @@ def test_f6_runs_every_stabiliser_at_both_staleness_levels(tmp_path: Path) -> No
         ("mu_grpo", 0.0),
         ("opsm", 0.0),
         ("icepop", 0.0),
+        ("icepop_current", 0.0),
         ("gspo", 0.0),
         ("m2po", 0.0),
         ("grpo", 0.0),

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_mugrpo.algorithms.losses import AGGREGATIONS, available_losses, loss_spec
+from megatron_mugrpo.algorithms.losses import AGGREGATIONS, available_losses, loss_spec, needs_old_logprobs
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.errors import require, with_registry_sections
 
@@ -27,7 +27,8 @@ class _AlgoSettings:
     """
 
     loss: str = "mu_grpo"
-    """Loss registry entry: grpo | mu_grpo | m2po | m2po_clip | opsm | icepop | gspo (algorithms.losses)."""
+    """Loss registry entry: grpo | mu_grpo | m2po | m2po_clip | opsm | icepop | icepop_current | gspo
+    (algorithms.losses)."""
     aggregation: str = "seq_mean_token_mean"
     """seq_mean_token_mean (paper Eq. 2: token mean per response, then mean over responses) or token_mean."""
     adv_eps: float = 1e-6
@@ -45,6 +46,18 @@ class _AlgoSettings:
             f"algo.aggregation={self.aggregation!r} is unknown; choose one of {AGGREGATIONS}",
         )
         require(self.adv_eps > 0, f"algo.adv_eps={self.adv_eps} must be > 0")
+        require(
+            not (needs_old_logprobs(self.loss) and self.rollout_correction.enabled),
+            f"algo.loss={self.loss} already corrects the train/inference mismatch with π_old / β; combined with "
+            "algo.rollout_correction its band would see π_old / π_old = 1. Set algo.rollout_correction.tis_cap=0 "
+            "and mask_bound=0, or choose another loss",
+        )
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the updates read log π_old of the stage's start: a rollout correction, or a loss that
+        masks on π_old / β (icepop). The staged loop then scores D_k before the stage's first update."""
+        return self.rollout_correction.enabled or needs_old_logprobs(self.loss)
 
     def loss_options(self) -> dict[str, Any]:
         """Keyword options of the chosen registry loss: its section plus the aggregation."""

@@ -137,16 +137,22 @@ class LossSpec(NamedTuple):
     update_pass: UpdatePass | None
     """Optional no-grad function of the WHOLE update's tokens, run once per optimizer update; the
     tensors it returns ([B, T] ones are cut per micro-batch, 0-d ones shared) reach ``fn`` as keywords."""
+    needs_old_logprobs: bool = False
+    """Whether ``fn`` takes ``old_logprobs`` [B, T], log π_old at the stage's start (IcePop's mismatch
+    factor π_old / β): the staged loop then scores D_k before the stage's first update
+    (``training.stage_reference``) and every batch carries it."""
 
 
 _REGISTRY: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, *, options: type, update_pass: UpdatePass | None = None) -> Callable[[LossFn], LossFn]:
+def register_loss(
+    name: str, *, options: type, update_pass: UpdatePass | None = None, needs_old_logprobs: bool = False
+) -> Callable[[LossFn], LossFn]:
     """Decorator adding a loss to the registry under ``name`` with its options dataclass.
 
     The function's keyword-only parameters must be ``aggregation``, the options' fields, and (with a
-    default of None) the inputs its update pass provides.
+    default of None) the inputs its update pass provides and, with ``needs_old_logprobs``, ``old_logprobs``.
     """
 
     def add(fn: LossFn) -> LossFn:
@@ -156,9 +162,11 @@ def register_loss(name: str, *, options: type, update_pass: UpdatePass | None = 
         option_names = {f.name for f in dataclasses.fields(options)}
         missing = option_names - set(keywords)
         extra = [k for k in set(keywords) - option_names - {"aggregation"} if keywords[k].default is not None]
-        if missing or extra or "aggregation" not in keywords:
+        if missing or extra or "aggregation" not in keywords or needs_old_logprobs != ("old_logprobs" in keywords):
             raise TypeError(f"loss {name!r}: keywords {sorted(keywords)} do not match options {sorted(option_names)}")
-        _REGISTRY[name] = LossSpec(fn=fn, options=options, update_pass=update_pass)
+        _REGISTRY[name] = LossSpec(
+            fn=fn, options=options, update_pass=update_pass, needs_old_logprobs=needs_old_logprobs
+        )
         return fn
 
     return add
@@ -199,6 +207,7 @@ def policy_loss(
     response_mask: Tensor,
     *,
     update_inputs: dict[str, Tensor] | None = None,
+    old_logprobs: Tensor | None = None,
     **options: object,
 ) -> LossOutput:
     """Compute registry loss ``name``; see the module docstring for the contract.
@@ -211,12 +220,14 @@ def policy_loss(
         response_mask: [B, T] bool or 0/1 float.
         update_inputs: this call's share of the loss's update pass (``update_inputs()``); without it
             a loss that has an update pass treats this call's tokens as the whole update.
+        old_logprobs: [B, T] log π_old at the stage's start, for a loss that needs it
+            (``needs_old_logprobs``: ``icepop``); other losses do not read it.
         **options: exactly the loss's keyword options (``AlgoConfig.loss_options()``).
     """
     _checked_options(name, options)
-    return loss_spec(name).fn(
-        logprobs, behaviour_logprobs, advantages, response_mask, **options, **(update_inputs or {})
-    )
+    spec = loss_spec(name)
+    old = {"old_logprobs": old_logprobs} if spec.needs_old_logprobs else {}
+    return spec.fn(logprobs, behaviour_logprobs, advantages, response_mask, **options, **old, **(update_inputs or {}))
 
 
 @torch.no_grad()
@@ -238,6 +249,11 @@ def update_inputs(
         return {}
     _checked_options(name, options)
     return spec.update_pass(logprobs, behaviour_logprobs, advantages, response_mask, **options)
+
+
+def needs_old_logprobs(name: str) -> bool:
+    """Whether loss ``name`` reads log π_old at the stage's start (``LossSpec.needs_old_logprobs``)."""
+    return loss_spec(name).needs_old_logprobs
 
 
 def has_update_pass(name: str) -> bool:

@@ -30,7 +30,11 @@ dataclass, which is the ``algo.<name>.*`` section of the run config:
                 same M2 budget, then the PPO-clipped objective with clip [e^−τ, e^τ]. ``loss_m2po.M2poOptions``
 * ``opsm``      GRPO's clipped objective; negative-advantage responses with mean_t(log β − log π_θ) > δ
                 dropped (off-policy sequence masking).                         ``loss_opsm.OpsmOptions``
-* ``icepop``    GRPO's clipped objective; tokens with ρ outside [α, β] masked.  ``loss_icepop.IcepopOptions``
+* ``icepop``    IcePop: GRPO's clip on π_θ / π_old, tokens weighted by the train/inference mismatch
+                w = π_old / β and masked where w leaves [α, β]; π_old is the trainer at the stage's
+                start (``needs_old_logprobs``).                                ``loss_icepop.IcepopOptions``
+* ``icepop_current`` GRPO's clipped objective; tokens whose drifting ρ = π_θ / β leaves [α, β]
+                masked (a hard trust region around β).                     ``loss_icepop.IcepopCurrentOptions``
 * ``gspo``      the sequence ratio s_y = exp(mean_t log ρ_t), clipped at the sequence level.
                                                                                 ``loss_gspo.GspoOptions``
 
@@ -67,6 +71,7 @@ from megatron_mugrpo.algorithms.loss_core import (
     has_update_pass,
     loss_normaliser,
     loss_spec,
+    needs_old_logprobs,
     policy_loss,
     ratio_stats,
     register_loss,
@@ -76,7 +81,14 @@ from megatron_mugrpo.algorithms.loss_core import (
 )
 from megatron_mugrpo.algorithms.loss_grpo import GrpoOptions, MuGrpoOptions, dual_clipped, grpo_loss, mu_grpo_loss
 from megatron_mugrpo.algorithms.loss_gspo import GspoOptions, gspo_loss, sequence_ratio
-from megatron_mugrpo.algorithms.loss_icepop import IcepopOptions, band_masked, icepop_loss
+from megatron_mugrpo.algorithms.loss_icepop import (
+    IcepopCurrentOptions,
+    IcepopOptions,
+    band_masked,
+    icepop_current_loss,
+    icepop_loss,
+    mismatch_band,
+)
 from megatron_mugrpo.algorithms.loss_m2po import (
     M2poOptions,
     m2_clip_bound,
@@ -99,6 +111,7 @@ __all__ = [
     "QUANTILES",
     "GrpoOptions",
     "GspoOptions",
+    "IcepopCurrentOptions",
     "IcepopOptions",
     "LossFn",
     "LossOutput",
@@ -118,6 +131,7 @@ __all__ = [
     "grpo_loss",
     "gspo_loss",
     "has_update_pass",
+    "icepop_current_loss",
     "icepop_loss",
     "loss_normaliser",
     "loss_spec",
@@ -126,7 +140,9 @@ __all__ = [
     "m2po_loss",
     "m2po_mask",
     "m2po_mask_greedy",
+    "mismatch_band",
     "mu_grpo_loss",
+    "needs_old_logprobs",
     "opsm_drop",
     "opsm_loss",
     "policy_loss",

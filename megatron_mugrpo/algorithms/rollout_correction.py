@@ -359,6 +359,7 @@ def corrected_policy_loss(
         inputs.advantages,
         mask,
         update_inputs=update_inputs,
+        old_logprobs=old_logprobs,  # read only by a loss that masks on π_old / β itself (icepop)
         **options,
     )
     if not inputs.stats:

@@ -223,6 +223,7 @@ def stage_reference(run: Run, store: RolloutStore) -> OldLogprobs | None:
         policy_version=run.state.global_update - run.state.update_in_stage,  # θ_old: the stage's start
         barrier=run.hosts.barrier,
         keep=quantized and run.replay is not None,
+        for_loss=cfg.algo.needs_old_logprobs,  # icepop masks on π_old / β
     )
     if metrics:
         run.logger.log(metrics, step=run.state.global_update)

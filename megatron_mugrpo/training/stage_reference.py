@@ -263,6 +263,7 @@ def prepare_stage_reference(
     policy_version: int,
     barrier: Callable[[], None],
     keep: bool = False,
+    for_loss: bool = False,
 ) -> tuple[OldLogprobs | None, dict[str, float]]:
     """The stage's log π_old (correction on) and ``rollout/mismatch_*`` metrics (module docstring).
 
@@ -276,9 +277,12 @@ def prepare_stage_reference(
             checked when they are read back.
         barrier: waits for every rank (``HostGroup.barrier``): after it the files rank 0 wrote are listed.
         keep: store log π_old even without a correction (HDR measures a quantized stage's drift from it);
-            only a correction returns it for the updates.
+            only a correction (or ``for_loss``) returns it for the updates.
+        for_loss: the loss itself reads log π_old (``icepop``: its mask is on π_old / β); treated as a
+            correction is: every group scored, the files written, log π_old returned.
     """
-    if not (correction.enabled or keep):
+    returned = correction.enabled or for_loss
+    if not (returned or keep):
         if not (measure and first_update and correction.mismatch_groups > 0):
             return None, {}
         indices = mismatch_sample(store.num_groups, correction.mismatch_groups, seed, store.stage)
@@ -288,6 +292,6 @@ def prepare_stage_reference(
     if first_update:
         metrics = write_stage_reference(policy, store, settings, write=write, policy_version=policy_version)
         barrier()  # rank 0's files are listed before any rank reads them
-    if not correction.enabled:
+    if not returned:
         return None, metrics
     return read_old_logprobs(store, policy_version), metrics

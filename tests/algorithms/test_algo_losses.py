@@ -27,7 +27,7 @@ from megatron_mugrpo.config import load_config
 from megatron_mugrpo.errors import ConfigError
 
 F64 = torch.float64
-LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip", "opsm", "icepop", "gspo")
+LOSSES = ("grpo", "mu_grpo", "m2po", "m2po_clip", "opsm", "icepop", "icepop_current", "gspo")
 
 
 def _two_responses() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,9 +163,11 @@ def test_opsm_never_drops_positive_advantage_responses() -> None:
         ((0.6, 5.0), -(2.2 / 3 - 1.5), 0.4, 0.0),
     ],
 )
-def test_icepop_hand_values(band: tuple[float, float], loss_sum: float, low_frac: float, high_frac: float) -> None:
+def test_icepop_current_hand_values(
+    band: tuple[float, float], loss_sum: float, low_frac: float, high_frac: float
+) -> None:
     lp, bl, adv, mask = _two_responses()
-    out = policy_loss("icepop", lp, bl, adv, mask, clip_eps=0.2, band_low=band[0], band_high=band[1])
+    out = policy_loss("icepop_current", lp, bl, adv, mask, clip_eps=0.2, band_low=band[0], band_high=band[1])
     assert out.loss_sum.item() == pytest.approx(loss_sum, abs=1e-12)
     assert out.normaliser.item() == 2.0  # masked tokens stay in T_y and |B|
     assert out.metrics["icepop_masked_low_frac"] == pytest.approx(low_frac)
@@ -230,6 +232,7 @@ def test_new_options_are_validated_naming_the_key() -> None:
         ("grpo", {"dual_clip_c": 0.5}, r"algo\.grpo\.dual_clip_c=0\.5 must be 0 \(off\) or > 1"),
         ("opsm", {"delta": -1.0}, r"algo\.opsm\.delta=-1\.0 must be >= 0"),
         ("icepop", {"band_low": 1.2}, r"algo\.icepop band \[band_low=1\.2, band_high=5\.0\]"),
+        ("icepop_current", {"band_high": 0.9}, r"algo\.icepop_current band \[band_low=0\.5, band_high=0\.9\]"),
         ("gspo", {"clip_eps_low": 0.0}, r"algo\.gspo\.clip_eps_low=0\.0 must be in \(0, 1\)"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -286,23 +289,25 @@ OPTIONS = {
     "m2po_clip": {"m2_threshold": 0.04},
     "opsm": {"clip_eps": 0.2, "delta": 0.05},
     "icepop": {"clip_eps": 0.2, "band_low": 0.5, "band_high": 5.0},
+    "icepop_current": {"clip_eps": 0.2, "band_low": 0.5, "band_high": 5.0},
     "gspo": {"clip_eps_low": 0.05, "clip_eps_high": 0.05},
 }
 
 
 def _analytic_grad(name: str, lp, bl, adv, mask, aggregation: str) -> torch.Tensor:
     """d(Σ loss_sum / Σ normaliser)/d logprobs from the formula: −w_y · kept · unclipped · ρ_t A_t
-    (GSPO: ρ_t is the response's s_y and the clip decision is s_y's)."""
+    (GSPO: ρ_t is the response's s_y and the clip decision is s_y's; icepop is given π_old = β, so w = 1
+    and it is GRPO's: its own mismatch weighting is tests/algorithms/test_icepop.py's)."""
     log_ratio = torch.where(mask.bool(), lp - bl, 0.0)
     rho, a, m = log_ratio.exp(), adv[:, None].expand_as(lp), mask.bool()
     kept, low, high = m, 0.0, math.inf
     lengths = mask.sum(-1, keepdim=True)
-    if name in ("grpo", "opsm", "icepop"):
+    if name in ("grpo", "opsm", "icepop", "icepop_current"):
         low, high = 0.8, 1.2
     if name == "opsm":  # drop negative-advantage responses whose mean log(β/π_θ) exceeds δ = 0.05
         divergence = -log_ratio.sum(-1, keepdim=True) / lengths.clamp_min(1)
         kept = m & ~((a < 0) & (divergence > 0.05))
-    elif name == "icepop":
+    elif name == "icepop_current":
         kept = m & (rho >= 0.5) & (rho <= 5.0)
     elif name == "gspo":
         rho = (log_ratio.sum(-1, keepdim=True) / lengths.clamp_min(1)).exp().expand_as(lp)
@@ -331,7 +336,7 @@ def test_autograd_matches_analytic_gradient(name: str, aggregation: str) -> None
     for seed in range(3):
         lp, bl, adv, mask = _random_batch(seed)
         lp.requires_grad_(True)
-        out = policy_loss(name, lp, bl, adv, mask, aggregation=aggregation, **OPTIONS[name])
+        out = policy_loss(name, lp, bl, adv, mask, aggregation=aggregation, old_logprobs=bl, **OPTIONS[name])
         (grad,) = torch.autograd.grad(out.loss_sum / out.normaliser, lp)
         expected = _analytic_grad(name, lp.detach(), bl, adv, mask, aggregation)
         torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-13)
@@ -339,11 +344,11 @@ def test_autograd_matches_analytic_gradient(name: str, aggregation: str) -> None
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
-@pytest.mark.parametrize("name", ["grpo", "mu_grpo", "opsm", "icepop", "gspo"])
+@pytest.mark.parametrize("name", ["grpo", "mu_grpo", "opsm", "icepop", "icepop_current", "gspo"])
 def test_eight_micro_batches_of_one_equal_one_batch_of_eight(name: str, aggregation: str) -> None:
     lp, bl, adv, mask = _random_batch(seed=7)
     full = lp.clone().requires_grad_(True)
-    out = policy_loss(name, full, bl, adv, mask, aggregation=aggregation, **OPTIONS[name])
+    out = policy_loss(name, full, bl, adv, mask, aggregation=aggregation, old_logprobs=bl, **OPTIONS[name])
     (out.loss_sum / out.normaliser).backward()
 
     split = lp.clone().requires_grad_(True)
@@ -355,6 +360,7 @@ def test_eight_micro_batches_of_one_equal_one_batch_of_eight(name: str, aggregat
             adv[i : i + 1],
             mask[i : i + 1],
             aggregation=aggregation,
+            old_logprobs=bl[i : i + 1],
             **OPTIONS[name],
         )
         for i in range(8)
@@ -378,7 +384,7 @@ def test_all_losses_agree_with_plain_policy_gradient_at_ratio_one() -> None:
     values = {}
     for name in OPTIONS:
         current = lp.clone().requires_grad_(True)
-        out = policy_loss(name, current, lp, adv, mask, **OPTIONS[name])
+        out = policy_loss(name, current, lp, adv, mask, old_logprobs=lp, **OPTIONS[name])
         (grad,) = torch.autograd.grad(out.loss_sum / out.normaliser, current)
         torch.testing.assert_close(grad, plain_grad, rtol=1e-12, atol=1e-15)
         values[name] = out.loss_sum.item()
@@ -434,7 +440,7 @@ def test_registry_matches_config_and_takes_loss_options() -> None:
     assert set(available_losses()) == set(LOSSES)
     lp, bl, adv, mask = _random_batch(seed=1)
     for name in LOSSES:
-        out = policy_loss(name, lp, bl, adv, mask, **AlgoConfig(loss=name).loss_options())
+        out = policy_loss(name, lp, bl, adv, mask, old_logprobs=bl, **AlgoConfig(loss=name).loss_options())
         loss_sum, normaliser, _ = out
         assert loss_sum.dim() == 0 and normaliser.dim() == 0
         assert all(isinstance(v, float) and math.isfinite(v) for v in out.metrics.values()), out.metrics
@@ -462,7 +468,8 @@ def test_padding_garbage_and_extreme_ratios_stay_finite() -> None:
     lp[0, 0] = bl[0, 0] + 80.0  # exp(80) overflows float32: must be clamped, not inf
     for name in LOSSES:
         current = lp.to(torch.float32).requires_grad_(True)
-        out = policy_loss(name, current, bl.float(), adv.float(), mask.float(), **AlgoConfig(loss=name).loss_options())
+        options = AlgoConfig(loss=name).loss_options()
+        out = policy_loss(name, current, bl.float(), adv.float(), mask.float(), old_logprobs=bl.float(), **options)
         out.loss_sum.backward()
         assert torch.isfinite(out.loss_sum) and torch.isfinite(current.grad).all(), name
         assert out.metrics["log_ratio_clamped_frac"] > 0
@@ -472,8 +479,10 @@ def test_padding_garbage_and_extreme_ratios_stay_finite() -> None:
 def test_per_token_advantages_equal_broadcast_ones() -> None:
     lp, bl, adv, mask = _random_batch(seed=5)
     for name in LOSSES:
-        per_response = policy_loss(name, lp, bl, adv, mask, **OPTIONS[name])
-        per_token = policy_loss(name, lp, bl, adv[:, None].expand_as(lp).clone(), mask, **OPTIONS[name])
+        per_response = policy_loss(name, lp, bl, adv, mask, old_logprobs=bl, **OPTIONS[name])
+        per_token = policy_loss(
+            name, lp, bl, adv[:, None].expand_as(lp).clone(), mask, old_logprobs=bl, **OPTIONS[name]
+        )
         assert per_token.loss_sum.item() == pytest.approx(per_response.loss_sum.item(), abs=1e-12)
 
 
@@ -486,7 +495,8 @@ def test_cuda_matches_cpu() -> None:
         results = []
         for device in ("cpu", "cuda"):
             current = lp.to(device=device, dtype=torch.float32).requires_grad_(True)
-            out = policy_loss(name, current, bl.float().to(device), adv.float().to(device), mask.to(device), **options)
+            old = bl.float().to(device)
+            out = policy_loss(name, current, old, adv.float().to(device), mask.to(device), old_logprobs=old, **options)
             out.loss_sum.backward()
             results.append((out.loss_sum.detach().cpu(), current.grad.cpu(), out.metrics))
         (cpu_loss, cpu_grad, cpu_metrics), (gpu_loss, gpu_grad, gpu_metrics) = results

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from megatron_mugrpo.algorithms.losses import available_losses, policy_loss, update_inputs
+from megatron_mugrpo.algorithms.losses import available_losses, needs_old_logprobs, policy_loss, update_inputs
 from megatron_mugrpo.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     corrected_policy_loss,
@@ -224,8 +224,9 @@ def test_off_is_exactly_the_registry_loss(name):
     logprobs = (-torch.rand(3, 5, generator=gen, dtype=D) * 3).requires_grad_()
     behaviour = -torch.rand(3, 5, generator=gen, dtype=D) * 3
     adv, mask = torch.tensor([1.0, -0.5, 0.7], dtype=D), torch.rand(3, 5, generator=gen) > 0.2
-    plain = policy_loss(name, logprobs, behaviour, adv, mask)
-    off = corrected_policy_loss(name, logprobs, behaviour, adv, mask, old_logprobs=None)
+    old = behaviour if needs_old_logprobs(name) else None  # icepop reads π_old itself (here: = β)
+    plain = policy_loss(name, logprobs, behaviour, adv, mask, old_logprobs=old)
+    off = corrected_policy_loss(name, logprobs, behaviour, adv, mask, old_logprobs=old)
     assert torch.equal(plain.loss_sum, off.loss_sum) and plain.metrics == off.metrics
 
 

@@ -36,6 +36,7 @@ def _variants() -> list[tuple[str, dict]]:
     cases += [("grpo", {"dual_clip_c": 3.0})]
     cases += [("mu_grpo", {"veto_scope": scope}) for scope in VETO_SCOPES]
     cases += [("opsm", {"delta": 0.05}), ("icepop", {"band_low": 0.8, "band_high": 1.5})]
+    cases += [("icepop_current", {"band_low": 0.8, "band_high": 1.5})]
     return cases
 
 
@@ -100,7 +101,14 @@ def _run(layout: dict, name: str, options: dict, advantages: torch.Tensor, corre
     if correction is None:
         extra = update_inputs(name, logprobs.detach(), layout["behaviour"], advantages, layout["mask"], **options)
         out = policy_loss(
-            name, logprobs, layout["behaviour"], advantages, layout["mask"], update_inputs=extra, **options
+            name,
+            logprobs,
+            layout["behaviour"],
+            advantages,
+            layout["mask"],
+            update_inputs=extra,
+            old_logprobs=layout["old"],  # read by icepop only (its π_old / β)
+            **options,
         )
     else:
         out = corrected_policy_loss(
@@ -152,10 +160,10 @@ def test_the_variants_trigger_what_they_mask():
     lay = Layouts(seed=11)
     metrics = {
         name: _run(lay.i, name, _defaults(name) | {"aggregation": "token_mean"}, ADVANTAGES)[0].metrics
-        for name in ("mu_grpo", "m2po", "icepop", "grpo")
+        for name in ("mu_grpo", "m2po", "icepop_current", "grpo")
     }
     assert metrics["mu_grpo"]["masked_frac"] > 0 and metrics["m2po"]["masked_frac"] > 0
-    assert metrics["icepop"]["masked_frac"] > 0 and metrics["grpo"]["clip_frac_low"] > 0
+    assert metrics["icepop_current"]["masked_frac"] > 0 and metrics["grpo"]["clip_frac_low"] > 0
 
 
 @pytest.mark.parametrize(

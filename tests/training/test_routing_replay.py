@@ -19,7 +19,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from megatron_mugrpo.algorithms.losses import available_losses
+from megatron_mugrpo.algorithms.losses import available_losses, needs_old_logprobs
 from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.model import build_gpt_model
@@ -176,11 +176,13 @@ def _every_loss_with_replay(groups: Any, optim: OptimConfig, batch: TrainBatch, 
     _copy_weights(fresh, replay)
     out = {}
     for loss in available_losses():
-        routes = _capture_fresh_routes(fresh, batch, MICRO_BATCH)
+        # icepop reads log π_old of the stage's start; here the stage starts at β's weights
+        data = dataclasses.replace(batch, old_logprobs=batch.behaviour_logprobs) if needs_old_logprobs(loss) else batch
+        routes = _capture_fresh_routes(fresh, data, MICRO_BATCH)
         step = dict(loss_name=loss, loss_options=AlgoConfig(loss=loss).loss_options(), **score)
         out[loss] = (
-            train_step(fresh, batch, **step),
-            train_step(replay, dataclasses.replace(batch, routes=routes), **step),
+            train_step(fresh, data, **step),
+            train_step(replay, dataclasses.replace(data, routes=routes), **step),
         )
     return out
 
