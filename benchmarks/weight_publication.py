@@ -44,9 +44,10 @@ sys.path.insert(0, str(_ROOT))
 
 import torch  # noqa: E402
 
-from megatron_mugrpo.asynchronous.files import read_json, write_json  # noqa: E402
+from megatron_mugrpo.asynchronous.files import write_json  # noqa: E402
 from megatron_mugrpo.asynchronous.publish import POINTER, Publication, Staging, latest_publication  # noqa: E402
 from megatron_mugrpo.asynchronous.transport import Sender, host_group  # noqa: E402
+from megatron_mugrpo.durable import read_json  # noqa: E402
 
 POLL_S = 0.002
 TIMEOUT_S = 600.0
