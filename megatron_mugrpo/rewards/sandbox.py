@@ -851,9 +851,12 @@ def claim_uid(first: int, lock_dir: Path | None = None) -> tuple[int, int]:
 def _check_lock_dir(lock_dir: Path) -> None:
     """The lock directory exists, is a real directory owned by us, and no one else may write in it
     (another user who could would hand out our uids, or point a lock at a file of theirs)."""
-    with contextlib.suppress(FileExistsError):
-        lock_dir.mkdir(mode=0o700, parents=False)
-    info = os.lstat(lock_dir)
+    try:
+        with contextlib.suppress(FileExistsError):
+            lock_dir.mkdir(mode=0o700, parents=False)
+        info = os.lstat(lock_dir)
+    except OSError as exc:
+        raise SandboxUnavailableError(f"cannot make the sandbox's uid lock directory {lock_dir} ({exc})") from None
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
         raise SandboxUnavailableError(
             f"the sandbox's uid lock directory {lock_dir} must be a directory owned by uid {os.geteuid()} that "

@@ -20,7 +20,7 @@ from megatron_mugrpo.rewards.code import (
     score_response,
     values_match,
 )
-from megatron_mugrpo.rewards.sandbox import Sandbox, check_available
+from megatron_mugrpo.rewards.sandbox import Sandbox, check_available, memory_bound
 
 SUM = CodeProblem(inputs=("1 2\n", "5 7\n", "10 -3\n"), outputs=("3\n", "12\n", "7"), time_limit_s=1.0)
 CFG = CodeRewardConfig(max_cpu_s=1.0)
@@ -381,3 +381,25 @@ def test_returned_numbers_compare_exactly_unless_a_float_is_involved():
     big = 10**400
     assert not values_match(big, big + 1, tolerance=1e-6) and not values_match(float("inf"), big, tolerance=0.5)
     assert not values_match(float("nan"), float("nan"), tolerance=1e-6)
+
+
+def test_a_shared_memory_hog_fails_its_own_test_and_the_next_test_runs(box):
+    """Test 1 leaves 1.5 GiB in detached SysV segments (no process maps them); the jail's cgroup stops it
+    (or seccomp denies shmget), and the segments are gone before test 2, which passes."""
+    hog = (
+        "import ctypes, sys\n"
+        "a, b = map(int, sys.stdin.read().split())\n"
+        "if a == 1:\n"
+        "    libc = ctypes.CDLL(None)\n"
+        "    libc.shmat.restype = ctypes.c_void_p\n"
+        "    for _ in range(24):\n"
+        "        address = libc.shmat(libc.shmget(0, ctypes.c_size_t(64 << 20), 0o1600), None, 0)\n"
+        "        assert address not in (None, 2**64 - 1), 'shmget or shmat failed'\n"
+        "        ctypes.memset(address, 1, 64 << 20)\n"
+        "        libc.shmdt(ctypes.c_void_p(address))\n"
+        "print(a + b)\n"
+    )
+    cfg = dataclasses.replace(CFG, max_memory_mib=256, partial=True, stop_at_first_failure=False)
+    score = score_program(box, hog, TWO_SUMS, cfg)
+    expected = "runtime_error" if memory_bound().kind == "seccomp" else "memory_limit"
+    assert (score.reason, score.passed) == (expected, 1), score
