@@ -12,8 +12,9 @@ RUN_DIR ?= runs/demo
 # Two pytest-xdist workers: most tests (and every end-to-end run) use one core, so two workers use
 # the CI machine's two; the 20 slowest tests are listed at the end.
 PYTEST_ARGS ?= -n 2 --durations=20
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test lint env clean
+.PHONY: demo test test-cluster docs lint env clean
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,11 +34,26 @@ demo: $(STAMP)
 		$(VENV)/bin/mugrpo train --config configs/demo_cpu.yaml --run-dir $(RUN_DIR); \
 	fi
 
+# The cluster tests (a real single-host Slurm, installed from Debian's packages when missing; two
+# torchrun agents as two nodes) take minutes of their own: `make test-cluster`, which CI also runs.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not cluster"
+
+test-cluster: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) -m cluster
+
+# The docs site, built strictly (a broken link or a page missing from the nav fails); the
+# configuration reference is generated from the config dataclasses first.
+$(DOCS_STAMP): $(STAMP) requirements-docs.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) tools/config_reference.py docs/reference/configuration.md
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -150,6 +150,8 @@ class RunConfig:
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     """The ``async`` section (YAML and command-line key ``async``; the field name avoids the keyword)."""
     seed: int = 0
+    """Seed of the run: model initialisation, warm start and evaluation sampling (the stages and the
+    data have seeds of their own, stages.seed and data.seed)."""
     deterministic: bool = True
     """Deterministic algorithms (CPU resume equals an uninterrupted run)."""
 

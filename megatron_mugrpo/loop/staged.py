@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from megatron_mugrpo.asynchronous.liveness import advance
 from megatron_mugrpo.evaluation import AVG_KEY
 from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.loop import hdr, preemption
@@ -54,6 +55,7 @@ def train(run: Run) -> dict[str, float]:
         state.acc_before = run_evaluation(run).get(AVG_KEY, float("nan"))
     for stage in range(state.stage, cfg.stages.num_stages):
         stop_if_preempted(run, checkpointed=stage_start_checkpointed(run, stage))  # a signal since the last update
+        advance(f"in stage {stage}'s rollout phase")  # what a lost-rank report says this rank was doing
         with run.timer("perf/t_rollout_s"):
             store = rollout_phase(run, stage)  # sync weights → generate D_k → store → release engine
         crash_point(f"rollout:{stage}")
@@ -191,6 +193,7 @@ def optimizer_update(run: Run, data: StageData, stage: int, update: int) -> dict
     cfg = run.cfg
     started = time.perf_counter()
     crash_point(f"update_start:{run.state.global_update + 1}")
+    advance(f"making update {run.state.global_update + 1}")
     groups = data.minibatch(update, cfg.stages.mini_groups, cfg.stages.seed)
     metrics, tokens = train_on_groups(run, groups)
     if update == 0:

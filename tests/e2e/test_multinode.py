@@ -20,7 +20,7 @@ import pytest
 import torch
 from e2e_runs import DEMO, ROOT, SMALL, final_weights, records
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.cluster, pytest.mark.timeout(1800)]
 TIMEOUT_S = 900
 STAGED = ["parallel.tensor_parallel=2", "stages.num_stages=1", *SMALL[1:], "eval.benchmarks=[]"]
 

@@ -18,7 +18,7 @@ import pytest
 from e2e_runs import ROOT, SMALL, records
 from slurm_cluster import LocalSlurm, ensure_installed
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.cluster, pytest.mark.timeout(1800)]
 JOB_TIMEOUT_S = 900
 
 
