@@ -129,7 +129,7 @@ def guarded_step(episode: Episode, turn: Turn, limits: EnvLimits, *, turn_index:
     except Exception as error:  # any failure of the environment is this trajectory's, never the run's
         return _failed(ENV_ERROR, f"{type(error).__name__}: {error}", start)
     seconds = time.perf_counter() - start
-    problem = _garbage(result, limits)
+    problem = _garbage(result)
     if problem is not None:
         return _failed(ENV_ERROR, problem, start)
     info = dict(result.info)
@@ -146,7 +146,7 @@ def guarded_step(episode: Episode, turn: Turn, limits: EnvLimits, *, turn_index:
     return StepResult(observation_ids=observation, done=False, seconds=seconds, info=info)
 
 
-def _garbage(result: object, limits: EnvLimits) -> str | None:
+def _garbage(result: object) -> str | None:
     """What is wrong with an environment's answer, or None when it is a usable ``StepResult``."""
     if not isinstance(result, StepResult):
         return f"step() returned {type(result).__name__}, not a StepResult"
