@@ -54,6 +54,14 @@ STAGING_COPIES = 2
 """Async memory publication: a worker holds the staged publication and the one arriving (publish.Staging)."""
 IDLE_WORTH_FIXING = 0.1
 """An async trainer idle for more than this share of its time gets a suggestion."""
+STARVED_SEQUENCES = 32
+"""An SGLang engine whose KV pool holds fewer concurrent sequences decodes far below its bandwidth roofline
+(each step reads all weights for few tokens): the plan suggests a larger static pool when one fits."""
+MAX_STATIC_FRACTION = 0.9
+"""The largest rollout.sglang.mem_fraction_static suggested for a starved engine (SGLang's own runtime
+needs the rest, ``memory.SGLANG_RUNTIME_BYTES``)."""
+TIME_WORTH_IT = 0.9
+"""A change suggested for speed must bring T_total below this fraction of the plan's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -502,6 +510,11 @@ def candidate_changes(cfg: Any, plan: Plan, shape_experts: int) -> list[tuple[st
             if 0.1 <= proposed <= 0.95:
                 out.append(("rollout.sglang.mem_fraction_static", f, proposed))
         out.append(("rollout.tensor_parallel", ro.tensor_parallel, ro.tensor_parallel * 2))
+    if _starved(plan):
+        f = ro.sglang.mem_fraction_static
+        for step in (0.05, 0.1, 0.15, 0.2):
+            if round(f + step, 2) <= MAX_STATIC_FRACTION:
+                out.append(("rollout.sglang.mem_fraction_static", f, round(f + step, 2)))
     balance = plan.time.balance
     if balance is not None and balance.idle_fraction > IDLE_WORTH_FIXING:
         for extra in range(1, 5):
@@ -509,12 +522,22 @@ def candidate_changes(cfg: Any, plan: Plan, shape_experts: int) -> list[tuple[st
     return out
 
 
+def _starved(plan: Plan) -> bool:
+    e = plan.engine
+    return e.fits and e.engine == "sglang" and not e.bytes.staging and e.bytes.max_sequences < STARVED_SEQUENCES
+
+
 def _progress(before: Plan, after: Plan) -> bool:
-    """Fewer roles fail, or none fails in either and the async trainer idles clearly less."""
+    """Fewer roles fail; or none fails in either and the async trainer idles clearly less, or the run
+    takes clearly less time."""
     if len(after.problems) != len(before.problems):
         return len(after.problems) < len(before.problems)
+    if not after.fits:
+        return False
     b, a = before.time.balance, after.time.balance
-    return after.fits and b is not None and a is not None and a.idle_fraction < b.idle_fraction - 0.02
+    if b is not None and a is not None and a.idle_fraction < b.idle_fraction - 0.02:
+        return True
+    return after.time.total_s < TIME_WORTH_IT * before.time.total_s
 
 
 def _effect(before: Plan, after: Plan) -> str:
@@ -535,11 +558,13 @@ MAX_CHANGES = 3
 
 
 def _done(plan: Plan) -> bool:
-    return plan.fits and (plan.time.balance is None or plan.time.balance.idle_fraction <= IDLE_WORTH_FIXING)
+    idle = plan.time.balance is not None and plan.time.balance.idle_fraction > IDLE_WORTH_FIXING
+    return plan.fits and not idle and not _starved(plan)
 
 
 def suggest(cfg: Any, plan: Plan, replan: Callable[[list[str]], tuple[Any, Plan]], experts: int) -> Suggestion | None:
-    """The smallest change that makes every role fit (or, when all fit, lowers the async idle fraction).
+    """The smallest change that makes every role fit (or, when all fit, lowers the async idle fraction or
+    gives a starved engine a larger KV pool).
 
     Each step tries ``candidate_changes`` in order and keeps the first whose own plan has fewer failing
     roles (or clearly less idle); steps chain, one key each, up to ``MAX_CHANGES``. ``replan(overrides)``
@@ -548,26 +573,30 @@ def suggest(cfg: Any, plan: Plan, replan: Callable[[list[str]], tuple[Any, Plan]
     """
     if _done(plan):
         return None
-    applied: list[str] = []
-    described: list[str] = []
+    changes: dict[str, tuple[Any, Any]] = {}  # key → (value in the config, proposed); a key changed twice keeps one
     current_cfg, current = cfg, plan
-    while not _done(current) and len(applied) < MAX_CHANGES:
+    for _ in range(MAX_CHANGES):
+        if _done(current):
+            break
         for key, old, new in candidate_changes(current_cfg, current, experts):
-            override = f"{key}={str(new).lower() if isinstance(new, bool) else new}"
+            trial = {**changes, key: (changes.get(key, (old,))[0], new)}
             try:
-                other_cfg, other = replan([*applied, override])
+                other_cfg, other = replan([_override(k, v) for k, (_, v) in trial.items()])
             except ConfigError:
                 continue  # this change does not split the model or the GPUs
             if _progress(current, other):
-                applied.append(override)
-                described.append(f"{key} {old} → {new}")
-                current_cfg, current = other_cfg, other
+                changes, current_cfg, current = trial, other_cfg, other
                 break
         else:
             break
-    if not applied or not (current.fits or _progress(plan, current)):
+    if not changes or not (current.fits or _progress(plan, current)):
         return None
-    return Suggestion(change="; ".join(described), effect=_effect(plan, current), plan=current)
+    described = "; ".join(f"{key} {old} → {new}" for key, (old, new) in changes.items())
+    return Suggestion(change=described, effect=_effect(plan, current), plan=current)
+
+
+def _override(key: str, value: Any) -> str:
+    return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
 
 
 # ---- output ---------------------------------------------------------------------------------------------------
