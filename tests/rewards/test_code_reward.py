@@ -156,7 +156,9 @@ def test_a_program_repeated_for_one_problem_runs_once():
 # Each test alone: its own input, a fresh scratch, nothing left of the test before.
 # --------------------------------------------------------------------------------------------------
 
-TWO_SUMS = CodeProblem(inputs=("1 2\n", "5 7\n"), outputs=("3\n", "12\n"), time_limit_s=1.0)
+TWO_SUMS = CodeProblem(inputs=("1 2\n", "5 7\n"), outputs=("3\n", "12\n"))
+PATIENT = CodeRewardConfig(max_cpu_s=3.0)
+"""7 s of wall clock per test: these tests are about what one test leaves for the next, not about time."""
 CHEATERS = {
     # Test 1 answers itself and leaves a daemon that waits for the next test's process, learns that
     # test's input (from a file that holds every input, else the process's own stdin) and writes the
@@ -219,12 +221,12 @@ CHEATERS = {
 
 @pytest.mark.parametrize("name", sorted(CHEATERS))
 def test_nothing_of_one_test_reaches_the_next(box, name):
-    score = score_program(box, CHEATERS[name], TWO_SUMS, CFG)
+    score = score_program(box, CHEATERS[name], TWO_SUMS, PATIENT)
     assert (score.passed, score.reason) == (1, "wrong_answer"), (name, score)
 
 
 def test_each_test_sees_only_its_own_input(box):
-    problem = CodeProblem(inputs=("1 2\n", "5 7\n"), outputs=("None\n", "None\n"), time_limit_s=1.0)
+    problem = CodeProblem(inputs=("1 2\n", "5 7\n"), outputs=("None\n", "None\n"))
     spy = (
         "import os\n"
         "needle, found = ('5' + ' 7').encode(), []\n"  # test 2's input, not spelled out in this source
@@ -243,7 +245,7 @@ def test_each_test_sees_only_its_own_input(box):
         "                pass\n"
         "print(found[0] if found else None)\n"
     )
-    score = score_program(box, spy, problem, CFG)
+    score = score_program(box, spy, problem, PATIENT)
     assert score.passed >= 1  # the first test finds nothing of the second test's input
     assert (score.passed, score.reason) == (2, "correct")  # nor does the second find its own anywhere else
 
@@ -399,7 +401,7 @@ def test_a_shared_memory_hog_fails_its_own_test_and_the_next_test_runs(box):
         "        libc.shmdt(ctypes.c_void_p(address))\n"
         "print(a + b)\n"
     )
-    cfg = dataclasses.replace(CFG, max_memory_mib=256, partial=True, stop_at_first_failure=False)
+    cfg = dataclasses.replace(PATIENT, max_memory_mib=256, partial=True, stop_at_first_failure=False)
     score = score_program(box, hog, TWO_SUMS, cfg)
     expected = "runtime_error" if memory_bound().kind == "seccomp" else "memory_limit"
     assert (score.reason, score.passed) == (expected, 1), score

@@ -144,8 +144,9 @@ def test_killing_its_parent_and_daemons_cannot_escape(box):
 
 def test_many_runs_do_not_exhaust_the_slots_process_budget(box):
     """Zombies count against a uid's process limit: the sandbox must reap what it orphans."""
-    statuses = {run(box, "print(1)\n").status for _ in range(3 * LIMITS.processes)}
-    assert statuses == {"ok"}
+    patient = dataclasses.replace(LIMITS, wall_s=120.0)  # what is tested is the budget, not the machine's load
+    statuses = [run(box, "print(1)\n", limits=patient).status for _ in range(3 * LIMITS.processes)]
+    assert set(statuses) == {"ok"}, statuses
 
 
 def test_it_fails_closed_without_bubblewrap(monkeypatch):
@@ -352,8 +353,8 @@ from megatron_mugrpo.rewards.code import CodeProblem, CodeRewardConfig, score_pr
 try:
     sandbox.check_available()
     box = sandbox.Sandbox(slot=0)
-    problem = CodeProblem(inputs=("1 2\\n", "5 7\\n"), outputs=("3\\n", "12\\n"), time_limit_s=1.0)
-    cfg = CodeRewardConfig(max_cpu_s=1.0, processes=8)
+    problem = CodeProblem(inputs=("1 2\\n", "5 7\\n"), outputs=("3\\n", "12\\n"))
+    cfg = CodeRewardConfig(max_cpu_s=3.0, processes=8)  # generous: a loaded machine must not time it out
     programs = {{
         "correct": "a, b = map(int, input().split())\\nprint(a + b)\\n",
         "fork_bomb": "import os\\nwhile True:\\n    os.fork()\\n",
