@@ -13,6 +13,7 @@ arrows run down (or sideways within a floor), never up. Run this file as a scrip
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +110,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return targets
 
 
+@functools.cache  # read once per session; no test changes it
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
