@@ -18,7 +18,9 @@ from typing import Any
 from megatron_mugrpo.plan.gpus import GPUS, gpu_spec
 from megatron_mugrpo.plan.inputs import hf_fields, planning_overrides
 from megatron_mugrpo.plan.models import ModelShape
-from megatron_mugrpo.plan.planner import Assumptions, Hardware, Plan, make_plan, plan_json, render, suggest
+from megatron_mugrpo.plan.output import plan_json, render
+from megatron_mugrpo.plan.planner import Assumptions, Hardware, Plan, make_plan
+from megatron_mugrpo.plan.suggest import suggest
 
 EXIT_DOES_NOT_FIT = 1
 Loader = Callable[[Path | None, list[str]], Any]

@@ -1,12 +1,9 @@
 """A run's plan: per role and per GPU, the bytes it holds and whether they fit, and how long it takes.
 
 ``make_plan`` is arithmetic on the run's config sections, the model's ``config.json`` fields and the
-hardware; ``suggest`` re-plans single-key changes through a loader the caller gives (the CLI's, which
-validates each changed config as ``mugrpo train`` would) and keeps the first that makes every role fit,
-or that brings the async trainer's idle fraction down.
+hardware; ``plan.suggest`` proposes changes and ``plan.output`` prints the result.
 
     plan = make_plan(cfg, hf_fields, Hardware(gpu=gpu_spec("h100"), gpus=8, gpus_per_node=8))
-    print(render(plan)); json.dumps(plan_json(plan))
 
 Roles: the **trainer** (every GPU in staged mode; the first world − async.rollout_ranks in async mode)
 and the **rollout engine** (staged: colocated on the trainer's GPUs, the trainer's weights, gradients
@@ -18,11 +15,10 @@ async.rollout_ranks GPUs). The engine releases its memory before the optimizer p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_mugrpo.errors import ConfigError, require
+from megatron_mugrpo.errors import require
 from megatron_mugrpo.plan.gpus import GpuSpec
 from megatron_mugrpo.plan.memory import (
     ActivationInputs,
@@ -52,16 +48,6 @@ ENGINE_WEIGHT_BYTES = {"none": 2.0, "fp8": 1.0, "fp8_per_channel": 1.0, "nvfp4":
 """Bytes per parameter of the rollout engine's weights by rollout.quantization (nvfp4: 4 bits + scales)."""
 STAGING_COPIES = 2
 """Async memory publication: a worker holds the staged publication and the one arriving (publish.Staging)."""
-IDLE_WORTH_FIXING = 0.1
-"""An async trainer idle for more than this share of its time gets a suggestion."""
-STARVED_SEQUENCES = 32
-"""An SGLang engine whose KV pool holds fewer concurrent sequences decodes far below its bandwidth roofline
-(each step reads all weights for few tokens): the plan suggests a larger static pool when one fits."""
-MAX_STATIC_FRACTION = 0.9
-"""The largest rollout.sglang.mem_fraction_static suggested for a starved engine (SGLang's own runtime
-needs the rest, ``memory.SGLANG_RUNTIME_BYTES``)."""
-TIME_WORTH_IT = 0.9
-"""A change suggested for speed must bring T_total below this fraction of the plan's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,14 +170,6 @@ class TimePlan:
     """Per stage: the weight sync (staged) or the publications of a stage's updates (async)."""
     total_s: float
     balance: AsyncBalance | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Suggestion:
-    change: str
-    """``key a → b``."""
-    effect: str
-    plan: Plan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -481,249 +459,3 @@ def _time_plan(
         total_s=total,
         balance=balance,
     )
-
-
-# ---- suggestions -------------------------------------------------------------------------------------------
-
-
-def candidate_changes(cfg: Any, plan: Plan, shape_experts: int) -> list[tuple[str, Any, Any]]:
-    """Single-key changes worth trying, smallest first: (key, current, proposed)."""
-    par, ro, out = cfg.parallel, cfg.rollout, []
-    if not plan.trainer.fits or (not plan.engine.fits and plan.mode != "async"):
-        budget, longest = getattr(par, "micro_batch_tokens", None), ro.max_prompt_tokens + ro.max_new_tokens
-        if budget is not None and budget // 2 >= longest:  # a budget holds at least the longest row
-            out.append(("parallel.micro_batch_tokens", budget, budget // 2))
-        elif budget is None and par.micro_batch_size > 1:
-            out.append(("parallel.micro_batch_size", par.micro_batch_size, par.micro_batch_size // 2))
-        if not par.use_distributed_optimizer:
-            out.append(("parallel.use_distributed_optimizer", False, True))
-        if shape_experts:
-            out.append(("parallel.expert_parallel", par.expert_parallel, par.expert_parallel * 2))
-        out.append(("parallel.tensor_parallel", par.tensor_parallel, par.tensor_parallel * 2))
-        out.append(("parallel.pipeline_parallel", par.pipeline_parallel, par.pipeline_parallel * 2))
-    if not plan.engine.fits and ro.engine == "sglang":
-        f = ro.sglang.mem_fraction_static
-        for step in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4):
-            proposed = (
-                round(f - step, 2) if plan.engine.bytes.staging > plan.engine.bytes.outside_pool else round(f + step, 2)
-            )
-            if 0.1 <= proposed <= 0.95:
-                out.append(("rollout.sglang.mem_fraction_static", f, proposed))
-        out.append(("rollout.tensor_parallel", ro.tensor_parallel, ro.tensor_parallel * 2))
-    if _starved(plan):
-        f = ro.sglang.mem_fraction_static
-        for step in (0.05, 0.1, 0.15, 0.2):
-            if round(f + step, 2) <= MAX_STATIC_FRACTION:
-                out.append(("rollout.sglang.mem_fraction_static", f, round(f + step, 2)))
-    balance = plan.time.balance
-    if balance is not None and balance.idle_fraction > IDLE_WORTH_FIXING:
-        for extra in range(1, 5):
-            out.append(("async.rollout_ranks", cfg.async_.rollout_ranks, cfg.async_.rollout_ranks + extra))
-    return out
-
-
-def _starved(plan: Plan) -> bool:
-    e = plan.engine
-    return e.fits and e.engine == "sglang" and not e.bytes.staging and e.bytes.max_sequences < STARVED_SEQUENCES
-
-
-def _progress(before: Plan, after: Plan) -> bool:
-    """Fewer roles fail; or none fails in either and the async trainer idles clearly less, or the run
-    takes clearly less time."""
-    if len(after.problems) != len(before.problems):
-        return len(after.problems) < len(before.problems)
-    if not after.fits:
-        return False
-    b, a = before.time.balance, after.time.balance
-    if b is not None and a is not None and a.idle_fraction < b.idle_fraction - 0.02:
-        return True
-    return after.time.total_s < TIME_WORTH_IT * before.time.total_s
-
-
-def _effect(before: Plan, after: Plan) -> str:
-    parts = []
-    if before.trainer.peak != after.trainer.peak:
-        parts.append(f"trainer peak {before.trainer.peak / GIB:.0f} → {after.trainer.peak / GIB:.0f} GiB")
-    if before.engine.bytes.max_sequences != after.engine.bytes.max_sequences:
-        parts.append(f"engine sequences {before.engine.bytes.max_sequences} → {after.engine.bytes.max_sequences}")
-    b, a = before.time.balance, after.time.balance
-    if b is not None and a is not None:
-        parts.append(f"idle {b.idle_fraction:.2f} → {a.idle_fraction:.2f}")
-    parts.append(f"T_total {before.time.total_s / 3600:.1f} → {after.time.total_s / 3600:.1f} h")
-    return ", ".join(parts)
-
-
-MAX_CHANGES = 3
-"""At most this many single-key changes are chained (one per role that does not fit, and the idle fraction)."""
-
-
-def _done(plan: Plan) -> bool:
-    idle = plan.time.balance is not None and plan.time.balance.idle_fraction > IDLE_WORTH_FIXING
-    return plan.fits and not idle and not _starved(plan)
-
-
-def suggest(cfg: Any, plan: Plan, replan: Callable[[list[str]], tuple[Any, Plan]], experts: int) -> Suggestion | None:
-    """The smallest change that makes every role fit (or, when all fit, lowers the async idle fraction or
-    gives a starved engine a larger KV pool).
-
-    Each step tries ``candidate_changes`` in order and keeps the first whose own plan has fewer failing
-    roles (or clearly less idle); steps chain, one key each, up to ``MAX_CHANGES``. ``replan(overrides)``
-    plans the run with extra overrides and returns (config, plan); a change the config or the layout
-    refuses (ConfigError) is skipped. None when nothing needs changing or no chain of changes helps.
-    """
-    if _done(plan):
-        return None
-    changes: dict[str, tuple[Any, Any]] = {}  # key → (value in the config, proposed); a key changed twice keeps one
-    current_cfg, current = cfg, plan
-    for _ in range(MAX_CHANGES):
-        if _done(current):
-            break
-        for key, old, new in candidate_changes(current_cfg, current, experts):
-            trial = {**changes, key: (changes.get(key, (old,))[0], new)}
-            try:
-                other_cfg, other = replan([_override(k, v) for k, (_, v) in trial.items()])
-            except ConfigError:
-                continue  # this change does not split the model or the GPUs
-            if _progress(current, other):
-                changes, current_cfg, current = trial, other_cfg, other
-                break
-        else:
-            break
-    if not changes or not (current.fits or _progress(plan, current)):
-        return None
-    described = "; ".join(f"{key} {old} → {new}" for key, (old, new) in changes.items())
-    return Suggestion(change=described, effect=_effect(plan, current), plan=current)
-
-
-def _override(key: str, value: Any) -> str:
-    return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
-
-
-# ---- output ---------------------------------------------------------------------------------------------------
-
-
-def _gib(n: float) -> str:
-    """Bytes in GiB, or MiB / KiB for the tiny CPU models (right-aligned for the table)."""
-    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
-        if abs(n) >= size / 10:
-            return f"{n / size:8.2f} {unit}"
-    return f"{n / 2**10:8.2f} KiB"
-
-
-def _count(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(int(n))
-
-
-def _hours(s: float) -> str:
-    return f"{s / 3600:.2f} h" if s >= 3600 else f"{s:.1f} s"
-
-
-def render(plan: Plan) -> str:
-    """The plan as a readable table."""
-    t, e, hw, tm = plan.trainer, plan.engine, plan.hardware, plan.time
-    lines = [
-        f"plan: {plan.model}  {_count(plan.params)} parameters ({_count(plan.active_params)} active), "
-        f"mode {plan.mode}, {hw.gpus} × {hw.gpu.name} ({hw.gpu.memory_gb:.0f} GB, {hw.gpus_per_node} per node)",
-        *(f"note: {n}" for n in plan.notes),
-        "",
-        f"trainer  {t.ranks} GPUs: TP {t.tp} × PP {t.pp} × DP {t.dp}"
-        + (f", EP {t.ep} × ETP {t.etp} (expert DP {t.edp})" if t.ep > 1 or t.etp != t.tp else "")
-        + f", distributed optimizer {'on' if t.distributed_optimizer else 'off'}; "
-        f"per GPU (pipeline stage {t.peak_stage}):",
-        f"  parameters          {_count(t.params_per_rank):>8}",
-        f"  weights             {_gib(t.weights)}",
-        f"  gradients (fp32)    {_gib(t.grads)}",
-        f"  optimizer state     {_gib(t.optimizer)}",
-        f"  activations         {_gib(t.activations)}   ({t.micro_batch_tokens} tokens per micro-batch × "
-        f"{t.in_flight} in flight)",
-        f"  logits              {_gib(t.logits)}",
-    ]
-    if t.routing_replay:
-        lines.append(f"  routing replay      {_gib(t.routing_replay)}")
-    lines += [
-        f"  peak                {_gib(t.peak)}   of {_gib(t.usable).strip()} usable: "
-        + ("fits" if t.fits else "DOES NOT FIT")
-        + f", headroom {(t.usable - t.peak) / GIB:.1f} GiB",
-        "",
-        f"rollout  {e.engine}, {e.engines} engine(s) of {e.tp} GPU(s)"
-        + (", colocated with the trainer" if plan.mode != "async" else ", on their own GPUs")
-        + "; per GPU:",
-    ]
-    if e.resident:
-        lines.append(f"  trainer resident    {_gib(e.resident)}   (weights, gradients, optimizer state)")
-    lines += [
-        f"  weights             {_gib(e.bytes.weights)}",
-        f"  KV cache            {_gib(max(e.bytes.kv_cache, 0))}   → {e.bytes.max_sequences} concurrent sequences of "
-        f"{e.context} tokens ({_gib(e.bytes.kv_per_sequence).strip()} each)",
-    ]
-    if e.bytes.staging:
-        lines.append(
-            f"  publication staging {_gib(e.bytes.staging)}   (outside the pool: {e.bytes.outside_pool / GIB:.1f} GiB)"
-        )
-    lines += [
-        f"  peak                {_gib(e.peak)}   " + ("fits" if e.fits else f"DOES NOT FIT: {e.problem}"),
-        "",
-        f"time     {tm.stages} stages × μ = {tm.updates_per_stage} updates (mfu {plan.assumptions.mfu}, mean response "
-        f"{plan.assumptions.response_fill:.0%} of max_new_tokens)",
-        f"  rollout per stage   {_hours(tm.rollout_s)}   ({tm.rollout_tokens / 1e6:.1f}M tokens, "
-        f"{tm.tokens_per_s_per_engine:,.0f} tokens/s per engine at {tm.concurrency} sequences"
-        + (", measured" if plan.assumptions.rollout_tokens_per_s else ", roofline")
-        + ")",
-        f"  one update          {tm.update_s:.2f} s   ({tm.update_tflop:,.0f} TFLOP)",
-        f"  optimize per stage  {_hours(tm.optimize_s)}",
-        f"  stage boundary      {_hours(tm.boundary_s)}   ("
-        + ("weight sync" if tm.balance is None else "publications")
-        + ")",
-    ]
-    if tm.balance is not None:
-        b = tm.balance
-        lines.append(
-            f"  async               trainer idle {b.idle_fraction:.2f}, mean lag {b.mean_lag:.1f} updates "
-            f"(rollout {b.produce_groups_per_s:.2f} groups/s vs trainer {b.consume_groups_per_s:.2f})"
-        )
-    lines.append(f"  T_total             {_hours(tm.total_s)}")
-    return "\n".join(lines)
-
-
-def plan_json(plan: Plan, suggestion: Suggestion | None = None) -> dict[str, Any]:
-    """The plan for scripts: parameter count, each role's peak bytes and ``fits``, times."""
-    out = {
-        "model": plan.model,
-        "params": plan.params,
-        "active_params": plan.active_params,
-        "mode": plan.mode,
-        "gpu": {
-            "name": plan.hardware.gpu.name,
-            "count": plan.hardware.gpus,
-            "memory_bytes": plan.hardware.gpu.memory_bytes,
-        },
-        "assumptions": asdict(plan.assumptions),
-        "fits": plan.fits,
-        "problems": plan.problems,
-        "roles": {
-            "trainer": {**asdict(plan.trainer), "peak_bytes": plan.trainer.peak, "fits": plan.trainer.fits},
-            "rollout": {
-                "engine": plan.engine.engine,
-                "engines": plan.engine.engines,
-                "tp": plan.engine.tp,
-                "resident": plan.engine.resident,
-                **asdict(plan.engine.bytes),
-                "peak_bytes": plan.engine.peak,
-                "fits": plan.engine.fits,
-            },
-        },
-        "time": {k: v for k, v in asdict(plan.time).items() if k != "balance"},
-        "notes": plan.notes,
-    }
-    if plan.time.balance is not None:
-        out["time"]["async"] = asdict(plan.time.balance)
-    if suggestion is not None:
-        out["suggestion"] = {
-            "change": suggestion.change,
-            "effect": suggestion.effect,
-            "plan": plan_json(suggestion.plan),
-        }
-    return out
