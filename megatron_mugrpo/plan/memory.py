@@ -141,21 +141,6 @@ def static_bytes(
     )
 
 
-def peak_static_bytes(shape: ModelShape, layout: TrainerLayout, *, dtype_bytes: int) -> tuple[StaticBytes, int]:
-    """The largest ``static_bytes`` over pipeline stages and DP slices, and the stage it is on."""
-    best: tuple[StaticBytes, int] | None = None
-    for pp_rank in range(layout.model.pp):
-        for dp_rank in {0, layout.dp - 1}:  # the last slice holds the bucket's tail padding
-            edp_rank = min(dp_rank, layout.edp - 1)
-            got = static_bytes(
-                shape, layout, dtype_bytes=dtype_bytes, pp_rank=pp_rank, dp_rank=dp_rank, edp_rank=edp_rank
-            )
-            if best is None or got.total > best[0].total:
-                best = (got, pp_rank)
-    assert best is not None
-    return best
-
-
 @dataclass(frozen=True, kw_only=True)
 class ActivationInputs:
     """What sizes one micro-batch's saved activations."""

@@ -70,6 +70,8 @@ def render(plan: Plan) -> str:
         lines.append(
             f"  publication staging {_gib(e.bytes.staging)}   (outside the pool: {e.bytes.outside_pool / GIB:.1f} GiB)"
         )
+    if e.route_store_bytes:
+        lines.append(f"  routes in D_k       {_gib(e.route_store_bytes)}   per stage, on disk (at full length)")
     lines += [
         f"  peak                {_gib(e.peak)}   " + ("fits" if e.fits else f"DOES NOT FIT: {e.problem}"),
         "",
@@ -117,6 +119,7 @@ def plan_json(plan: Plan, suggestion: Suggestion | None = None) -> dict[str, Any
                 "engines": plan.engine.engines,
                 "tp": plan.engine.tp,
                 "resident": plan.engine.resident,
+                "route_store_bytes": plan.engine.route_store_bytes,
                 **asdict(plan.engine.bytes),
                 "peak_bytes": plan.engine.peak,
                 "fits": plan.engine.fits,

@@ -27,6 +27,7 @@ from megatron_mugrpo.plan.memory import (
     activation_bytes,
     engine_bytes,
     logits_bytes,
+    route_store_bytes_per_token,
     routing_replay_bytes,
     static_bytes,
 )
@@ -128,6 +129,8 @@ class EnginePlan:
     bytes: EngineBytes
     context: int
     usable: int
+    route_store_bytes: int = 0
+    """Routes the engines record into a stage's D_k (routing replay; on disk, not on the GPU)."""
 
     @property
     def peak(self) -> int:
@@ -389,7 +392,17 @@ def _engine_plan(cfg: Any, shape: ModelShape, hardware: Hardware, trainer: Train
         bytes=eb,
         context=context,
         usable=gpu.usable_bytes,
+        route_store_bytes=_route_store_bytes(cfg, shape),
     )
+
+
+def _route_store_bytes(cfg: Any, shape: ModelShape) -> int:
+    """Routes recorded per stage: every sampled token's top-k experts of every sparse layer."""
+    if cfg.moe.routing_replay == "none":
+        return 0
+    ro, st = cfg.rollout, cfg.stages
+    tokens = st.train_groups * ro.group_size * (ro.max_prompt_tokens + ro.max_new_tokens)
+    return tokens * route_store_bytes_per_token(shape)
 
 
 def _time_plan(
