@@ -278,8 +278,9 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "running_sum_hard": RunningSumTask(terms=16, max_term=99),
     "code_expr": CodeExpressionTask(),
 }
-"""Built-in tasks (``data.builtin_task``). The running sums' answer lengths with the character tokenizer
-(measured over 2,000 train problems; docs/long_reasoning.md) are in RunningSumTask's docstring."""
+"""Built-in tasks (``data.builtin_task``). The running sums' answers with the character tokenizer, EOS
+included (min / median / max over 2,000 train problems): running_sum 154 / 162 / 176 tokens,
+running_sum_long 338 / 362 / 376, running_sum_hard 161 / 174 / 182 (docs/long_reasoning.md)."""
 
 
 def is_eval_problem(problem: str) -> bool:
