@@ -9,8 +9,10 @@ x = the update's index in its stage (1 = the stage's first update).
 
 The records are a run's ``metrics.jsonl`` lines; an update record is one with ``train/stage``
 (``loop.staged.optimizer_update``) and ``step`` (updates done, 1-based). The index in a stage is
-``step`` minus the stage's first logged step, plus one. A panel whose metric no update logged (a
-loss without NAV has no ``train/nav_vetoed_frac``) says so in the panel and in ``notes``.
+``step`` minus the stage's first logged step, plus one. A run without such records (an async run has
+no stages; an eval-only log) gets no drift figure, silently: there is no stage to index by. A panel
+whose metric no update logged (a loss without NAV has no ``train/nav_vetoed_frac``) says so in the
+panel and in ``notes``.
 """
 
 from __future__ import annotations
@@ -72,12 +74,11 @@ def _file_name(label: str) -> str:
 
 
 def plot_drift(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out_dir: Path, notes: list[str]) -> list[Path]:
-    """One ``drift_<label>.png`` per run that logged update records; returns the written paths."""
+    """One ``drift_<label>.png`` per run that logged staged update records; returns the written paths."""
     written = []
     for label, records in runs:
         if not any(STAGE_KEY in r for r in records):
-            notes.append(f"skipped drift plots of {label}: no update record with '{STAGE_KEY}'")
-            continue
+            continue  # no stage to index the updates by (module docstring)
         written.append(_plot_run(label, records, Path(out_dir) / _file_name(label), notes))
     return written
 
