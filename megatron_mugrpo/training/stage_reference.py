@@ -216,9 +216,9 @@ def read_old_logprobs(store: RolloutStore, policy_version: int | None = None) ->
     if listing is None:
         raise StageReferenceError(
             f"{store.store_dir} has no log π_old (old_logprobs_*.arrow listed in its manifest): the run resumes "
-            f"stage {store.stage} after its first update with algo.rollout_correction on (or replays a quantized "
-            "stage), and log π_old (computed before that update) was never stored. Resume from a checkpoint at "
-            "the start of the stage, or turn the correction off"
+            f"stage {store.stage} after its first update with algo.rollout_correction on or algo.loss=icepop (or "
+            "replays a quantized stage), and log π_old (computed before that update) was never stored. Resume from "
+            "a checkpoint at the start of the stage, or turn the correction off (icepop: use icepop_current)"
         )
     if policy_version is not None and listing.policy_version != policy_version:
         raise StageReferenceError(
