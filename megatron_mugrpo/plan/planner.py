@@ -41,6 +41,7 @@ from megatron_mugrpo.plan.timing import (
     update_flops,
     update_s,
 )
+from megatron_mugrpo.rollout.sglang_engine import WEIGHT_BUCKET_BYTES
 from megatron_mugrpo.training.parallel import check_expert_parallel, check_model_parallelism
 
 GIB = 2**30
@@ -48,7 +49,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ENGINE_WEIGHT_BYTES = {"none": 2.0, "fp8": 1.0, "fp8_per_channel": 1.0, "nvfp4": 0.5625}
 """Bytes per parameter of the rollout engine's weights by rollout.quantization (nvfp4: 4 bits + scales)."""
 STAGING_COPIES = 2
-"""Async memory publication: a worker holds the staged publication and the one arriving (publish.Staging)."""
+"""Async memory publication to a transformers worker: it holds the staged publication and the one arriving
+on its own device (publish.Staging). An SGLang worker holds them in pinned host memory instead
+(asynchronous.transport.staging_place): on its GPU, only the landing bucket and one bucket being applied."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -359,7 +362,9 @@ def _engine_plan(cfg: Any, shape: ModelShape, hardware: Hardware, trainer: Train
     resident = 0 if is_async else trainer.weights + trainer.grads + trainer.optimizer
     weight_bytes = ENGINE_WEIGHT_BYTES.get(ro.quantization, 2.0)
     staging = 0
-    if is_async and cfg.async_.publish == "memory":
+    if is_async and cfg.async_.publish == "memory" and ro.engine == "sglang":
+        staging = int(cfg.async_.bucket_mib * 2**20) + WEIGHT_BUCKET_BYTES
+    elif is_async and cfg.async_.publish == "memory":
         staging = STAGING_COPIES * shape.total_params() * DTYPE_BYTES[cfg.model.dtype]
     if ro.engine == "sglang":
         fraction = ro.sglang.mem_fraction_static
