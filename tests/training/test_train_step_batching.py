@@ -1,14 +1,17 @@
-"""Token-budget micro-batches and token-balanced data parallelism (``training.batching``) leave the
-update unchanged.
+"""Token-budget micro-batches, packed sequences and token-balanced data parallelism
+(``training.batching``, ``training.packing``) leave the update unchanged.
 
 * The planner's arithmetic on worked examples (no processes).
 * The (loss_sum, normaliser) contract in float64, once per registry loss, NAV scope, aggregation,
   rollout correction and a batch holding HDR-replayed groups: the update's loss, gradient and
   metrics over token-budget micro-batches spread over two ranks equal those of the whole batch at
   once, to 1e-6 (they agree to rounding, ~1e-15).
-* Through Megatron's schedule (float32, tolerances as in ``test_train_step``): token-budget
-  micro-batches vs today's fixed ones on one rank, with MoE routing replay, at DP = 2 and at PP = 2
-  (whose stages then exchange activations of different shapes).
+* Packed rows: each token sees only its own sequence; the model's log-probs of packed rows equal
+  those of the sequences alone in float64.
+* Through Megatron's schedule (float32, tolerances as in ``test_train_step``): token-budget and
+  packed micro-batches vs fixed ones on one rank, at DP = 2, at PP = 2 (whose stages then exchange
+  activations of different shapes) and at TP = 2 with sequence parallelism; token-budget ones with
+  MoE routing replay.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ from megatron_mugrpo.training.moe import MoeConfig
 from megatron_mugrpo.training.packing import pack_micro_batch, per_sequence_rotary
 from megatron_mugrpo.training.parallel import ParallelConfig, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
-from megatron_mugrpo.training.train_step import forward_logprobs, policy_loss_fn, take, train_step, with_update_inputs
+from megatron_mugrpo.training.train_step import (
+    build_micro_batches,
+    forward_logprobs,
+    policy_loss_fn,
+    take,
+    train_step,
+    with_update_inputs,
+)
 
 from .common import VOCAB, hf_config
 
@@ -221,6 +231,14 @@ def test_the_contract_cases_exercise_what_they_check():
         assert LossStats.merge([stats]).finish()[key] > 0, case
 
 
+def test_packing_refuses_routes():
+    batch = collate(_long_tailed_groups(3), pad_id=0)
+    batch = dataclasses.replace(batch, routes=torch.zeros((*batch.tokens.shape, 2, 2), dtype=torch.uint8))
+    plans = token_budget_plan(row_lengths(batch.response_mask), dp=1, budget=BUDGET, pack=True)[0]
+    with pytest.raises(ValueError, match=r"parallel\.pack_sequences cannot replay routes"):
+        build_micro_batches(batch, plans, torch.device("cpu"))
+
+
 def test_take_carries_each_rows_routes():
     """Routing replay: a micro-batch's routes are its own rows' routes, cut with the row."""
     batch = collate(_long_tailed_groups(3), pad_id=0)
@@ -308,7 +326,7 @@ def _packed_logprobs_in_float64(rank: int, world_size: int) -> None:
 
 
 def _policy(seed: int = 0, **kwargs: Any) -> Policy:
-    groups = initialize_parallel(1, kwargs.pop("pp", 1), seed=seed)
+    groups = initialize_parallel(kwargs.pop("tp", 1), kwargs.pop("pp", 1), seed=seed)
     return build_policy(hf_config(), groups=groups, dtype=torch.float32, optim=OPTIM, **kwargs)
 
 
@@ -358,7 +376,7 @@ def _budget_vs_fixed(policy_kwargs: dict[str, Any], batch: TrainBatch, losses: t
 
 
 def _single_rank(rank: int, world_size: int) -> None:
-    metrics = _budget_vs_fixed({}, _model_batch(), ("mu_grpo", "m2po"))["mu_grpo"]
+    metrics = _budget_vs_fixed({}, _model_batch(), ("m2po",))["m2po"]  # μ-GRPO: the multi-rank tests
     padding = {variant: m["perf/padding_frac"] for variant, m in metrics.items()}
     assert padding["packed"] < padding["budget"] < padding["fixed"], padding
     assert metrics["budget"]["perf/dp_token_imbalance"] == 1.0
@@ -407,6 +425,11 @@ def _pipeline_parallel(rank: int, world_size: int) -> None:
     _budget_vs_fixed({"pp": 2}, _model_batch(), ("mu_grpo",))
 
 
+def _tensor_and_sequence_parallel(rank: int, world_size: int) -> None:
+    """TP = 2 with sequence parallelism: micro-batch and packed widths are multiples of TP."""
+    _budget_vs_fixed({"tp": 2, "sequence_parallel": True}, _model_batch(), ("mu_grpo",))
+
+
 @pytest.mark.parametrize(
     "body", [_single_rank, _routing_replay, _packed_logprobs_in_float64], ids=lambda fn: fn.__name__.strip("_")
 )
@@ -415,7 +438,11 @@ def test_one_rank_token_budget_equals_fixed_micro_batches(body):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("body", [_data_parallel, _pipeline_parallel], ids=lambda fn: fn.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "body",
+    [_data_parallel, _pipeline_parallel, _tensor_and_sequence_parallel],
+    ids=lambda fn: fn.__name__.strip("_"),
+)
 def test_two_ranks_token_budget_equals_fixed_micro_batches(body):
     run_distributed(body, 2)
 
