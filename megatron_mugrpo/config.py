@@ -220,11 +220,6 @@ class RunConfig:
             "parallel.micro_batch_tokens gives expert-parallel ranks micro-batches of different sizes, which "
             "moe.token_dispatcher=allgather cannot exchange; use moe.token_dispatcher=alltoall",
         )
-        require(
-            not (self.parallel.pack_sequences and self.moe.routing_replay != "none"),
-            "parallel.pack_sequences cannot replay the rollout's routes yet (moe.routing_replay="
-            f"{self.moe.routing_replay!r}); set one of them off",
-        )
 
     def _check_async(self) -> None:
         """What mode: async cannot combine with (the staged loop's per-stage passes have no async twin)."""

@@ -10,9 +10,10 @@ log-probs back:
   sequence. Megatron's local attention applies it (``FusedScaleMaskSoftmax`` fills masked scores
   with -10000, whose softmax weight underflows to exactly 0), so a packed sequence's log-probs are
   those of the same sequence alone up to the order of float additions;
-* each sequence's own targets, and an index that gathers the packed [R, W] log-probs back into the
-  unpacked micro-batch's [n, L] layout, where the loss runs unchanged (per-response aggregation
-  needs one response per row). The gather carries the gradient.
+* each sequence's own targets (and replayed MoE routes: they follow their tokens), and an index
+  that gathers the packed [R, W] log-probs back into the unpacked micro-batch's [n, L] layout,
+  where the loss runs unchanged (per-response aggregation needs one response per row). The gather
+  carries the gradient.
 
 On GPU with Transformer Engine the same packing would use THD with ``cu_seqlens``
 (``PackedSeqParams``); that path is not built: this one is exact on every device but computes the
@@ -48,6 +49,10 @@ class PackedRows:
     """[n, L] int64: flat index into [R · W] of the unpacked micro-batch's (row, column)."""
     valid: Tensor
     """[n, L] bool: columns of the unpacked rows that lie inside their sequence."""
+    response_mask: Tensor
+    """[R, W] float32: 1 where ``targets`` is a response token (what routing replay reads as real tokens)."""
+    routes: Tensor | None = None
+    """[R, W, moe_layers, k]: each token's replayed experts, following it into the packed row."""
 
     def unpack(self, packed: Tensor) -> Tensor:
         """[R, W] per-token values (log-probs) → the unpacked [n, L] layout, 0 outside each sequence."""
@@ -67,6 +72,8 @@ def pack_micro_batch(mb: TrainBatch, plan: MicroBatchPlan, lengths: list[int]) -
     index = torch.zeros_like(mb.tokens)
     valid = torch.zeros(mb.tokens.shape, dtype=torch.bool, device=device)
     own_targets = torch.where(mb.response_mask.bool(), mb.targets, 0)
+    response_mask = torch.zeros(rows, width, dtype=mb.response_mask.dtype, device=device)
+    routes = None if mb.routes is None else mb.routes.new_zeros((rows, width, *mb.routes.shape[2:]))
     i = 0
     for r, members in enumerate(plan.bins):
         offset = 0
@@ -75,6 +82,9 @@ def pack_micro_batch(mb: TrainBatch, plan: MicroBatchPlan, lengths: list[int]) -
             span = torch.arange(n, device=device)
             tokens[r, offset : offset + n] = mb.tokens[i, :n]
             targets[r, offset : offset + n] = own_targets[i, :n]
+            response_mask[r, offset : offset + n] = mb.response_mask[i, :n]
+            if routes is not None:  # a row's routes cover its n input tokens (records.collate)
+                routes[r, offset : offset + n] = mb.routes[i, :n]
             positions[r, offset : offset + n] = span
             segment[r, offset : offset + n] = i
             index[i, :n] = r * width + offset + span
@@ -90,6 +100,8 @@ def pack_micro_batch(mb: TrainBatch, plan: MicroBatchPlan, lengths: list[int]) -
         attention_mask=~(same & causal)[:, None],
         index=index,
         valid=valid,
+        response_mask=response_mask,
+        routes=routes,
     )
 
 

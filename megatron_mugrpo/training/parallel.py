@@ -61,7 +61,7 @@ class ParallelConfig:
     """Several responses per row under micro_batch_tokens (``training.packing``): packed rows as wide
     as the longest row, per-sequence position ids, attention confined to each sequence by a
     block-diagonal mask through Megatron's local attention. Exact, but each packed row computes its
-    full width² attention scores; RoPE models only, not with moe.routing_replay=rollout."""
+    full width² attention scores; RoPE models only."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer)."""
     sequence_parallel: bool = False

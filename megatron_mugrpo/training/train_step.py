@@ -156,10 +156,6 @@ def build_micro_batches(batch: TrainBatch, plans: list[MicroBatchPlan], device: 
     out: list[MicroBatch] = []
     for plan in plans:
         mb = take(batch, plan)
-        if plan.bins and mb.routes is not None:
-            raise ValueError(
-                "parallel.pack_sequences cannot replay routes (moe.routing_replay=rollout) yet; turn one of them off"
-            )
         packed = pack_micro_batch(mb, plan, lengths) if plan.bins else None
         out.append((mb.to(device), _packed_to(packed, device)))
     return out
@@ -168,7 +164,8 @@ def build_micro_batches(batch: TrainBatch, plans: list[MicroBatchPlan], device: 
 def _packed_to(packed: PackedRows | None, device: torch.device) -> PackedRows | None:
     if packed is None:
         return None
-    return PackedRows(**{f.name: getattr(packed, f.name).to(device) for f in dataclasses.fields(packed)})
+    fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed)}
+    return PackedRows(**{name: None if value is None else value.to(device) for name, value in fields.items()})
 
 
 def plan_metrics(plans: list[list[MicroBatchPlan]], batch: TrainBatch) -> dict[str, float]:
@@ -222,7 +219,8 @@ def _forward_step_func(
 
     def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Callable[[Tensor], Any]]:
         mb, packed = next(data_iterator)
-        set_micro_batch_routes(_bare(model), mb.routes, mb.response_mask)  # MoE: replay / agreement
+        rows = mb if packed is None else packed  # routes follow their tokens into packed rows
+        set_micro_batch_routes(_bare(model), rows.routes, rows.response_mask)  # MoE: replay / agreement
         tokens = mb.tokens if packed is None else packed.tokens
         n_columns = _bare(model).vocab_size // groups.tp  # the padded vocabulary's rows on this TP rank
         path = choose_logprob_path(

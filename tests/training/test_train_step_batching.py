@@ -10,8 +10,8 @@
   those of the sequences alone in float64.
 * Through Megatron's schedule (float32, tolerances as in ``test_train_step``): token-budget and
   packed micro-batches vs fixed ones on one rank, at DP = 2, at PP = 2 (whose stages then exchange
-  activations of different shapes) and at TP = 2 with sequence parallelism; token-budget ones with
-  MoE routing replay.
+  activations of different shapes), at TP = 2 with sequence parallelism, and with MoE routing
+  replay.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from megatron_mugrpo.training.packing import pack_micro_batch, per_sequence_rota
 from megatron_mugrpo.training.parallel import ParallelConfig, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import (
-    build_micro_batches,
     forward_logprobs,
     policy_loss_fn,
     take,
@@ -231,14 +230,6 @@ def test_the_contract_cases_exercise_what_they_check():
         assert LossStats.merge([stats]).finish()[key] > 0, case
 
 
-def test_packing_refuses_routes():
-    batch = collate(_long_tailed_groups(3), pad_id=0)
-    batch = dataclasses.replace(batch, routes=torch.zeros((*batch.tokens.shape, 2, 2), dtype=torch.uint8))
-    plans = token_budget_plan(row_lengths(batch.response_mask), dp=1, budget=BUDGET, pack=True)[0]
-    with pytest.raises(ValueError, match=r"parallel\.pack_sequences cannot replay routes"):
-        build_micro_batches(batch, plans, torch.device("cpu"))
-
-
 def test_take_carries_each_rows_routes():
     """Routing replay: a micro-batch's routes are its own rows' routes, cut with the row."""
     batch = collate(_long_tailed_groups(3), pad_id=0)
@@ -384,14 +375,15 @@ def _single_rank(rank: int, world_size: int) -> None:
 
 def _routing_replay(rank: int, world_size: int) -> None:
     """MoE with the rollout's routes replayed: the routes follow their rows into sorted, cut micro-batches
-    (routes that did not would route other tokens' experts and change the log-probs)."""
+    and their tokens into packed rows (routes that did not would route other tokens' experts and change
+    the log-probs)."""
     config = hf_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     batch = _model_batch()
     gen = torch.Generator().manual_seed(1)
     routes = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(batch.tokens.numel() * 2)])
     batch = dataclasses.replace(batch, routes=routes.reshape(*batch.tokens.shape, 2, 2).to(torch.uint8))
     runs = []
-    for tokens in (None, BUDGET):
+    for options in VARIANTS.values():
         groups = initialize_parallel(1, 1, seed=0)
         policy = build_policy(
             config,
@@ -400,13 +392,14 @@ def _routing_replay(rank: int, world_size: int) -> None:
             optim=OPTIM,
             moe=MoeConfig(routing_replay="rollout"),
         )
-        score = dict(temperature=1.0, micro_batch_size=4, micro_batch_tokens=tokens)
+        score = dict(temperature=1.0, micro_batch_size=4, **options)
         logprobs = forward_logprobs(policy, batch, **score)
         metrics = train_step(policy, batch, loss_name="mu_grpo", loss_options=_options("mu_grpo"), **score)
         runs.append((logprobs, metrics["train/loss"], _params(policy)))
-    torch.testing.assert_close(runs[1][0], runs[0][0], atol=ATOL, rtol=0)
-    assert runs[1][1] == pytest.approx(runs[0][1], abs=ATOL)
-    _assert_params_close(runs[1][2], runs[0][2])
+    for other in runs[1:]:  # token budget, packed
+        torch.testing.assert_close(other[0], runs[0][0], atol=ATOL, rtol=0)
+        assert other[1] == pytest.approx(runs[0][1], abs=ATOL)
+        _assert_params_close(other[2], runs[0][2])
 
 
 def _data_parallel(rank: int, world_size: int) -> None:
