@@ -80,6 +80,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
     if world_size == 1:
         _run_in_process(fn, args)
         return
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            _spawn(fn, world_size, args)
+            return
+        except RuntimeError as exc:
+            # free_port()'s port can be taken by another process before rank 0's store binds it (a busy
+            # machine running several test workers): only that failure, at start-up, is tried again.
+            if "EADDRINUSE" not in str(exc) or attempt + 1 == PORT_ATTEMPTS:
+                raise
+
+
+PORT_ATTEMPTS = 3
+
+
+def _spawn(fn: Callable[..., Any], world_size: int, args: tuple) -> None:
     ctx = mp.get_context("spawn")
     error_queue = ctx.SimpleQueue()
     port = free_port()
