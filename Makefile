@@ -50,7 +50,7 @@ $(DOCS_STAMP): $(STAMP) requirements-docs.txt
 
 docs: $(DOCS_STAMP)
 	$(PY) tools/config_reference.py docs/reference/configuration.md
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
