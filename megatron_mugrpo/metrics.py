@@ -265,6 +265,12 @@ class MetricsLogger:
         self.close()
 
 
+UNDEFINED_WHEN_EMPTY = ("train/trigger_pos_frac", "train/post_trigger_suffix_len")
+"""Means over the responses that had a NAV trigger (algorithms/diagnostics.py): most updates have none,
+and their NaN then says "no such response", not a fault. The console does not flag it; the JSONL
+record still lists it under ``nonfinite``."""
+
+
 def format_console_line(record: Mapping[str, Any]) -> str:
     """One compact line: step, wall time and a few key metrics (non-finite ones flagged with '!')."""
     names = [name for name in CONSOLE_KEYS if name in record]
@@ -272,7 +278,9 @@ def format_console_line(record: Mapping[str, Any]) -> str:
         names = [name for name in record if name not in RESERVED_FIELDS][:CONSOLE_FALLBACK_COUNT]
     parts = [f"step {record['step']}", f"{record['wall_s']:.0f}s"]
     parts += [f"{name}={record[name]:.4g}" for name in names]
-    nonfinite = record.get("nonfinite", [])
+    nonfinite = [
+        name for name in record.get("nonfinite", []) if not (name in UNDEFINED_WHEN_EMPTY and math.isnan(record[name]))
+    ]
     if nonfinite:
         parts.append(f"! non-finite: {', '.join(nonfinite)}")
     return " | ".join(parts)

@@ -224,3 +224,16 @@ def test_timer_accumulates_and_syncs() -> None:
     assert timer.metrics() == {}
     with pytest.raises(ValueError, match="must start with 'perf/'"), timer("train/t_s"):
         pass
+
+
+def test_a_drift_mean_over_no_triggered_response_is_not_flagged_on_the_console(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """NaN there means "no response triggered this update" (the usual case): recorded, not flagged."""
+    with MetricsLogger(tmp_path, tensorboard=False, console=True) as logger:
+        logger.log({"train/loss": 0.5, "train/trigger_pos_frac": float("nan")}, step=1)
+        logger.log({"train/loss": 0.5, "train/trigger_pos_frac": float("inf")}, step=2)
+    first, second = read_metrics(tmp_path)
+    assert first["nonfinite"] == ["train/trigger_pos_frac"] and second["nonfinite"] == ["train/trigger_pos_frac"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert "non-finite" not in lines[0] and "! non-finite: train/trigger_pos_frac" in lines[1]
