@@ -433,22 +433,21 @@ def _time_plan(
     one = update_s(flops, hardware.gpu, gpus=trainer.ranks, mfu=assumptions.mfu, fp8=fp8)
     model_bytes = shape.total_params() * 2
     mu = st.updates_per_stage
+    common = {
+        "stages": st.num_stages,
+        "updates_per_stage": mu,
+        "rollout_s": rollout.seconds,
+        "rollout_tokens": rollout.tokens,
+        "tokens_per_s_per_engine": rollout.tokens_per_s_per_engine,
+        "concurrency": rollout.concurrency,
+        "update_s": one,
+        "update_tflop": flops / 1e12,
+        "optimize_s": mu * one,
+    }
     if cfg.mode != "async":
         boundary = model_bytes / SYNC_BYTES_PER_S
         total = st.num_stages * (rollout.seconds + mu * one + boundary)
-        return TimePlan(
-            stages=st.num_stages,
-            updates_per_stage=mu,
-            rollout_s=rollout.seconds,
-            rollout_tokens=rollout.tokens,
-            tokens_per_s_per_engine=rollout.tokens_per_s_per_engine,
-            concurrency=rollout.concurrency,
-            update_s=one,
-            update_tflop=flops / 1e12,
-            optimize_s=mu * one,
-            boundary_s=boundary,
-            total_s=total,
-        )
+        return TimePlan(**common, boundary_s=boundary, total_s=total)
     a = cfg.async_
     publish = model_bytes / PUBLISH_BYTES_PER_S
     balance = async_balance(
@@ -463,17 +462,4 @@ def _time_plan(
         max_lag=a.max_lag,
     )
     total = st.num_stages * mu * one / max(1e-9, 1.0 - balance.idle_fraction)
-    return TimePlan(
-        stages=st.num_stages,
-        updates_per_stage=mu,
-        rollout_s=rollout.seconds,
-        rollout_tokens=rollout.tokens,
-        tokens_per_s_per_engine=rollout.tokens_per_s_per_engine,
-        concurrency=rollout.concurrency,
-        update_s=one,
-        update_tflop=flops / 1e12,
-        optimize_s=mu * one,
-        boundary_s=publish * mu / a.sync_every,
-        total_s=total,
-        balance=balance,
-    )
+    return TimePlan(**common, boundary_s=publish * mu / a.sync_every, total_s=total, balance=balance)
