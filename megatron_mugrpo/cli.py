@@ -232,8 +232,11 @@ def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim
     preemption.install(grace_s=cfg.checkpoint.preempt_grace_s, run_dir=run_dir if run.is_writer else None)
     preempted = None
     try:
-        result = train_async(run, role) if cfg.mode == "async" else train(run)
-    except preemption.Preempted as exc:  # checkpointed at a safe point; the writer publishes it below
+        try:
+            result = train_async(run, role) if cfg.mode == "async" else train(run)
+        finally:
+            run.close()  # publishes a background checkpoint: a collective, which a lost peer fails too
+    except preemption.Preempted as exc:  # checkpointed at a safe point; run.close() published it
         preempted = exc
     except RuntimeError as exc:  # a collective whose peer died or hangs: name it and the phase, not an address
         if role.trainer_world <= 1 or not (is_peer_loss(exc) or is_timeout(exc)):
@@ -243,8 +246,6 @@ def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim
             beats[0] = AsyncPaths(run_dir).trainer_heartbeat  # async rank 0 beats for the workers
         timeout_s = cfg.parallel.timeout_s
         raise collective_error(beats, me=role.rank, doing=doing() or "working", exc=exc, timeout_s=timeout_s) from exc
-    finally:
-        run.close()
     if preempted is not None:
         preemption.finished()
         if run.is_writer:
