@@ -125,7 +125,7 @@ def _policy_with_adam_state(hf_dir: Path, groups):
     from megatron_mugrpo.conversion.hf_io import load_hf_config
     from megatron_mugrpo.conversion.live import load_hf_into_model
 
-    from megatron_mugrpo.config import OptimConfig
+    from megatron_mugrpo.training.optimizer import OptimConfig
     from megatron_mugrpo.training.setup import build_policy
 
     policy = build_policy(load_hf_config(hf_dir), groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-6))
@@ -180,8 +180,8 @@ def _async_block(policy, root: Path, step: int, groups) -> tuple[float, float]:
 def _load(step_dir: Path, hf_dir: Path, groups, *, verify: bool) -> None:
     from megatron_mugrpo.conversion.hf_io import load_hf_config
 
-    from megatron_mugrpo.config import OptimConfig
     from megatron_mugrpo.training.checkpoint import load_checkpoint
+    from megatron_mugrpo.training.optimizer import OptimConfig
     from megatron_mugrpo.training.setup import build_policy
 
     policy = build_policy(load_hf_config(hf_dir), groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-6))

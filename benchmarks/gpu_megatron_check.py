@@ -60,10 +60,11 @@ def main() -> int:
     from megatron_mugrpo.conversion.hf_io import load_hf_config
     from transformers import Qwen2ForCausalLM
 
-    from megatron_mugrpo.config import AlgoConfig, OptimConfig
+    from megatron_mugrpo.algorithms.config import AlgoConfig
     from megatron_mugrpo.records import collate
     from megatron_mugrpo.rollout.engine import Generation
     from megatron_mugrpo.rollout.transformers_engine import teacher_forced_logprobs
+    from megatron_mugrpo.training.optimizer import OptimConfig
     from megatron_mugrpo.training.parallel import initialize_parallel
     from megatron_mugrpo.training.setup import build_policy
     from megatron_mugrpo.training.train_step import forward_logprobs, train_step

@@ -277,8 +277,9 @@ def own_routes(policy, batch, micro_batch: int, topk: int) -> torch.Tensor:
 
 def routing_replay(hf_config: dict, batch, groups, args: argparse.Namespace) -> float:
     """Part (b); returns the update's train/routing_agreement under the trainer's own routes."""
-    from megatron_mugrpo.config import AlgoConfig, OptimConfig
+    from megatron_mugrpo.algorithms.config import AlgoConfig
     from megatron_mugrpo.training.moe import MoeConfig
+    from megatron_mugrpo.training.optimizer import OptimConfig
     from megatron_mugrpo.training.setup import build_policy
     from megatron_mugrpo.training.train_step import forward_logprobs, train_step
 

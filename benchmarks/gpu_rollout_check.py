@@ -169,11 +169,13 @@ def main() -> int:
     from megatron_mugrpo.conversion import load_hf_into_model
     from megatron_mugrpo.conversion.hf_io import load_hf_config
 
-    from megatron_mugrpo.config import AlgoConfig, OptimConfig, RolloutConfig
+    from megatron_mugrpo.algorithms.config import AlgoConfig
     from megatron_mugrpo.records import collate
+    from megatron_mugrpo.rollout.config import RolloutConfig
     from megatron_mugrpo.rollout.engine import SamplingParams, build_engine_from_config
     from megatron_mugrpo.rollout.placement import EnginePlacement
     from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
+    from megatron_mugrpo.training.optimizer import OptimConfig
     from megatron_mugrpo.training.parallel import initialize_parallel
     from megatron_mugrpo.training.setup import build_policy
     from megatron_mugrpo.training.train_step import train_step

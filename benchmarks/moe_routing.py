@@ -53,11 +53,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate, pad_routes
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.routes import RouteRecorder
 from megatron_mugrpo.training.model import tiny_hf_config
+from megatron_mugrpo.training.optimizer import OptimConfig
 
 LR = 1e-6
 """Small: the timed updates after the first must not move the routing far."""

@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from megatron_mugrpo.config import RolloutConfig
 from megatron_mugrpo.durable import Checksum
 from megatron_mugrpo.rewards.registry import build_reward
+from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord

@@ -32,10 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.algorithms.losses import policy_loss
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate
 from megatron_mugrpo.training.model import tiny_hf_config
+from megatron_mugrpo.training.optimizer import OptimConfig
 
 LR = 1e-6
 CLIP_GRAD = 1.0

@@ -28,6 +28,7 @@ YAML and overrides, and saves:
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +38,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-# Each section lives with the component that reads it; this module composes them (and re-exports
-# the section classes for code that still imports them from here).
-from megatron_mugrpo.algorithms.allocation import VigorConfig
+# Each section lives with the component that reads it (import it from there); this module composes them.
 from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.algorithms.replay import ReplayConfig
 from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_routes_problem
@@ -54,40 +53,22 @@ from megatron_mugrpo.rollout.routes import routing_replay_problem
 from megatron_mugrpo.training.checkpoint_config import CheckpointConfig
 from megatron_mugrpo.training.moe import MoeConfig
 from megatron_mugrpo.training.optimizer import OptimConfig
-from megatron_mugrpo.training.parallel import ParallelConfig, check_hf_model_parallelism, check_model_parallelism
-from megatron_mugrpo.warmstart import DTYPES, ModelConfig, TinyModelConfig, WarmStartConfig
+from megatron_mugrpo.training.parallel import ParallelConfig, check_model_parallelism
+from megatron_mugrpo.warmstart import ModelConfig, WarmStartConfig
 
 MODES = ("staged", "async")
 """mode choices: the staged loop (loop/staged.py) or asynchronous rollout workers (loop/asynchronous.py)."""
 
 __all__ = [
-    "DTYPES",
-    "AlgoConfig",
-    "AsyncConfig",
-    "BenchmarkConfig",
-    "CheckpointConfig",
-    "ConfigError",
-    "DataConfig",
-    "EvalConfig",
-    "KernelConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "MoeConfig",
-    "OptimConfig",
-    "ParallelConfig",
-    "ReplayConfig",
-    "RewardConfig",
-    "RolloutConfig",
+    "MODES",
     "RunConfig",
     "StagesConfig",
-    "TinyModelConfig",
-    "VigorConfig",
-    "WarmStartConfig",
-    "check_hf_model_parallelism",
-    "check_model_parallelism",
     "config_from_dict",
+    "config_values",
+    "field_name",
     "load_config",
     "save_config",
+    "user_key",
 ]
 
 
@@ -148,7 +129,7 @@ class RunConfig:
     'async': the last async.rollout_ranks ranks generate continuously while the others train; the
     run makes stages.num_stages × μ updates and evaluates / checkpoints at every stage end."""
     async_: AsyncConfig = field(default_factory=AsyncConfig)
-    """The ``async`` section (YAML and command-line key ``async``; the field name avoids the keyword)."""
+    """The ``async`` section: written ``async`` in YAML and overrides, ``async_`` in Python (see ``user_key``)."""
     seed: int = 0
     """Seed of the run: model initialisation, warm start and evaluation sampling (the stages and the
     data have seeds of their own, stages.seed and data.seed)."""
@@ -262,7 +243,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values with the user's key spellings (``async``, not the field name ``async_``)."""
-        return _rename_top_level(dataclasses.asdict(self), FIELD_ALIASES)
+        return {user_key(name): value for name, value in dataclasses.asdict(self).items()}
 
 
 def reward_mismatch(kind: str, data: DataConfig, source: str) -> str:
@@ -278,25 +259,32 @@ def reward_mismatch(kind: str, data: DataConfig, source: str) -> str:
     return message + f"set reward.kind={data.reward_kind}"
 
 
-FIELD_ALIASES = {"async_": "async"}
-"""RunConfig fields whose name avoids a Python keyword → their YAML / command-line key."""
-KEY_ALIASES = {key: name for name, key in FIELD_ALIASES.items()}
+def user_key(name: str) -> str:
+    """A RunConfig field's YAML / command-line key. A key that is a Python keyword (``async``) cannot be an
+    attribute, so its field carries PEP 8's trailing underscore (``async_``); every other field is its key.
+    This rule and ``field_name`` are the only places the two spellings meet."""
+    stem = name.removesuffix("_")
+    return stem if stem != name and keyword.iskeyword(stem) else name
 
 
-def _rename_top_level(values: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
-    return {names.get(key, key): value for key, value in values.items()}
+def field_name(key: str) -> str:
+    """The RunConfig field a YAML / command-line key names (``async`` → ``async_``); ``user_key``'s inverse."""
+    return f"{key}_" if keyword.iskeyword(key) else key
 
 
-def _field_key(dotted: str) -> str:
-    """A dotted key as the user writes it (``async.max_lag``) → the schema's (``async_.max_lag``)."""
-    head, _, rest = dotted.partition(".")
-    return KEY_ALIASES.get(head, head) + ("." + rest if rest else "")
+def _field_names(values: dict[str, Any], where: object) -> dict[str, Any]:
+    """Top-level sections as the user writes them → the schema's field names; the field spelling is refused
+    (one name per section in files and overrides)."""
+    for key in values:
+        require(user_key(key) == key, f"{where}: write the section as {user_key(key)!r}, not {key!r}")
+    return {field_name(key): value for key, value in values.items()}
 
 
 def _user_spelling(text: str) -> str:
-    """Schema names in an error message back to the user's keys (``async_.max_lag`` → ``async.max_lag``)."""
-    for name, key in FIELD_ALIASES.items():
-        text = text.replace(name, key)
+    """Field names in an error message back to the user's keys (``async_.max_lag`` → ``async.max_lag``)."""
+    for f in dataclasses.fields(RunConfig):
+        if user_key(f.name) != f.name:
+            text = text.replace(f.name, user_key(f.name))
     return text
 
 
@@ -394,7 +382,7 @@ def config_values(path: str | Path | None = None, overrides: list[str] | tuple[s
     try:
         if path is not None:
             path = Path(path)
-            node = _aliased(_load_yaml_with_inherit(path, ()), path)
+            node = OmegaConf.create(_field_names(_load_yaml_with_inherit(path, ()), path))
             _refuse_moved_keys(
                 [k for k in MOVED_KEYS if OmegaConf.select(node, k, default=_MISSING) is not _MISSING], path
             )
@@ -403,12 +391,12 @@ def config_values(path: str | Path | None = None, overrides: list[str] | tuple[s
             require("=" in item, f"override {item!r} must look like section.key=value (e.g. algo.mu_grpo.clip_high=5)")
         _refuse_moved_keys([item.split("=", 1)[0] for item in overrides], "the command-line overrides")
         for item in overrides:
-            user_key, value = item.split("=", 1)
-            key = _field_key(user_key)
+            dotted, value = item.split("=", 1)
+            head, dot, rest = dotted.partition(".")
+            key = field_name(head) + dot + rest
             require(
-                OmegaConf.select(merged, key, default=_MISSING) is not _MISSING
-                and user_key.partition(".")[0] not in FIELD_ALIASES,
-                f"override {item!r}: {user_key!r} is not a configuration key (see configs/ and config.py)",
+                OmegaConf.select(merged, key, default=_MISSING) is not _MISSING and user_key(head) == head,
+                f"override {item!r}: {dotted!r} is not a configuration key (see configs/ and config.py)",
             )
             try:
                 parsed = yaml.safe_load(value) if value else ""
@@ -426,19 +414,9 @@ def config_values(path: str | Path | None = None, overrides: list[str] | tuple[s
     return container
 
 
-def _aliased(node: Any, where: object) -> Any:
-    """A loaded YAML tree with its top-level ``async:`` section under the schema's field name ``async_``."""
-    for name in FIELD_ALIASES:
-        require(name not in node, f"{where}: write the section as {FIELD_ALIASES[name]!r}, not {name!r}")
-    for key, name in KEY_ALIASES.items():
-        if key in node:
-            node[name] = node.pop(key)
-    return node
-
-
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
     """Rebuild a RunConfig from ``RunConfig.to_dict()`` output (e.g. a checkpoint's metadata)."""
-    values = _rename_top_level(values, KEY_ALIASES)
+    values = _field_names(values, "the config values")
     merged = OmegaConf.merge(_schema(), OmegaConf.create(values))
     return _instantiate(OmegaConf.to_container(merged, resolve=True))
 

@@ -10,16 +10,16 @@ import pytest
 from omegaconf import OmegaConf
 
 from megatron_mugrpo.config import (
-    ConfigError,
-    ParallelConfig,
     RunConfig,
     _load_yaml_with_inherit,
-    check_hf_model_parallelism,
     config_from_dict,
+    field_name,
     load_config,
     save_config,
+    user_key,
 )
-from megatron_mugrpo.training.parallel import check_expert_parallel
+from megatron_mugrpo.errors import ConfigError
+from megatron_mugrpo.training.parallel import ParallelConfig, check_expert_parallel, check_hf_model_parallelism
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))
@@ -99,6 +99,14 @@ def test_every_config_loads(path: Path, tmp_path: Path) -> None:
     if cfg.model.hf_dir:
         # The model's real head / layer counts must split under the file's TP / PP.
         check_hf_model_parallelism(cfg.model.hf_dir, cfg.parallel)
+
+
+def test_only_keyword_sections_are_spelled_apart_from_their_key() -> None:
+    """A section named by a Python keyword is the field ``<key>_``; every other field is its own key."""
+    names = [f.name for f in dataclasses.fields(RunConfig)]
+    assert {name: user_key(name) for name in names if user_key(name) != name} == {"async_": "async"}
+    assert [field_name(user_key(name)) for name in names] == names
+    assert RunConfig().to_dict().keys() == {user_key(name) for name in names}
 
 
 def test_grid_covers_every_paper_file() -> None:

@@ -65,9 +65,9 @@ def sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
 
 
 def user_key(name: str) -> str:
-    from megatron_mugrpo.config import FIELD_ALIASES
+    from megatron_mugrpo.config import user_key
 
-    return FIELD_ALIASES.get(name, name)
+    return user_key(name)
 
 
 def default_text(f: dataclasses.Field) -> str:

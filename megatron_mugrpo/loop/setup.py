@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from megatron_mugrpo.config import RunConfig, check_hf_model_parallelism
+from megatron_mugrpo.config import RunConfig
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.loop.cadence import Cadence
@@ -53,7 +53,7 @@ from megatron_mugrpo.training.checkpoint import (
     load_latest_intact,
     read_metadata,
 )
-from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
+from megatron_mugrpo.training.parallel import ParallelGroups, check_hf_model_parallelism, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.stage_reference import ScoreSettings
 

@@ -33,7 +33,8 @@ from megatron_mugrpo.algorithms.replay import (
     selection_metrics,
     stored_headroom,
 )
-from megatron_mugrpo.config import ConfigError, load_config
+from megatron_mugrpo.config import load_config
+from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
 
 L = math.log

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from megatron_mugrpo.asynchronous.batches import batch_size, prompt_range
-from megatron_mugrpo.config import ConfigError, config_from_dict, load_config, save_config
+from megatron_mugrpo.config import config_from_dict, load_config, save_config
+from megatron_mugrpo.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

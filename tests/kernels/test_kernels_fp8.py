@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from megatron_mugrpo import config
+from megatron_mugrpo import errors
 from megatron_mugrpo.kernels import fp8
 from megatron_mugrpo.kernels.config import KernelConfig
 
@@ -17,9 +17,9 @@ FP8_ONLY = tuple(r for r in fp8.FP8_RECIPES if r != "none")
 def test_the_config_validates_against_the_kernels_recipes() -> None:
     for recipe in fp8.FP8_RECIPES:
         assert KernelConfig(fp8=recipe).fp8 == recipe
-    with pytest.raises(config.ConfigError, match=r"kernels\.fp8='fp4' is not one of"):
+    with pytest.raises(errors.ConfigError, match=r"kernels\.fp8='fp4' is not one of"):
         KernelConfig(fp8="fp4")
-    assert fp8.ConfigError is config.ConfigError
+    assert fp8.ConfigError is errors.ConfigError
 
 
 def test_none_is_a_no_op() -> None:
@@ -29,7 +29,7 @@ def test_none_is_a_no_op() -> None:
 
 
 def test_unknown_recipe_is_rejected() -> None:
-    with pytest.raises(config.ConfigError, match="not one of"):
+    with pytest.raises(errors.ConfigError, match="not one of"):
         fp8.check_fp8_available("e4m3")
 
 
@@ -37,7 +37,7 @@ def test_unknown_recipe_is_rejected() -> None:
 @pytest.mark.parametrize("recipe", FP8_ONLY)
 def test_fp8_without_a_gpu_is_a_config_error(recipe: str) -> None:
     for ask in (fp8.check_fp8_available, fp8.fp8_context, fp8.megatron_fp8_kwargs):
-        with pytest.raises(config.ConfigError, match=r"needs a CUDA GPU.*kernels\.fp8=none"):
+        with pytest.raises(errors.ConfigError, match=r"needs a CUDA GPU.*kernels\.fp8=none"):
             ask(recipe)
 
 
@@ -50,7 +50,7 @@ def _fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> N
 @pytest.mark.parametrize(("recipe", "capability"), [("delayed", (8, 0)), ("current", (8, 6)), ("mxfp8", (9, 0))])
 def test_too_old_gpu_is_a_config_error(monkeypatch: pytest.MonkeyPatch, recipe: str, capability: tuple) -> None:
     _fake_gpu(monkeypatch, capability)
-    with pytest.raises(config.ConfigError, match="compute capability"):
+    with pytest.raises(errors.ConfigError, match="compute capability"):
         fp8.check_fp8_available(recipe)
 
 
@@ -64,7 +64,7 @@ def test_missing_transformer_engine_is_a_config_error(monkeypatch: pytest.Monkey
         return real_import(name, *args)
 
     monkeypatch.setattr(fp8.importlib, "import_module", no_te)
-    with pytest.raises(config.ConfigError, match="Transformer Engine"):
+    with pytest.raises(errors.ConfigError, match="Transformer Engine"):
         fp8.fp8_context("delayed")
 
 

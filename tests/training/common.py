@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_mugrpo.config import AlgoConfig
+from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate
 from megatron_mugrpo.training.model import tiny_hf_config
 from megatron_mugrpo.training.train_step import train_step

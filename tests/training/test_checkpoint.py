@@ -28,12 +28,13 @@ from dist_utils import run_distributed
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.commands import mugrpo_argv
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training import checkpoint, checkpoint_reader, checkpoint_writer, mcore_compat
 from megatron_mugrpo.training.checkpoint import CheckpointError, CheckpointSaver
 from megatron_mugrpo.training.checkpoint_digests import FileDigest
+from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import train_step

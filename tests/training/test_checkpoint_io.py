@@ -20,12 +20,12 @@ from dist_utils import run_distributed
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.training import mcore_compat
 from megatron_mugrpo.training.checkpoint_async import ThreadAsyncCallsQueue, run_request
 from megatron_mugrpo.training.checkpoint_reader import DirectFileSystemReader, DirectLoadStrategy
 from megatron_mugrpo.training.checkpoint_writer import ThreadedFileWriter, ThreadedSaveStrategy
 from megatron_mugrpo.training.model import unwrap_model
+from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.parallel import ParallelGroups, initialize_parallel
 from megatron_mugrpo.training.setup import build_policy
 

@@ -32,11 +32,11 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training import checkpoint
 from megatron_mugrpo.training.model import ModelConfigError, build_gpt_model, transformer_config_from_hf
 from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError, load_layer_key, moe_layer_pattern
+from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
 from megatron_mugrpo.training.routing_replay import routes_for_schedule, set_micro_batch_routes
 from megatron_mugrpo.training.setup import Policy, build_policy

@@ -45,10 +45,10 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from megatron_mugrpo.conversion import export_hf, load_hf_into_model, save_hf_dir
 
-from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training import checkpoint
 from megatron_mugrpo.training.moe import MoeConfig
+from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
 from megatron_mugrpo.training.routing_replay import routes_for_schedule, set_micro_batch_routes
 from megatron_mugrpo.training.setup import Policy, build_policy

@@ -22,8 +22,9 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
+from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.training import checkpoint
+from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.parallel import destroy_parallel, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
 from megatron_mugrpo.training.train_step import forward_logprobs, train_step

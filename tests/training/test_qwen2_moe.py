@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
 
-from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.training.model import ModelConfigError, tiny_hf_config, transformer_config_from_hf
 from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError
+from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.tiny import tiny_hf_dir
 
 from .common import make_batch, max_abs_diff, mu_grpo_step

@@ -19,11 +19,12 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
+from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.algorithms.losses import available_losses, needs_old_logprobs
-from megatron_mugrpo.config import AlgoConfig, OptimConfig
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.model import build_gpt_model
 from megatron_mugrpo.training.moe import MoeConfig, MoeConfigError
+from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.routing_replay import (
     RoutingReplayError,

@@ -16,7 +16,6 @@ import torch
 from dist_utils import run_distributed
 
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
-from megatron_mugrpo.config import OptimConfig
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
 from megatron_mugrpo.rollout.store import (
     MANIFEST,
@@ -27,6 +26,7 @@ from megatron_mugrpo.rollout.store import (
     store_identity,
     write_store,
 )
+from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import build_policy
 from megatron_mugrpo.training.stage_reference import (

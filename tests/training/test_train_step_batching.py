@@ -26,10 +26,11 @@ import torch
 from dist_utils import run_distributed
 from omegaconf import OmegaConf
 
+from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.algorithms.losses import LossStats, MuGrpoOptions, available_losses, has_update_pass
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_mugrpo.algorithms.veto import VETO_SCOPES
-from megatron_mugrpo.config import AlgoConfig, OptimConfig, load_config
+from megatron_mugrpo.config import load_config
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, TrainBatch, collate
 from megatron_mugrpo.training.batching import (
@@ -45,6 +46,7 @@ from megatron_mugrpo.training.batching import (
     token_imbalance,
 )
 from megatron_mugrpo.training.moe import MoeConfig
+from megatron_mugrpo.training.optimizer import OptimConfig
 from megatron_mugrpo.training.packing import pack_micro_batch, per_sequence_rotary
 from megatron_mugrpo.training.parallel import ParallelConfig, initialize_parallel
 from megatron_mugrpo.training.setup import Policy, build_policy
