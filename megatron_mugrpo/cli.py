@@ -342,7 +342,7 @@ def print_summary(result: dict[str, float]) -> None:
 def cmd_phase(args: argparse.Namespace) -> int:
     from megatron_mugrpo.loop.setup import open_run
     from megatron_mugrpo.loop.staged import optimize_stage, rollout_phase
-    from megatron_mugrpo.rollout.store import is_complete
+    from megatron_mugrpo.rollout.manifest import is_complete
 
     with locked_run_dir(args.run_dir) as claimed:
         resolved = resolve_config(args, args.run_dir, args.verb)

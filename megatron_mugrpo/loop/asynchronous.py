@@ -39,9 +39,10 @@ from megatron_mugrpo.loop.actions import (
 )
 from megatron_mugrpo.loop.export import export_final
 from megatron_mugrpo.loop.setup import Run
+from megatron_mugrpo.rollout.manifest import shard_stats, store_metrics
 from megatron_mugrpo.rollout.placement import HostGroup
 from megatron_mugrpo.rollout.queue import QueueCursor, QueueReader, ShardRecord, Taken
-from megatron_mugrpo.rollout.store import StoreError, shard_stats, store_metrics
+from megatron_mugrpo.rollout.shards import StoreError
 
 POLL_S = 0.02
 """Seconds between two looks at the queue while the trainer waits for groups."""

@@ -64,15 +64,9 @@ from megatron_mugrpo.algorithms.replay import (
     selection_metrics,
 )
 from megatron_mugrpo.records import RolloutGroup, collate
+from megatron_mugrpo.rollout.routes import RoutesInfo, group_routes, routes_schema, shard_routes, write_routes
 from megatron_mugrpo.rollout.shards import SCHEMA, SCHEMA_WITH_OLD, StoreError, groups_to_table, map_shard, row_to_group
-from megatron_mugrpo.rollout.store import (
-    RolloutStore,
-    RoutesInfo,
-    group_routes,
-    routes_schema,
-    shard_routes,
-    write_routes,
-)
+from megatron_mugrpo.rollout.store import RolloutStore
 from megatron_mugrpo.training.checkpoint import CheckpointError
 from megatron_mugrpo.training.stage_reference import (
     OldLogprobs,

@@ -53,19 +53,16 @@ from megatron_mugrpo.rollout.engine import (
     derive_seed,
     validate_generations,
 )
-from megatron_mugrpo.rollout.placement import HostGroup
-from megatron_mugrpo.rollout.routes import RouteRecordingError
-from megatron_mugrpo.rollout.store import (
-    ShardWriter,
+from megatron_mugrpo.rollout.manifest import (
     StoreManifest,
-    StorePlan,
-    prepare_store,
     prompts_fingerprint,
     read_manifest,
-    seal_store,
     store_identity,
     store_metrics,
 )
+from megatron_mugrpo.rollout.placement import HostGroup
+from megatron_mugrpo.rollout.routes import RouteRecordingError
+from megatron_mugrpo.rollout.store import ShardWriter, StorePlan, prepare_store, seal_store
 
 if TYPE_CHECKING:
     from megatron_mugrpo.rollout.prompts import PromptRecord

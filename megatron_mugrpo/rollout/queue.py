@@ -7,7 +7,7 @@ Layout of the queue directory (``RUN_DIR/rollouts/queue``)::
                            SCHEMA, as an Arrow IPC file; with async.partial_rollout one more column,
                            every token's policy version: VERSIONED_SCHEMA)
     w000_b0000012.routes.arrow   only under moe.routing_replay=rollout: every response's routes, the
-                           rollout store's routes format (``rollout.store.write_routes``: one row per
+                           rollout store's routes format (``rollout.routes.write_routes``: one row per
                            group, the engine's dtype), checksummed in the record
     w000_b0000012.json     the shard's record, written last: checksum, groups, behaviour policy version,
                            summable statistics, and the worker's idle / weight-load / generation seconds
@@ -55,23 +55,17 @@ import pyarrow as pa
 from megatron_mugrpo import durable
 from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.records import RolloutGroup
+from megatron_mugrpo.rollout.manifest import shard_stats
+from megatron_mugrpo.rollout.routes import RoutesInfo, group_routes, routes_schema, shard_routes, write_routes
 from megatron_mugrpo.rollout.shards import (
     SCHEMA,
     StoreError,
     groups_to_table,
     map_shard,
     row_to_group,
+    validate_group,
     write_shard,
     write_table,
-)
-from megatron_mugrpo.rollout.store import (
-    RoutesInfo,
-    group_routes,
-    routes_schema,
-    shard_routes,
-    shard_stats,
-    validate_group,
-    write_routes,
 )
 
 FORMAT = "megatron_mugrpo.rollout_queue/1"
@@ -104,7 +98,7 @@ class ShardRecord:
     """Trainer updates behind the weights that generated the shard's oldest token (without partial
     rollouts: every token of the shard)."""
     stats: dict[str, float] = field(default_factory=dict)
-    """Summable statistics of the groups (``rollout.store.shard_stats``)."""
+    """Summable statistics of the groups (``rollout.manifest.shard_stats``)."""
     idle_s: float = 0.0
     """Seconds the worker waited before this batch (queue full, no weights yet, or ``paused_s``)."""
     paused_s: float = 0.0

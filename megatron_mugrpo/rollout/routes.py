@@ -28,19 +28,29 @@ positions of its (left-padded) sequence. Every later ``step`` arms one decode fo
 live row feeds one new token, taken as the last position of its row (so an engine that re-feeds the
 whole sequence without a KV cache records the same). A forward without a ``step`` before it (e.g. a
 scoring pass) is not recorded.
+
+The routes file of a shard (the rollout store's ``routes_00000.arrow``, the async queue's
+``.routes.arrow``) is written and read here too: ``shard_routes`` checks a shard's routes before anything
+is written, ``write_routes`` writes them durably and returns the record entry (``RoutesInfo``),
+``group_routes`` reads one group back as read-only views of the mapped file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
+from megatron_mugrpo import durable
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rollout.engine import Generation
+from megatron_mugrpo.rollout.shards import StoreError, write_table
 from megatron_mugrpo.training.moe import moe_layer_pattern, num_experts
 
 ROUTE_RECORDING_ENGINES = ("sglang", "transformers")
@@ -259,3 +269,117 @@ class RouteRecorder:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+# ---------------------------------------------------------------------------------------------------
+# The routes file of a shard (the rollout store's and the async queue's)
+# ---------------------------------------------------------------------------------------------------
+#
+# One Arrow column, one row per group, [response][token] of fixed-size lists of moe_layers × k expert
+# ids in the engine's dtype. In memory that is one array of the shard's token rows concatenated plus
+# offsets per response and per group, so a row is read back as [tokens, moe_layers, k] views of the
+# mapped file, without a copy. Each response holds len(prompt) + len(response) - 1 rows (the trainer's
+# input); ``shard_routes`` refuses anything else before anything is written.
+
+ROUTE_DTYPES = ("uint8", "int16")
+"""Expert id types a routes file holds (``route_dtype``)."""
+
+
+@dataclass(kw_only=True)
+class RoutesInfo:
+    """A shard's routes file, as the shard's record (and the sealed manifest) lists it."""
+
+    file: str
+    checksum: durable.Checksum
+    dtype: str
+    """Expert id type, one of ``ROUTE_DTYPES``."""
+    moe_layers: int
+    topk: int
+    tokens: int
+    """Token rows over the whole shard (sum over responses of prompt + response - 1)."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.moe_layers * self.topk * np.dtype(self.dtype).itemsize
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> RoutesInfo:
+        checksum, rest = durable.Checksum.split_record(values)
+        return cls(**rest, checksum=checksum)
+
+
+def shard_routes(groups: Sequence[RolloutGroup], where: str) -> list[list[np.ndarray]] | None:
+    """Every response's routes ([group][response] arrays), None when no response carries any.
+
+    StoreError, before anything is written, when only some responses carry routes, or one's are not
+    [len(prompt) + len(response) - 1, moe_layers, k] of the shard's one shape and dtype with k
+    distinct experts per token."""
+    samples = [(g, j, s) for g in groups for j, s in enumerate(g.samples)]
+    missing = [f"prompt {g.prompt_id!r} response {j}" for g, j, s in samples if s.routes is None]
+    if len(missing) == len(samples):
+        return None
+    if missing:
+        raise StoreError(
+            f"{where}: {', '.join(missing[:3])} ({len(missing)} of {len(samples)} responses) carry no routes while "
+            "the others do; the engine must record routes for every response (moe.routing_replay=rollout)"
+        )
+    first = samples[0][2].routes
+    for g, j, sample in samples:
+        problem = _routes_problem(sample.routes, len(g.prompt_ids), len(sample.response_ids), first)
+        if problem:
+            raise StoreError(
+                f"{where}: prompt {g.prompt_id!r} response {j} has routes of shape {sample.routes.shape} with "
+                f"{problem}; the engine's route recording is broken, nothing was written"
+            )
+    return [[s.routes for s in g.samples] for g in groups]
+
+
+def _routes_problem(routes: np.ndarray, prompt_len: int, response_len: int, first: np.ndarray) -> str:
+    """What is wrong with one response's routes ('' when nothing); ``first``: the shard's first response's."""
+    rows = prompt_len + response_len - 1
+    if routes.dtype.name not in ROUTE_DTYPES:
+        return f"dtype {routes.dtype.name}, not one of {ROUTE_DTYPES} (rollout.routes.route_dtype)"
+    if routes.dtype != first.dtype or routes.shape[1:] != first.shape[1:]:
+        return f"[{routes.dtype.name}] {routes.shape[1:]} per token, the shard's first response {first.shape[1:]}"
+    if routes.shape[0] != rows:
+        return f"{routes.shape[0]} rows, not {rows} (prompt {prompt_len} + response {response_len} - 1)"
+    if routes.shape[2] > 1 and (np.diff(np.sort(routes, axis=-1), axis=-1) == 0).any():
+        return "an expert repeated within one token's top-k"
+    return ""
+
+
+def routes_schema(dtype: str, width: int) -> pa.Schema:
+    """One row per group: [response][token] of ``width`` = moe_layers × k expert ids."""
+    return pa.schema([("routes", pa.list_(pa.list_(pa.list_(pa.from_numpy_dtype(np.dtype(dtype)), width))))])
+
+
+def write_routes(path: Path, per_group: list[list[np.ndarray]]) -> RoutesInfo:
+    """Write a shard's routes (``shard_routes``) as ``path``, durably; returns its record entry."""
+    responses = [r for group in per_group for r in group]
+    dtype, (layers, topk) = responses[0].dtype, responses[0].shape[1:]
+    flat = np.concatenate([r.reshape(-1) for r in responses])
+    tokens = pa.FixedSizeListArray.from_arrays(pa.array(flat), layers * topk)
+    token_offsets = np.cumsum([0] + [len(r) for r in responses], dtype=np.int32)
+    per_response = pa.ListArray.from_arrays(pa.array(token_offsets), tokens)
+    response_offsets = np.cumsum([0] + [len(group) for group in per_group], dtype=np.int32)
+    schema = routes_schema(dtype.name, layers * topk)
+    column = pa.ListArray.from_arrays(pa.array(response_offsets), per_response).cast(schema.field("routes").type)
+    checksum = write_table(path, pa.Table.from_arrays([column], schema=schema))
+    return RoutesInfo(
+        file=path.name,
+        checksum=checksum,
+        dtype=dtype.name,
+        moe_layers=int(layers),
+        topk=int(topk),
+        tokens=int(token_offsets[-1]),
+    )
+
+
+def group_routes(table: pa.Table, row: int, info: RoutesInfo) -> list[np.ndarray]:
+    """Group ``row``'s routes from a mapped routes file: per response [tokens, moe_layers, k], read-only
+    views of the mapped pages (no copy)."""
+    per_response = table.column(0).slice(row, 1).combine_chunks().flatten()
+    return [
+        per_response[j].values.flatten().to_numpy(zero_copy_only=True).reshape(-1, info.moe_layers, info.topk)
+        for j in range(len(per_response))
+    ]

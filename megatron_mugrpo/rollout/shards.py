@@ -17,6 +17,7 @@ log π_old). The replay buffer's copies may carry them too (``groups_to_table(..
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import pyarrow as pa
 from megatron_mugrpo import durable
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
+from megatron_mugrpo.rollout.engine import FINISH_REASONS
 
 SCHEMA = pa.schema(
     [
@@ -162,3 +164,49 @@ def map_shard(
     if table.num_rows != groups:
         raise StoreError(f"shard {path} holds {table.num_rows} groups, its record {groups}")
     return table
+
+
+# Validation, before anything is written: a row the trainer must not see never reaches a shard.
+
+
+def validate_group(group: RolloutGroup, vocab_size: int) -> None:
+    """Raise StoreError when a group holds data the trainer must not see.
+
+    Checks: at least one response; prompt and response ids in [0, vocab_size); one finite log-prob
+    <= 0 per response token; non-empty responses; finite reward and advantage; a known finish reason.
+    """
+    where = f"prompt {group.prompt_id!r}"
+    if not group.samples:
+        raise StoreError(f"{where} has no responses; every stored group needs at least one")
+    _check_ids(group.prompt_ids, vocab_size, f"{where}: prompt")
+    for j, sample in enumerate(group.samples):
+        _validate_sample(sample, vocab_size, f"{where} response {j}")
+
+
+def _validate_sample(sample: RolloutSample, vocab_size: int, where: str) -> None:
+    if not sample.response_ids:
+        raise StoreError(f"{where} is empty; the engine must return at least one token (EOS included)")
+    if len(sample.response_ids) != len(sample.behaviour_logprobs):
+        raise StoreError(
+            f"{where}: {len(sample.response_ids)} tokens but {len(sample.behaviour_logprobs)} behaviour log-probs"
+        )
+    _check_ids(sample.response_ids, vocab_size, where)
+    bad = [(t, lp) for t, lp in enumerate(sample.behaviour_logprobs) if not (math.isfinite(lp) and lp <= 0.0)]
+    if bad:
+        raise StoreError(
+            f"{where}: behaviour log-probs (position, value) {bad[:3]} are not finite numbers <= 0; "
+            "the engine's log-probs are broken (check dtype/temperature), nothing was written"
+        )
+    if not (math.isfinite(sample.reward) and math.isfinite(sample.advantage)):
+        raise StoreError(f"{where}: reward {sample.reward} / advantage {sample.advantage} must be finite")
+    if sample.finish_reason not in FINISH_REASONS:
+        raise StoreError(f"{where}: finish_reason {sample.finish_reason!r} is not one of {FINISH_REASONS}")
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise StoreError(
+            f"{where} holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
+            "the engine and the trainer disagree on the tokenizer/vocab size"
+        )

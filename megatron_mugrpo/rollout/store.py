@@ -33,8 +33,9 @@ Writing, by every engine host at once (``rollout/generate.py`` drives it):
 3. After a second barrier the coordinator calls ``seal_store``: it verifies every recorded shard and
    rewrites the manifest with the records and ``complete: true`` (temporary file + rename).
 
-Checksums are xxHash3-128; records and manifests written with SHA-256 (the ``sha256`` field of
-earlier versions) still verify.
+The manifest and the records it lists are ``rollout.manifest``; the rows' format and their
+validation are ``rollout.shards``. This module is the protocol: who may write which file when, and
+what a reader may trust.
 
 Why every claim found in step 1 is stale: claims are only taken between the barriers of steps 1
 and 3 of one generation, a run directory serves one run at a time, and the coordinator reaches
@@ -47,16 +48,11 @@ Reading: ``RolloutStore.open`` refuses an unsealed store and maps every shard wi
 of the minibatches it asks for, so its memory does not grow with D_k (``verify=True`` also streams
 every shard through its checksum). ``RolloutStore.minibatch(update_index, mini_groups, seed)`` returns the
 groups of one optimizer update from a seeded permutation: random access by update index, no
-iterator state, so a resumed run sees exactly the same data. The shard format itself (columns,
-dtypes) lives in ``rollout.shards``.
+iterator state, so a resumed run sees exactly the same data.
 
-Routes per shard (``rollout.routes``): one Arrow column, one row per group, [response][token] of
-fixed-size lists of moe_layers × k expert ids in the engine's dtype (uint8 up to 256 experts, else
-int16). In memory that is one array of the shard's token rows concatenated plus offsets per response
-and per group, so a row is read back as [tokens, moe_layers, k] views of the mapped file, without a
-copy. Each response holds len(prompt) + len(response) - 1 rows (the trainer's input); ``write_shard``
-refuses anything else before writing. A store without routes (dense models) has no such files and
-records without a ``routes`` key, as before they existed.
+Routes per shard: the file format is ``rollout.routes`` (``shard_routes`` checks them before anything
+is written, ``write_routes`` writes, ``group_routes`` reads a row back as views of the mapped file). A
+store without routes (dense models) has no such files and records without a ``routes`` key.
 
 log π_old per shard (one process, the coordinator, after the store is sealed): ``clear_old_logprobs``
 unlists any earlier listing (manifest rewritten first, so no record ever names a file being
@@ -69,14 +65,12 @@ file. A store unsealed for repair drops the listing and the files: regenerated s
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 import socket
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,358 +78,35 @@ import numpy as np
 import pyarrow as pa
 
 from megatron_mugrpo import durable
-from megatron_mugrpo.records import RolloutGroup, RolloutSample
+from megatron_mugrpo.records import RolloutGroup
+from megatron_mugrpo.rollout.manifest import (
+    MANIFEST,
+    LogprobShardInfo,
+    OldLogprobsListing,
+    ShardInfo,
+    StoreManifest,
+    is_complete,
+    read_manifest,
+    save_manifest,
+    shard_stats,
+    store_identity,
+)
+from megatron_mugrpo.rollout.routes import group_routes, routes_schema, shard_routes, write_routes
 from megatron_mugrpo.rollout.shards import (
     StoreError,
     map_logprob_shard,
     map_shard,
     row_to_group,
+    validate_group,
     write_logprob_shard,
     write_shard,
-    write_table,
 )
 
-FORMAT = "megatron_mugrpo.rollout_store/2"
-"""Version 1 stored Parquet shards listed by one writer; such a store is refused (delete it to regenerate)."""
-MANIFEST = "manifest.json"
 SHARD_PATTERN = "shard_{:05d}.arrow"
 RECORD_PATTERN = "shard_{:05d}.json"
 CLAIM_PATTERN = "shard_{:05d}.claim"
 OLD_LOGPROBS_PATTERN = "old_logprobs_{:05d}.arrow"
 ROUTES_PATTERN = "routes_{:05d}.arrow"
-ROUTE_DTYPES = ("uint8", "int16")
-"""Expert id types a routes file holds (``rollout.routes.route_dtype``)."""
-FINISH_REASONS = ("stop", "length")
-
-
-@dataclass(kw_only=True)
-class RoutesInfo:
-    """A shard's routes file, as the shard's record (and the sealed manifest) lists it."""
-
-    file: str
-    checksum: durable.Checksum
-    dtype: str
-    """Expert id type, one of ``ROUTE_DTYPES``."""
-    moe_layers: int
-    topk: int
-    tokens: int
-    """Token rows over the whole shard (sum over responses of prompt + response - 1)."""
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.moe_layers * self.topk * np.dtype(self.dtype).itemsize
-
-    @classmethod
-    def from_json(cls, values: dict[str, Any]) -> RoutesInfo:
-        checksum, rest = durable.Checksum.split_record(values)
-        return cls(**rest, checksum=checksum)
-
-
-@dataclass(kw_only=True)
-class ShardInfo:
-    """One finished shard: its record file, and its entry in the sealed manifest."""
-
-    index: int
-    file: str
-    checksum: durable.Checksum
-    groups: int
-    responses: int
-    stats: dict[str, float] = field(default_factory=dict)
-    """Summable statistics of the shard (see ``shard_stats``), so metrics never need a re-read."""
-    routes: RoutesInfo | None = None
-    """The shard's routes file, when the engine recorded routes."""
-
-    def to_json(self) -> dict[str, Any]:
-        """The record; without a ``routes`` key when there are none (records of dense stores are unchanged)."""
-        data = asdict(self)
-        if self.routes is None:
-            del data["routes"]
-        return data
-
-    @classmethod
-    def from_json(cls, values: dict[str, Any]) -> ShardInfo:
-        """A record as ``to_json`` wrote it; one of earlier versions holds a bare ``sha256``."""
-        checksum, rest = durable.Checksum.split_record(values)
-        routes = rest.pop("routes", None)
-        return cls(**rest, checksum=checksum, routes=RoutesInfo.from_json(routes) if routes is not None else None)
-
-
-@dataclass(kw_only=True)
-class LogprobShardInfo:
-    """One shard's log π_old file, as the manifest lists it."""
-
-    index: int
-    file: str
-    checksum: durable.Checksum
-    shard_checksum: str
-    """Hex digest of the rollout shard the log-probs were computed on: binds the file to those bytes."""
-    groups: int
-
-    @classmethod
-    def from_json(cls, values: dict[str, Any]) -> LogprobShardInfo:
-        return cls(
-            **{k: v for k, v in values.items() if k != "checksum"},
-            checksum=durable.Checksum.from_json(values["checksum"]),
-        )
-
-
-@dataclass(kw_only=True)
-class OldLogprobsListing:
-    """The manifest's ``old_logprobs``: log π_old of every shard and the policy that computed it."""
-
-    policy_version: int
-    """Optimizer updates of the trainer weights θ_old that scored the store (the stage's start)."""
-    shards: list[LogprobShardInfo]
-
-    @classmethod
-    def from_json(cls, values: dict[str, Any]) -> OldLogprobsListing:
-        return cls(
-            policy_version=int(values["policy_version"]),
-            shards=[LogprobShardInfo.from_json(v) for v in values["shards"]],
-        )
-
-
-@dataclass(kw_only=True)
-class StoreManifest:
-    """Contents of manifest.json."""
-
-    stage: int
-    policy_version: int
-    """Update count of the behaviour policy that generated the store (β_k)."""
-    engine: str
-    sampling: dict[str, Any]
-    """Sampling parameters of the stage (temperature, max_new_tokens, seed, allocation, ...)."""
-    num_groups: int
-    """Prompt groups the complete store holds (B_train)."""
-    shard_groups: int
-    vocab_size: int
-    prompts_sha256: str = ""
-    """Fingerprint of the stage's prompts (see ``prompts_fingerprint``), so a resume with other
-    prompts is refused instead of mixing two datasets."""
-    shards: list[ShardInfo] = field(default_factory=list)
-    """Every shard's record, in order, once sealed (empty before)."""
-    complete: bool = False
-    old_logprobs: OldLogprobsListing | None = None
-    """The per-shard log π_old files, once the stage reference listed them (sealed stores only)."""
-    format: str = FORMAT
-
-    @property
-    def num_shards(self) -> int:
-        return math.ceil(self.num_groups / self.shard_groups)
-
-    @property
-    def num_responses(self) -> int:
-        return sum(s.responses for s in self.shards)
-
-    def shard_range(self, index: int) -> range:
-        """Indices (into the stage's prompt list) of the groups that shard ``index`` holds."""
-        start = index * self.shard_groups
-        return range(start, min(start + self.shard_groups, self.num_groups))
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["shards"] = [info.to_json() for info in self.shards]
-        data["num_prompts"] = self.num_groups
-        data["num_responses"] = self.num_responses
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any], where: Path) -> StoreManifest:
-        if data.get("format") != FORMAT:
-            raise StoreError(
-                f"{where}: rollout store format {data.get('format')!r}, but this version reads {FORMAT!r} "
-                f"(Arrow shards written by every engine host); delete {where.parent} and rerun the stage to "
-                "regenerate it"
-            )
-        fields = {k: v for k, v in data.items() if k not in ("num_prompts", "num_responses", "shards", "old_logprobs")}
-        listing = data.get("old_logprobs")
-        return cls(
-            **fields,
-            shards=[ShardInfo.from_json(s) for s in data["shards"]],
-            old_logprobs=OldLogprobsListing.from_json(listing) if listing is not None else None,
-        )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Validation (before anything is written)
-# ---------------------------------------------------------------------------------------------------
-
-
-def validate_group(group: RolloutGroup, vocab_size: int) -> None:
-    """Raise StoreError when a group holds data the trainer must not see.
-
-    Checks: at least one response; prompt and response ids in [0, vocab_size); one finite log-prob
-    <= 0 per response token; non-empty responses; finite reward and advantage; a known finish reason.
-    """
-    where = f"prompt {group.prompt_id!r}"
-    if not group.samples:
-        raise StoreError(f"{where} has no responses; every stored group needs at least one")
-    _check_ids(group.prompt_ids, vocab_size, f"{where}: prompt")
-    for j, sample in enumerate(group.samples):
-        _validate_sample(sample, vocab_size, f"{where} response {j}")
-
-
-def _validate_sample(sample: RolloutSample, vocab_size: int, where: str) -> None:
-    if not sample.response_ids:
-        raise StoreError(f"{where} is empty; the engine must return at least one token (EOS included)")
-    if len(sample.response_ids) != len(sample.behaviour_logprobs):
-        raise StoreError(
-            f"{where}: {len(sample.response_ids)} tokens but {len(sample.behaviour_logprobs)} behaviour log-probs"
-        )
-    _check_ids(sample.response_ids, vocab_size, where)
-    bad = [(t, lp) for t, lp in enumerate(sample.behaviour_logprobs) if not (math.isfinite(lp) and lp <= 0.0)]
-    if bad:
-        raise StoreError(
-            f"{where}: behaviour log-probs (position, value) {bad[:3]} are not finite numbers <= 0; "
-            "the engine's log-probs are broken (check dtype/temperature), nothing was written"
-        )
-    if not (math.isfinite(sample.reward) and math.isfinite(sample.advantage)):
-        raise StoreError(f"{where}: reward {sample.reward} / advantage {sample.advantage} must be finite")
-    if sample.finish_reason not in FINISH_REASONS:
-        raise StoreError(f"{where}: finish_reason {sample.finish_reason!r} is not one of {FINISH_REASONS}")
-
-
-def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise StoreError(
-            f"{where} holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
-            "the engine and the trainer disagree on the tokenizer/vocab size"
-        )
-
-
-def shard_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
-    """Summable statistics of some groups: sums and counts, combined across shards by addition."""
-    samples = [s for g in groups for s in g.samples]
-    stats = {
-        "groups": float(len(groups)),
-        "responses": float(len(samples)),
-        "reward_sum": sum(s.reward for s in samples),
-        "response_tokens": float(sum(len(s.response_ids) for s in samples)),
-        "finish_length": float(sum(s.finish_reason == "length" for s in samples)),
-        "solve_all": float(sum(1 for g in groups if all(r >= 1.0 for r in g.rewards))),
-        "solve_none": float(sum(1 for g in groups if all(r <= 0.0 for r in g.rewards))),
-    }
-    for sample in samples:
-        key = f"reason_{sample.reward_reason or 'unknown'}"
-        stats[key] = stats.get(key, 0.0) + 1.0
-    fractions = [s.pass_fraction for s in samples if s.pass_fraction is not None]
-    if fractions:
-        stats["test_pass_sum"], stats["test_pass_count"] = sum(fractions), float(len(fractions))
-    return stats
-
-
-# ---------------------------------------------------------------------------------------------------
-# Routes (mixture-of-experts rollouts under moe.routing_replay=rollout)
-# ---------------------------------------------------------------------------------------------------
-
-
-def shard_routes(groups: Sequence[RolloutGroup], where: str) -> list[list[np.ndarray]] | None:
-    """Every response's routes ([group][response] arrays), None when no response carries any.
-
-    StoreError, before anything is written, when only some responses carry routes, or one's are not
-    [len(prompt) + len(response) - 1, moe_layers, k] of the shard's one shape and dtype with k
-    distinct experts per token."""
-    samples = [(g, j, s) for g in groups for j, s in enumerate(g.samples)]
-    missing = [f"prompt {g.prompt_id!r} response {j}" for g, j, s in samples if s.routes is None]
-    if len(missing) == len(samples):
-        return None
-    if missing:
-        raise StoreError(
-            f"{where}: {', '.join(missing[:3])} ({len(missing)} of {len(samples)} responses) carry no routes while "
-            "the others do; the engine must record routes for every response (moe.routing_replay=rollout)"
-        )
-    first = samples[0][2].routes
-    for g, j, sample in samples:
-        problem = _routes_problem(sample.routes, len(g.prompt_ids), len(sample.response_ids), first)
-        if problem:
-            raise StoreError(
-                f"{where}: prompt {g.prompt_id!r} response {j} has routes of shape {sample.routes.shape} with "
-                f"{problem}; the engine's route recording is broken, nothing was written"
-            )
-    return [[s.routes for s in g.samples] for g in groups]
-
-
-def _routes_problem(routes: np.ndarray, prompt_len: int, response_len: int, first: np.ndarray) -> str:
-    """What is wrong with one response's routes ('' when nothing); ``first``: the shard's first response's."""
-    rows = prompt_len + response_len - 1
-    if routes.dtype.name not in ROUTE_DTYPES:
-        return f"dtype {routes.dtype.name}, not one of {ROUTE_DTYPES} (rollout.routes.route_dtype)"
-    if routes.dtype != first.dtype or routes.shape[1:] != first.shape[1:]:
-        return f"[{routes.dtype.name}] {routes.shape[1:]} per token, the shard's first response {first.shape[1:]}"
-    if routes.shape[0] != rows:
-        return f"{routes.shape[0]} rows, not {rows} (prompt {prompt_len} + response {response_len} - 1)"
-    if routes.shape[2] > 1 and (np.diff(np.sort(routes, axis=-1), axis=-1) == 0).any():
-        return "an expert repeated within one token's top-k"
-    return ""
-
-
-def routes_schema(dtype: str, width: int) -> pa.Schema:
-    """One row per group: [response][token] of ``width`` = moe_layers × k expert ids."""
-    return pa.schema([("routes", pa.list_(pa.list_(pa.list_(pa.from_numpy_dtype(np.dtype(dtype)), width))))])
-
-
-def write_routes(path: Path, per_group: list[list[np.ndarray]]) -> RoutesInfo:
-    """Write a shard's routes (``shard_routes``) as ``path``, durably; returns its record entry."""
-    responses = [r for group in per_group for r in group]
-    dtype, (layers, topk) = responses[0].dtype, responses[0].shape[1:]
-    flat = np.concatenate([r.reshape(-1) for r in responses])
-    tokens = pa.FixedSizeListArray.from_arrays(pa.array(flat), layers * topk)
-    token_offsets = np.cumsum([0] + [len(r) for r in responses], dtype=np.int32)
-    per_response = pa.ListArray.from_arrays(pa.array(token_offsets), tokens)
-    response_offsets = np.cumsum([0] + [len(group) for group in per_group], dtype=np.int32)
-    schema = routes_schema(dtype.name, layers * topk)
-    column = pa.ListArray.from_arrays(pa.array(response_offsets), per_response).cast(schema.field("routes").type)
-    checksum = write_table(path, pa.Table.from_arrays([column], schema=schema))
-    return RoutesInfo(
-        file=path.name,
-        checksum=checksum,
-        dtype=dtype.name,
-        moe_layers=int(layers),
-        topk=int(topk),
-        tokens=int(token_offsets[-1]),
-    )
-
-
-def group_routes(table: pa.Table, row: int, info: RoutesInfo) -> list[np.ndarray]:
-    """Group ``row``'s routes from a mapped routes file: per response [tokens, moe_layers, k], read-only
-    views of the mapped pages (no copy)."""
-    per_response = table.column(0).slice(row, 1).combine_chunks().flatten()
-    return [
-        per_response[j].values.flatten().to_numpy(zero_copy_only=True).reshape(-1, info.moe_layers, info.topk)
-        for j in range(len(per_response))
-    ]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Files
-# ---------------------------------------------------------------------------------------------------
-
-
-def prompts_fingerprint(prompts: Iterable[tuple[str, Sequence[int], str]]) -> str:
-    """sha256 over (prompt id, prompt token ids, reference answer) of every prompt, in order."""
-    digest = hashlib.sha256()
-    for prompt_id, prompt_ids, answer in prompts:
-        digest.update(json.dumps([prompt_id, list(prompt_ids), answer]).encode())
-    return digest.hexdigest()
-
-
-def read_manifest(store_dir: str | Path) -> StoreManifest | None:
-    """The store's manifest, or None when the directory has none yet."""
-    path = Path(store_dir) / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StoreError(f"{path} is not valid JSON ({exc}); delete {store_dir} to regenerate the stage") from exc
-    return StoreManifest.from_json(data, path)
-
-
-def is_complete(store_dir: str | Path) -> bool:
-    """True when the store's manifest is sealed (checksums are checked on open)."""
-    manifest = read_manifest(store_dir)
-    return manifest is not None and manifest.complete
 
 
 def _read_record(store_dir: Path, index: int) -> ShardInfo | None:
@@ -476,39 +147,9 @@ def _drop_shard(store_dir: Path, index: int) -> None:
         (store_dir / pattern.format(index)).unlink(missing_ok=True)
 
 
-def _save_manifest(store_dir: Path, manifest: StoreManifest) -> None:
-    durable.atomic_write_json(store_dir / MANIFEST, manifest.to_json())
-
-
 # ---------------------------------------------------------------------------------------------------
 # Writing: prepare (coordinator) → claim + write (every host) → seal (coordinator)
 # ---------------------------------------------------------------------------------------------------
-
-
-def store_identity(
-    *,
-    stage: int,
-    policy_version: int,
-    engine: str,
-    sampling: dict[str, Any],
-    num_groups: int,
-    shard_groups: int,
-    vocab_size: int,
-    prompts_sha256: str = "",
-) -> StoreManifest:
-    """The empty manifest of a stage's store (what a resumed store must match)."""
-    if num_groups < 1 or shard_groups < 1 or vocab_size < 1:
-        raise StoreError(f"num_groups={num_groups}, shard_groups={shard_groups}, vocab_size={vocab_size} must be >= 1")
-    return StoreManifest(
-        stage=stage,
-        policy_version=policy_version,
-        engine=engine,
-        sampling=json.loads(json.dumps(sampling)),
-        num_groups=num_groups,
-        shard_groups=shard_groups,
-        vocab_size=vocab_size,
-        prompts_sha256=prompts_sha256,
-    )
 
 
 @dataclass(kw_only=True)
@@ -558,7 +199,7 @@ def prepare_store(store_dir: str | Path, wanted: StoreManifest, *, keep_policy_v
         for info in recorded.values():  # a sealed store's records become the source of truth again
             _write_record(store_dir, info)
         manifest.complete, manifest.shards, manifest.old_logprobs = False, [], None
-        _save_manifest(store_dir, manifest)
+        save_manifest(store_dir, manifest)
     listed = {info.file for info in manifest.old_logprobs.shards} if manifest.old_logprobs is not None else set()
     _remove_leftovers(store_dir, keep=set(recorded), keep_files=listed)
     return StorePlan(manifest=manifest, missing=missing, dropped=dropped)
@@ -678,7 +319,7 @@ def seal_store(store_dir: str | Path) -> StoreManifest:
             )
         shards.append(info)
     manifest.shards, manifest.complete = shards, True
-    _save_manifest(store_dir, manifest)
+    save_manifest(store_dir, manifest)
     for claim in store_dir.glob("*.claim"):
         claim.unlink(missing_ok=True)
     return manifest
@@ -826,7 +467,7 @@ class RolloutStore:
         if listing is None:
             return
         self.manifest.old_logprobs = None
-        _save_manifest(self.store_dir, self.manifest)  # unlisted first: no record names a file being replaced
+        save_manifest(self.store_dir, self.manifest)  # unlisted first: no record names a file being replaced
         for info in listing.shards:
             (self.store_dir / info.file).unlink(missing_ok=True)
 
@@ -855,7 +496,7 @@ class RolloutStore:
                 f"log π_old of {len(shards)} shards given, {self.store_dir} has {len(self.manifest.shards)}"
             )
         self.manifest.old_logprobs = OldLogprobsListing(policy_version=policy_version, shards=list(shards))
-        _save_manifest(self.store_dir, self.manifest)
+        save_manifest(self.store_dir, self.manifest)
 
     # ---------------------------------------------------------------------- log π_old (every rank reads)
 
@@ -909,28 +550,3 @@ class RolloutStore:
     def minibatch(self, update_index: int, mini_groups: int, seed: int) -> list[RolloutGroup]:
         """The ``mini_groups`` groups of optimizer update ``update_index`` of this stage (deterministic)."""
         return self.groups(self.minibatch_indices(update_index, mini_groups, seed))
-
-
-def store_metrics(manifest: StoreManifest, prefix: str = "rollout/") -> dict[str, float]:
-    """Rollout metrics of a store, from the per-shard sums in its manifest."""
-    total: dict[str, float] = {}
-    for info in manifest.shards:
-        for key, value in info.stats.items():
-            total[key] = total.get(key, 0.0) + value
-    groups, responses = max(total.get("groups", 0.0), 1.0), max(total.get("responses", 0.0), 1.0)
-    metrics = {
-        f"{prefix}groups": total.get("groups", 0.0),
-        f"{prefix}responses": total.get("responses", 0.0),
-        f"{prefix}group_size_mean": total.get("responses", 0.0) / groups,
-        f"{prefix}reward_mean": total.get("reward_sum", 0.0) / responses,
-        f"{prefix}response_len_mean": total.get("response_tokens", 0.0) / responses,
-        f"{prefix}finish_length_frac": total.get("finish_length", 0.0) / responses,
-        f"{prefix}solve_all_frac": total.get("solve_all", 0.0) / groups,
-        f"{prefix}solve_none_frac": total.get("solve_none", 0.0) / groups,
-    }
-    if total.get("test_pass_count"):
-        metrics[f"{prefix}test_pass_rate"] = total["test_pass_sum"] / total["test_pass_count"]
-    for key, value in total.items():
-        if key.startswith("reason_"):
-            metrics[f"{prefix}{key}"] = value
-    return metrics

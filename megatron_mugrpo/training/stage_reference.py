@@ -40,8 +40,9 @@ from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfi
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
 from megatron_mugrpo.records import RolloutGroup, TrainBatch, collate
+from megatron_mugrpo.rollout.manifest import OldLogprobsListing
 from megatron_mugrpo.rollout.shards import StoreError
-from megatron_mugrpo.rollout.store import OLD_LOGPROBS_PATTERN, OldLogprobsListing, RolloutStore
+from megatron_mugrpo.rollout.store import OLD_LOGPROBS_PATTERN, RolloutStore
 
 if TYPE_CHECKING:
     from megatron_mugrpo.training.setup import Policy

@@ -19,9 +19,11 @@ from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import EngineOutputError, Generation, derive_seed
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity
+from megatron_mugrpo.rollout.manifest import is_complete
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup, engine_threads
 from megatron_mugrpo.rollout.prompts import PromptRecord
-from megatron_mugrpo.rollout.store import RolloutStore, StoreError, is_complete
+from megatron_mugrpo.rollout.shards import StoreError
+from megatron_mugrpo.rollout.store import RolloutStore
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt, char_vocab
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
 

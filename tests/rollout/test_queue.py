@@ -21,7 +21,7 @@ from megatron_mugrpo.rollout.queue import (
     scan,
     shard_name,
 )
-from megatron_mugrpo.rollout.store import StoreError
+from megatron_mugrpo.rollout.shards import StoreError
 
 VOCAB = 50
 

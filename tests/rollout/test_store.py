@@ -14,21 +14,17 @@ import pytest
 
 from megatron_mugrpo.durable import Checksum
 from megatron_mugrpo.records import RolloutGroup, RolloutSample, collate
-from megatron_mugrpo.rollout.store import (
+from megatron_mugrpo.rollout.manifest import (
     FORMAT,
     MANIFEST,
-    RolloutStore,
-    ShardWriter,
-    StoreError,
     StoreManifest,
-    StorePlan,
     is_complete,
-    prepare_store,
     read_manifest,
-    seal_store,
     store_identity,
     store_metrics,
 )
+from megatron_mugrpo.rollout.shards import StoreError
+from megatron_mugrpo.rollout.store import RolloutStore, ShardWriter, StorePlan, prepare_store, seal_store
 
 VOCAB = 50
 STAGE = 1
