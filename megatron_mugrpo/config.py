@@ -18,6 +18,7 @@ YAML and overrides, and saves:
     algo                 algorithms/config.py, with algo.<loss>.* from the loss registry
                          (algorithms/losses.py) and algo.rollout_correction.*
     replay               algorithms/replay.py          kernels     kernels/config.py
+    env                  envs/registry.py, with env.<kind>.* from each environment (env.search.* in envs/search.py)
     moe                  training/moe.py (router losses and token dispatch of mixture-of-experts models)
     async                asynchronous/config.py        stages      here (the loop's schedule)
 
@@ -42,6 +43,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.algorithms.replay import ReplayConfig
 from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_routes_problem
+from megatron_mugrpo.envs.registry import EnvConfig, run_env_problem
 from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.evaluation import BenchmarkConfig, EvalConfig
 from megatron_mugrpo.kernels.config import KernelConfig
@@ -124,6 +126,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """Headroom-Drift Replay (owned by algorithms/replay.py); off by default."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts against an environment (owned by envs/registry.py); off by default."""
     mode: str = "staged"
     """'staged': generate D_k, then μ updates on it, stage after stage (every rank does both).
     'async': the last async.rollout_ranks ranks generate continuously while the others train; the
@@ -150,6 +154,15 @@ class RunConfig:
             tiny = self.model.tiny
             check_model_parallelism(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers, self.parallel)
         self._check_rewards()
+        problem = run_env_problem(
+            self.env,
+            reward_kind=self.reward.kind,
+            engine=self.rollout.engine,
+            allocation=self.rollout.allocation,
+            mode=self.mode,
+            routing_replay=self.moe.routing_replay,
+        )
+        require(not problem, problem)
         tiny_arch = None if self.model.hf_dir else self.model.tiny.arch
         problem = routing_replay_problem(self.moe.routing_replay, engine=self.rollout.engine, tiny_arch=tiny_arch)
         require(not problem, problem)

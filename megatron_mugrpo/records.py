@@ -3,6 +3,16 @@
 Token positions: a response of length T has token ids ``response_ids[t]`` and behaviour
 log-probs ``behaviour_logprobs[t] = log β(response_ids[t] | prompt, response_ids[:t])`` computed as
 log_softmax(logits / T_rollout), the same distribution the trainer scores.
+
+A multi-turn response (a trajectory, ``envs/trajectory.py``) holds the policy's turns with the
+environment's observation tokens between them, and a policy mask saying which is which. Behaviour
+log-probs exist for policy tokens only; the list stays aligned with ``response_ids`` and holds 0.0 at
+observation positions, which ``collate`` leaves out of the response mask, so no loss reads them:
+
+    response_ids        t t t o o o t t        (t: sampled, o: the environment's observation)
+    policy_mask         1 1 1 0 0 0 1 1
+    behaviour_logprobs  b b b 0 0 0 b b
+    turns               [(0, 3), (6, 8)]
 """
 
 from __future__ import annotations
@@ -45,7 +55,17 @@ class RolloutSample:
     response sampled across weight publications (async.partial_rollout); None: every token has the
     group's ``policy_version``. Same length as response_ids."""
 
+    policy_mask: list[int] | None = None
+    """Per-token 1 where the policy sampled the token, 0 where the environment wrote it (a multi-turn
+    trajectory); None: a single-turn response, every token the policy's. Same length as response_ids."""
+    turns: list[tuple[int, int]] | None = None
+    """[start, end) of each policy turn in response_ids (multi-turn only)."""
+    env_seconds: list[float] | None = None
+    """Wall-clock seconds of each environment call of the trajectory (multi-turn only)."""
+
     def __post_init__(self) -> None:
+        if self.policy_mask is not None:
+            self._check_trajectory()
         if len(self.response_ids) != len(self.behaviour_logprobs):
             raise ValueError(
                 f"response has {len(self.response_ids)} tokens but {len(self.behaviour_logprobs)} behaviour log-probs"
@@ -56,6 +76,22 @@ class RolloutSample:
             raise ValueError(f"response has {len(self.response_ids)} tokens but {len(self.versions)} token versions")
         if self.routes is not None and self.routes.ndim != 3:
             raise ValueError(f"routes of shape {self.routes.shape} must be [tokens, moe_layers, k]")
+
+    def _check_trajectory(self) -> None:
+        """The policy mask, turns and environment seconds of a multi-turn response agree with its tokens."""
+        mask, length = self.policy_mask or [], len(self.response_ids)
+        if len(mask) != length or any(m not in (0, 1) for m in mask):
+            raise ValueError(f"policy_mask must be {length} values of 0 or 1, one per response token")
+        turns = self.turns or []
+        covered = [0] * length
+        for start, end in turns:
+            if not 0 <= start < end <= length:
+                raise ValueError(f"turn [{start}, {end}) is outside the {length}-token response")
+            covered[start:end] = [1] * (end - start)
+        if covered != list(mask):
+            raise ValueError("the turns must cover exactly the policy tokens (policy_mask == 1)")
+        if any(not s >= 0.0 for s in self.env_seconds or []):
+            raise ValueError("env_seconds must be non-negative seconds")
 
 
 @dataclass(kw_only=True)
@@ -154,7 +190,9 @@ def pad_routes(routes: Sequence[np.ndarray], length: int) -> torch.Tensor:
 def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -> TrainBatch:
     """Flatten prompt groups into one right-padded TrainBatch (one row per response).
 
-    Routes (when every response carries them) line up with ``tokens``: row b's P + T - 1 routes are
+    The response mask of a multi-turn response is its policy mask: observation tokens are inputs the
+    model reads, never targets a loss scores (every loss, NAV, HDR and the rollout correction read the
+    response mask). Routes (when every response carries them) line up with ``tokens``: row b's P + T - 1 routes are
     those of ``tokens[b, :P + T - 1]``, the inputs whose targets are real."""
     rows = [(g_idx, g.prompt_ids, s) for g_idx, g in enumerate(groups) for s in g.samples]
     if not rows:
@@ -180,7 +218,7 @@ def collate(groups: list[RolloutGroup], pad_id: int, pad_to_multiple: int = 1) -
         targets[b, : len(seq) - 1] = seq[1:]
         # targets[t] for t in [P-1, P-1+T) are the response tokens.
         start, stop = len(prompt) - 1, len(prompt) - 1 + len(sample.response_ids)
-        mask[b, start:stop] = 1.0
+        mask[b, start:stop] = 1.0 if sample.policy_mask is None else torch.tensor(sample.policy_mask)
         behaviour[b, start:stop] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
         if old is not None:
             old[b, start:stop] = torch.tensor(sample.old_logprobs, dtype=torch.float32)

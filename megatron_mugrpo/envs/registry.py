@@ -64,6 +64,8 @@ register_env("search", "megatron_mugrpo.envs.search:SearchEnvironment", "megatro
 class _EnvSettings(EnvLimits):
     """``env.*``: the environment of multi-turn rollouts (``kind``), its limits and its failure budget."""
 
+    enabled: bool = False
+    """Roll out multi-turn trajectories against the environment ``kind`` (off: single-turn responses)."""
     kind: str = "search"
     """The environment: 'search'; its options are the subsection of that name."""
     max_error_frac: float = 0.1
@@ -78,6 +80,47 @@ class _EnvSettings(EnvLimits):
 
 EnvConfig = with_registry_sections(_EnvSettings, env_options())
 """The ``env`` section: the settings above plus one options section per registered environment."""
+
+MULTI_TURN_ENGINES = ("transformers",)
+"""Rollout engines that decode trajectories (``generate_trajectories``); SGLang's multi-turn path is not built."""
+
+
+def run_env_problem(
+    settings: Any, *, reward_kind: str, engine: str, allocation: str, mode: str, routing_replay: str
+) -> str | None:
+    """Why a run cannot roll out against the environment ``settings`` describes, or None (also when it is off).
+
+    The search environment's episodes are scored by the qa reward (the answer tag, the end reasons); the
+    transformers engine is the one that decodes trajectories; VIGOR's rounds, the asynchronous loop and
+    route recording do not carry trajectories yet."""
+    if not settings.enabled:
+        return None
+    if reward_kind != "qa":
+        return (
+            f"env.enabled needs questions scored by the qa reward (data.format: qa, reward.kind: qa); the data is "
+            f"scored by {reward_kind!r}"
+        )
+    if engine not in MULTI_TURN_ENGINES:
+        return (
+            f"env.enabled: rollout.engine={engine!r} cannot decode multi-turn trajectories yet;"
+            f" use one of {MULTI_TURN_ENGINES}"
+        )
+    if allocation != "fixed":
+        return (
+            f"env.enabled works with rollout.allocation=fixed only (got {allocation!r}); VIGOR's rounds sample "
+            "single-turn responses"
+        )
+    if mode != "staged":
+        return f"env.enabled works in mode=staged only (got {mode!r}); the async queue does not carry trajectories yet"
+    if routing_replay != "none":
+        return f"env.enabled cannot record MoE routes yet; set moe.routing_replay=none (got {routing_replay!r})"
+    options = getattr(settings, settings.kind)
+    if settings.kind == "search" and not (options.url or options.corpus):
+        return (
+            "env.enabled with env.kind=search needs env.search.url (a running `mugrpo serve-search`) or "
+            "env.search.corpus (a JSONL corpus the run serves itself on loopback)"
+        )
+    return None
 
 
 def env_limits(settings: Any) -> EnvLimits:

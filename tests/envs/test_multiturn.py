@@ -244,3 +244,43 @@ def test_the_search_environment_runs_in_the_engine_through_run_episodes(tmp_path
     reward = QaReward(workers=1, timeout_s=1.0, options=QaOptions())
     scores = score_episodes(reward, groups, [p.answer for p in problems], tokenizer.decode)
     assert all(s.reason in ("no_answer", "wrong_answer", "max_turns", "correct") for g in scores for s in g)
+
+
+def test_collate_makes_the_policy_mask_the_loss_mask_and_the_model_agrees_with_the_behaviour_logprobs(engine):
+    """Engine → trajectory → RolloutSample → collate: the response mask is 1 exactly at the targets the policy
+    sampled, the behaviour log-probs sit at those targets (0 elsewhere), and one forward of the collated
+    tokens gives those log-probs back: what every masked loss assumes (tests/envs/test_masked_losses.py)."""
+    from megatron_mugrpo.envs.episodes import trajectory_sample
+    from megatron_mugrpo.records import RolloutGroup, collate
+
+    trajectories = rollout(engine, [Recorder(seed=20 + i) for i in range(4)], max_new_tokens=8)
+    assert all(0 in t.policy_mask for t in trajectories)  # every row has observations between turns
+    groups = [
+        RolloutGroup(prompt_id=str(i), prompt_ids=PROMPTS[i], answer="", samples=[trajectory_sample(t, (1.0, "ok"))])
+        for i, t in enumerate(trajectories)
+    ]
+    batch = collate(groups, pad_id=0)
+    for b, (prompt, t) in enumerate(zip(PROMPTS, trajectories)):
+        start, mask = len(prompt) - 1, torch.zeros(batch.tokens.shape[1])
+        mask[start : start + len(t.policy_mask)] = torch.tensor(t.policy_mask, dtype=torch.float32)
+        assert torch.equal(batch.response_mask[b], mask)
+        assert batch.targets[b, start : start + len(t.token_ids)].tolist() == t.token_ids
+        assert batch.behaviour_logprobs[b][mask == 0].abs().sum() == 0
+    with torch.no_grad():
+        logits = engine.model(input_ids=batch.tokens).logits.float() / 0.8
+    scored = torch.log_softmax(logits, dim=-1).gather(-1, batch.targets[..., None])[..., 0]
+    policy = batch.response_mask.bool()
+    assert (scored[policy] - batch.behaviour_logprobs[policy]).abs().max() <= LOGPROB_TOLERANCE
+
+
+def test_a_multi_turn_sample_refuses_a_mask_its_turns_do_not_match():
+    from megatron_mugrpo.records import RolloutSample
+
+    ok = {"response_ids": [5, 6, 7, 8], "behaviour_logprobs": [-1.0, 0.0, 0.0, -2.0], "finish_reason": "stop"}
+    RolloutSample(**ok, policy_mask=[1, 0, 0, 1], turns=[(0, 1), (3, 4)], env_seconds=[0.1])
+    with pytest.raises(ValueError, match="cover exactly the policy tokens"):
+        RolloutSample(**ok, policy_mask=[1, 0, 0, 1], turns=[(0, 2), (3, 4)])
+    with pytest.raises(ValueError, match="policy_mask must be 4 values"):
+        RolloutSample(**ok, policy_mask=[1, 0, 1], turns=[(0, 1)])
+    with pytest.raises(ValueError, match="outside the 4-token response"):
+        RolloutSample(**ok, policy_mask=[1, 0, 0, 1], turns=[(0, 1), (3, 5)])
