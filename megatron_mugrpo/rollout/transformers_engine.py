@@ -51,6 +51,7 @@ import torch
 from megatron_mugrpo.envs.base import ENV_ERROR, EnvLimits, Episode, StepResult, guarded_step
 from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, stop_hit
 from megatron_mugrpo.errors import MissingInputError, require
+from megatron_mugrpo.faults import engine_fault
 from megatron_mugrpo.rollout.engine import (
     Generation,
     Interrupt,
@@ -271,6 +272,8 @@ class TransformersEngine:
             model, version = self._live_model(), interrupt.version()
         for step in range(batch.steps):
             logits = self._forward(model, batch, step)
+            if step == 0:
+                engine_fault()  # $MUGRPO_ENGINE_FAULT: the watchdog's tests kill or hang a batch here
             token = self._step(batch, logits, step, params.temperature, generator, version)
             finished = int(batch.done.sum())  # the step's one host sync
             if finished == batch.done.numel():
