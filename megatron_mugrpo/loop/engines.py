@@ -2,7 +2,9 @@
 behaviour policy context that completes a rollout store made by an older policy.
 
 Every engine host holds one engine (``rollout/placement.py``), built at the first weight sync and
-kept for the whole run, released between phases.
+kept for the whole run, released between phases. Each sync hands the host a ``WatchedEngine``
+(``rollout/watchdog.py``): an engine that dies or stops making progress while it generates is shut
+down and rebuilt from the host's own copy of the sync's weights, and the call is made again.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_mugrpo.asynchronous.liveness import doing
 from megatron_mugrpo.conversion.live import NamedTensors, export_policy
-from megatron_mugrpo.loop.setup import Run, RunError
-from megatron_mugrpo.rollout.engine import build_engine_from_config
+from megatron_mugrpo.loop.run import Run, RunError
+from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.prompts import stage_prompts
 from megatron_mugrpo.rollout.quantization import behaviour_quantizer, load_behaviour_policy
+from megatron_mugrpo.rollout.watchdog import RESTARTS_METRIC, HostWeights, WatchedEngine, engine_label
 from megatron_mugrpo.training.checkpoint import load_checkpoint, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -36,7 +40,7 @@ def sync_engine(run: Run) -> dict[str, float]:
     """
     started = time.perf_counter()
     counted = export_policy(
-        run.policy, run.hf_config, run.groups, consume=run.placement.is_host, use=lambda t: _load_engine(run, t)
+        run.policy, run.origin.hf_config, run.groups, consume=run.placement.is_host, use=lambda t: _load_engine(run, t)
     )
     if counted is None:
         return {}
@@ -45,25 +49,49 @@ def sync_engine(run: Run) -> dict[str, float]:
 
 
 def _load_engine(run: Run, tensors: NamedTensors) -> int:
-    """Load the exported tensors into this host's engine (built on first use); returns their bytes."""
+    """Load the exported tensors into this host's engine (built on first use) and put it under the
+    watchdog, with a host copy of the tensors to rebuild it from (``rollout.max_restarts`` > 0);
+    returns their bytes."""
     cfg, counted = run.cfg, _CountedBytes(tensors)
-    calibration = stage_prompts(run.prompts, run.state.stage, cfg.stages.train_groups, cfg.data.seed)
+    calibration = stage_prompts(run.inputs.prompts, run.state.stage, cfg.stages.train_groups, cfg.data.seed)
     export_dir = run.run_dir / "behaviour_policy" / f"engine_{run.placement.engine_index:03d}"  # one per host
-    run.engine = load_behaviour_policy(
-        run.engine,
-        counted,
-        engine_name=cfg.rollout.engine,
-        hf_dir=run.hf_dir,
-        build=lambda hf_dir: build_engine_from_config(
-            cfg.rollout,
-            hf_dir,
-            seed=cfg.seed,
-            placement=run.placement,
-            record_routes=cfg.moe.routing_replay == "rollout",  # the trainer replays them (rollout.routes)
-        ),
-        quantizer=behaviour_quantizer(cfg.rollout, calibration, export_dir),
+
+    def load(engine: RolloutEngine | None, named: NamedTensors) -> RolloutEngine:
+        return load_behaviour_policy(
+            engine,
+            named,
+            engine_name=cfg.rollout.engine,
+            hf_dir=run.origin.hf_dir,
+            build=lambda hf_dir: build_engine_from_config(
+                cfg.rollout,
+                hf_dir,
+                seed=cfg.seed,
+                placement=run.placement,
+                record_routes=cfg.moe.routing_replay == "rollout",  # the trainer replays them (rollout.routes)
+            ),
+            quantizer=behaviour_quantizer(cfg.rollout, calibration, export_dir),
+        )
+
+    kept = HostWeights() if cfg.rollout.max_restarts > 0 else None
+    current = run.engine.engine if isinstance(run.engine, WatchedEngine) else run.engine
+    engine = load(current, kept.tee(counted) if kept is not None else counted)
+    run.engine = WatchedEngine(
+        engine,
+        rebuild=(lambda: load(None, kept)) if kept is not None else None,  # a new engine, the same weights
+        progress_timeout_s=cfg.rollout.progress_timeout_s,
+        max_restarts=cfg.rollout.max_restarts,
+        label=engine_label(run.placement.engine_index, run.placement.rank),
+        where=lambda: doing() or f"in stage {run.state.stage}",
     )
     return counted.bytes
+
+
+def restart_metrics(run: Run) -> dict[str, float]:
+    """``perf/rollout_engine_restarts``: engine restarts since the last weight sync, summed over every
+    engine host, on rank 0 (``{}`` elsewhere). Collective: every rank calls it after the rollout."""
+    restarts = run.engine.restarts if isinstance(run.engine, WatchedEngine) else 0
+    counts = run.hosts.gather(restarts)
+    return {RESTARTS_METRIC: float(sum(counts))} if counts is not None else {}
 
 
 class _CountedBytes:
@@ -102,7 +130,7 @@ def behaviour_policy(run: Run, version: int) -> Iterator[None]:
         yield
         return
     step_dir = run.checkpoint_root / step_dir_name(version)
-    if run.resumed_from is None or not (step_dir.is_dir() or version == 0):
+    if run.origin.resumed_from is None or not (step_dir.is_dir() or version == 0):
         raise RunError(
             f"a rollout store of this run was generated by the policy of update {version}, and completing it needs "
             f"that policy, but {step_dir} does not exist (checkpoint.keep_last pruned it?). Delete the stage's "
@@ -114,12 +142,12 @@ def behaviour_policy(run: Run, version: int) -> Iterator[None]:
     else:
         from megatron_mugrpo.conversion import load_hf_into_model
 
-        load_hf_into_model(run.policy.unwrapped(), run.hf_dir, run.policy.groups)
+        load_hf_into_model(run.policy.unwrapped(), run.origin.hf_dir, run.policy.groups)
     try:
         yield
     finally:
         load_checkpoint(
-            run.resumed_from,
+            run.origin.resumed_from,
             run.policy.model_chunks,
             run.policy.optimizer,
             run.policy.scheduler,

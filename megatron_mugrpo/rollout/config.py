@@ -54,6 +54,18 @@ class _RolloutSettings:
     or 'nvfp4' (GPU only), quantized with NVIDIA Model Optimizer each stage (rollout.quantization module)."""
     modelopt: ModelOptConfig = field(default_factory=ModelOptConfig)
     """Calibration of the quantized behaviour policy (used when quantization != 'none')."""
+    progress_timeout_s: float = 600.0
+    """The engine watchdog (rollout.watchdog), while an engine host generates (a stage's rollout,
+    evaluation): an engine that finishes no row for this many seconds counts as hung, is shut down and
+    rebuilt. Must exceed the slowest progress step: one batch
+    of ``rollout.transformers.batch_size`` rows, or one SGLang call (a shard's round, up to 4096 rows),
+    generated to ``max_new_tokens``; and stay well below ``parallel.timeout_s``, which the other ranks
+    wait at the stage's end while an engine is restarted."""
+    max_restarts: int = 2
+    """Restarts of a failed (raised or hung) engine allowed per engine host and weight sync, i.e. within
+    one stage's rollout phase. Past them the run stops with an error naming the engine, the stage and
+    the last error. 0: a failure stops the run at once (and no host copy of the weights is kept; above
+    0 each engine host keeps one copy of the stage's weights in host memory to rebuild from)."""
 
     def __post_init__(self) -> None:
         require(
@@ -84,6 +96,15 @@ class _RolloutSettings:
             f"rollout.tensor_parallel={self.tensor_parallel} must be >= 1 (ranks per rollout engine group)",
         )
         require(self.cpu_threads >= 0, f"rollout.cpu_threads={self.cpu_threads} must be >= 0 (0: share the cores)")
+        require(
+            self.progress_timeout_s > 0,
+            f"rollout.progress_timeout_s={self.progress_timeout_s} must be > 0 seconds (how long an engine may "
+            "finish no row before it is restarted; raise it for long responses rather than turning it off)",
+        )
+        require(
+            self.max_restarts >= 0,
+            f"rollout.max_restarts={self.max_restarts} must be >= 0 (0: the first engine failure stops the run)",
+        )
 
 
 RolloutConfig = with_registry_sections(_RolloutSettings, engine_configs())
