@@ -13,12 +13,12 @@ A rollout stage (``rollout/generate.py``) holds the run's environment for the st
 the loopback search server starts with it and stops when the stage's generation ends; each shard's
 episodes become ``RolloutSample`` records (policy mask, turns, environment seconds) through
 ``episode_samples``, which also checks the error budget before the shard is written and adds the
-shard's trajectories to the stage's tally (``rollout/turns_mean`` and the other env metrics):
+shard's trajectories to the stage's tally (``rollout/turns_mean`` and the other ``ENV_METRICS``):
 
     with stage_env(cfg.env, tokenizer) as env:          # None when env.enabled is off
         samples = episode_samples(engine, env, records, group_size=8, params=params, decode=decode,
                                   reward_fn=reward)     # one list of G samples per record
-    env.tally.metrics()
+    env_metrics([env.tally.counts(sampling_s)])
 """
 
 from __future__ import annotations
@@ -184,8 +184,8 @@ class _TimedEpisode:
 
 @dataclass
 class EnvTally:
-    """A stage's multi-turn counts, summed over the shards one host generated (``metrics()`` turns them
-    into the ``rollout/`` env metrics)."""
+    """A stage's multi-turn counts, summed over the shards one host generated (``env_metrics`` turns every
+    host's counts into the ``rollout/`` env metrics)."""
 
     trajectories: int = 0
     turns: int = 0
@@ -206,20 +206,50 @@ class EnvTally:
             self.policy_tokens += sum(t.policy_mask)
             self.observation_tokens += len(t.policy_mask) - sum(t.policy_mask)
 
-    def metrics(self, sampling_s: float, prefix: str = "rollout/") -> dict[str, float]:
-        """Means per trajectory, summed call seconds, the wall clock of the environment and its share of
-        ``sampling_s`` (the seconds spent decoding the trajectories, environment calls included)."""
-        n = max(self.trajectories, 1)
-        return {
-            f"{prefix}turns_mean": self.turns / n,
-            f"{prefix}tool_calls_mean": self.tool_calls / n,
-            f"{prefix}env_seconds": self.env_seconds,
-            f"{prefix}env_errors": float(self.env_errors),
-            f"{prefix}env_wall_s": self.clock.seconds,
-            f"{prefix}env_share": self.clock.seconds / sampling_s if sampling_s > 0 else 0.0,
-            f"{prefix}policy_tokens_mean": self.policy_tokens / n,
-            f"{prefix}observation_tokens_mean": self.observation_tokens / n,
-        }
+    def counts(self, sampling_s: float) -> dict[str, float]:
+        """The tally as plain sums (what one host sends rank 0), with ``sampling_s``, the seconds this host
+        spent decoding its trajectories, environment calls included."""
+        sums = {k: float(getattr(self, k)) for k in _COUNTS}
+        return sums | {"env_wall_s": self.clock.seconds, "sampling_s": sampling_s}
+
+
+_COUNTS = ("trajectories", "turns", "tool_calls", "env_seconds", "env_errors", "policy_tokens", "observation_tokens")
+ENV_METRICS = tuple(
+    f"rollout/{name}"
+    for name in (
+        "turns_mean",
+        "tool_calls_mean",
+        "env_seconds",
+        "env_errors",
+        "env_wall_s",
+        "env_share",
+        "policy_tokens_mean",
+        "observation_tokens_mean",
+    )
+)
+"""The multi-turn metrics of a rollout phase (``env_metrics``)."""
+
+
+def env_metrics(tallies: Sequence[dict[str, float]]) -> dict[str, float]:
+    """A rollout phase's ``ENV_METRICS`` from every host's ``EnvTally.counts``: per trajectory, policy turns,
+    tool calls and tokens by who wrote them; environment seconds summed over calls; failed trajectories
+    (env_error, env_timeout); the environment's wall clock and its share of the decoding time (both summed
+    over hosts). Empty without tallies (no environment, or nothing generated)."""
+    if not tallies:
+        return {}
+    total = {k: sum(t[k] for t in tallies) for k in tallies[0]}
+    n = max(total["trajectories"], 1.0)
+    values = (
+        total["turns"] / n,
+        total["tool_calls"] / n,
+        total["env_seconds"],
+        total["env_errors"],
+        total["env_wall_s"],
+        total["env_wall_s"] / total["sampling_s"] if total["sampling_s"] > 0 else 0.0,
+        total["policy_tokens"] / n,
+        total["observation_tokens"] / n,
+    )
+    return dict(zip(ENV_METRICS, values, strict=True))
 
 
 @dataclass(kw_only=True)

@@ -14,6 +14,7 @@ is one module plus one ``register_env`` line:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,6 +132,14 @@ def env_limits(settings: Any) -> EnvLimits:
         max_total_tokens=settings.max_total_tokens,
         timeout_s=settings.timeout_s,
     )
+
+
+def env_record(settings: Any) -> dict[str, Any]:
+    """What a rollout store records about the environment that made its trajectories (resume must match it):
+    the kind, the limits and the kind's options. The error budget is left out: it stops a run, it does not
+    shape a trajectory."""
+    limits = dataclasses.asdict(env_limits(settings))
+    return {"kind": settings.kind, **limits, settings.kind: dataclasses.asdict(getattr(settings, settings.kind))}
 
 
 def build_env(settings: Any, tokenizer: PreTrainedTokenizerBase) -> Environment:

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from megatron_mugrpo.asynchronous.liveness import advance
+from megatron_mugrpo.envs.episodes import ENV_METRICS
 from megatron_mugrpo.evaluation import AVG_KEY
 from megatron_mugrpo.faults import crash_point
 from megatron_mugrpo.loop import hdr, preemption
@@ -32,7 +33,7 @@ from megatron_mugrpo.loop.actions import (
 from megatron_mugrpo.loop.data import StageData
 from megatron_mugrpo.loop.engines import behaviour_policy, release_engine, sync_engine
 from megatron_mugrpo.loop.export import export_final
-from megatron_mugrpo.loop.setup import Run
+from megatron_mugrpo.loop.run import Run
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.rewards.registry import reward_record
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity, stage_store_metrics
@@ -56,11 +57,11 @@ def train(run: Run) -> dict[str, float]:
     for stage in range(state.stage, cfg.stages.num_stages):
         stop_if_preempted(run, checkpointed=stage_start_checkpointed(run, stage))  # a signal since the last update
         advance(f"in stage {stage}'s rollout phase")  # what a lost-rank report says this rank was doing
-        with run.timer("perf/t_rollout_s"):
+        with run.telemetry.timer("perf/t_rollout_s"):
             store = rollout_phase(run, stage)  # sync weights → generate D_k → store → release engine
         crash_point(f"rollout:{stage}")
         if run.state.update_in_stage == 0:
-            run.logger.log(store_summary(run, store, stage), step=run.state.global_update)
+            run.telemetry.logger.log(store_summary(run, store, stage), step=run.state.global_update)
         optimize_stage(run, stage, store)  # μ updates on D_k → evaluate → checkpoint
     export_final(run)
     return summary(run)
@@ -72,21 +73,21 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
     if run.state.stage != stage:  # `mugrpo optimize` of another stage than the checkpoint's cursor
         run.state = run.state.at_stage(stage)
     mu = run.cfg.stages.updates_per_stage
-    with run.timer("perf/t_optimize_s"):
-        run.checkpoints.poll()  # the stage-end checkpoint, written in the background during generation
+    with run.telemetry.timer("perf/t_optimize_s"):
+        run.trainer.checkpoints.poll()  # the stage-end checkpoint, written in the background during generation
         data = stage_data(run, stage, store)  # D_k, log π_old, and the buffered groups HDR accepts (if enabled)
         agreement = StageRoutingAgreement(from_first_update=run.state.update_in_stage == 0)  # MoE only
         for update in progress_range(run, run.state.update_in_stage, mu, f"stage {stage} updates"):
             metrics = optimizer_update(run, data, stage, update)
             agreement.add(metrics)
-            run.logger.log(metrics, step=run.state.global_update)
+            run.telemetry.logger.log(metrics, step=run.state.global_update)
             crash_point(f"update:{run.state.global_update}")
-            run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
+            run.trainer.checkpoints.poll()  # publish a background checkpoint once every rank has written it
             if update + 1 < mu:  # the stage's last update is judged below, as the stage's end
                 saved = evaluate_and_checkpoint(run, stage_end=False, last=False)
                 stop_if_preempted(run, checkpointed=saved)  # SIGTERM / SIGUSR1: checkpoint now, exit
         if routing := agreement.summary():  # train/routing_agreement_{first,stage_mean}
-            run.logger.log(routing, step=run.state.global_update)
+            run.telemetry.logger.log(routing, step=run.state.global_update)
     hdr.end_stage(run, stage, store)  # D_k's mixed-outcome groups enter the replay FIFO
     run.state = run.state.at_stage(stage + 1)
     evaluate_and_checkpoint(run, stage_end=True, last=stage + 1 == run.cfg.stages.num_stages)
@@ -107,7 +108,7 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
     the phase's seconds other than sampling, and its parts ``perf/stage_overhead_<part>_s`` (store_plan,
     weight_sync, reward, store_write, engine_release, store_open, other: the rest)."""
     cfg, started, parts = run.cfg, time.perf_counter(), {}
-    prompts = stage_prompts(run.prompts, stage, cfg.stages.train_groups, cfg.data.seed)
+    prompts = stage_prompts(run.inputs.prompts, stage, cfg.stages.train_groups, cfg.data.seed)
     with overhead_part(parts, "store_plan"):
         plan = plan_rollout(run, stage, prompts)  # rank 0 verifies or repairs the store; every rank gets the plan
     if not plan.missing:
@@ -119,8 +120,8 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
             plan,
             engine=run.engine,
             prompts=prompts,
-            tokenizer=run.tokenizer,
-            reward_fn=run.reward_fn,
+            tokenizer=run.inputs.tokenizer,
+            reward_fn=run.inputs.reward_fn,
             cfg=cfg.rollout,
             adv_eps=cfg.algo.adv_eps,
             store_dir=run.rollout_dir(stage),
@@ -128,13 +129,16 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
             hosts=run.hosts,
             progress=bar.update,
             on_shard_written=lambda index: shard_written(run, stage, index),
+            env=cfg.env,  # multi-turn trajectories when env.enabled (the environment lives for this call)
         )
     with overhead_part(parts, "engine_release"):
         release_engine(run)  # free every engine's memory for the optimizer phase (where that frees any)
     with overhead_part(parts, "store_open"):
         store = RolloutStore.open(run.rollout_dir(stage), verify=False)  # rank 0 verified every shard
-    perf = {k: v for k, v in metrics.items() if k.startswith("perf/")}
-    run.logger.log(perf | stage_overhead(parts | perf, time.perf_counter() - started), step=run.state.global_update)
+    perf = {k: v for k, v in metrics.items() if k.startswith("perf/") or k in ENV_METRICS}
+    run.telemetry.logger.log(
+        perf | stage_overhead(parts | perf, time.perf_counter() - started), step=run.state.global_update
+    )
     return store
 
 
@@ -150,7 +154,7 @@ def stage_start_checkpointed(run: Run, stage: int) -> bool:
     or a stage end the cadence checkpointed (checkpoint.every_stages)."""
     if run.state.global_update == 0 or stage == 0:
         return True
-    return run.cadence.checkpoint_now(run.state.global_update, stage_end=True, last=False, stages_done=stage)
+    return run.trainer.cadence.checkpoint_now(run.state.global_update, stage_end=True, last=False, stages_done=stage)
 
 
 def stage_overhead(parts: dict[str, float], seconds: float) -> dict[str, float]:
@@ -174,9 +178,10 @@ def plan_rollout(run: Run, stage: int, prompts: list[PromptRecord]) -> StorePlan
         stage=stage,
         policy_version=run.state.global_update,
         seed=run.cfg.stages.seed,
-        vocab_size=int(run.hf_config["vocab_size"]),
+        vocab_size=int(run.origin.hf_config["vocab_size"]),
         engine_name=run.cfg.rollout.engine,
         routes=run.cfg.moe.routing_replay == "rollout",
+        env=run.cfg.env,  # a store of multi-turn trajectories names its environment
     )
     return plan_stage(run.rollout_dir(stage), identity, run.hosts, keep_policy_version=True)
 
@@ -220,16 +225,16 @@ def stage_reference(run: Run, store: RolloutStore) -> OldLogprobs | None:
         correction=cfg.algo.rollout_correction,
         measure=quantized,
         first_update=run.state.update_in_stage == 0,
-        settings=run.scoring,
+        settings=run.trainer.scoring,
         seed=cfg.stages.seed,
         write=run.is_writer,
         policy_version=run.state.global_update - run.state.update_in_stage,  # θ_old: the stage's start
         barrier=run.hosts.barrier,
-        keep=quantized and run.replay is not None,
+        keep=quantized and run.trainer.replay is not None,
         for_loss=cfg.algo.needs_old_logprobs,  # icepop masks on π_old / β
     )
     if metrics:
-        run.logger.log(metrics, step=run.state.global_update)
+        run.telemetry.logger.log(metrics, step=run.state.global_update)
     return old_logprobs
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,6 +41,8 @@ from megatron_mugrpo.algorithms.allocation import (
     num_rounds,
     total_budget,
 )
+from megatron_mugrpo.envs.episodes import StageEnv, env_metrics, episode_samples, stage_env
+from megatron_mugrpo.envs.registry import env_record
 from megatron_mugrpo.errors import MissingInputError
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
 from megatron_mugrpo.rewards.registry import RewardFn
@@ -109,12 +111,16 @@ def stage_identity(
     vocab_size: int,
     engine_name: str,
     routes: bool = False,
+    env: Any = None,
 ) -> StoreManifest:
     """The manifest a stage's store must have: what a resumed store is checked against. ``reward``
     names the reward and its options (``rewards.registry.reward_record``): other scores, another store.
     ``routes``: the engine records routes (``moe.routing_replay=rollout``); recorded only when on, so a
-    store with routes is never completed by shards without them, and stores without still resume."""
-    recorded = {"routes": True} if routes else {}
+    store with routes is never completed by shards without them, and stores without still resume.
+    ``env``: the run's ``env`` section; when enabled its settings are recorded the same way (a store of
+    multi-turn trajectories, ``rollout.store.holds_env``), so trajectories of another environment, limits
+    or corpus never complete it."""
+    recorded = ({"routes": True} if routes else {}) | ({"env": env_record(env)} if env and env.enabled else {})
     return store_identity(
         stage=stage,
         policy_version=policy_version,
@@ -164,6 +170,7 @@ def generate_planned(
     hosts: HostGroup,
     progress: ProgressCallback | None = None,
     on_shard_written: Callable[[int], None] | None = None,
+    env: Any = None,
 ) -> dict[str, float]:
     """Every host claims and writes the plan's missing shards; rank 0 then seals the store. Collective:
     every rank calls it, hosts with their engine, other ranks with ``engine=None``. The caller has
@@ -171,52 +178,70 @@ def generate_planned(
 
     ``prompts`` are the stage's B_train prompts (shard i holds ``prompts[i·S:(i+1)·S]``, S =
     cfg.shard_groups). ``on_shard_written(index)`` runs on the writing host after each shard (fault
-    injection in tests).
+    injection in tests). ``env``: the run's ``env`` section; when enabled, each host rolls out multi-turn
+    trajectories against the environment, which it holds for this call (``envs.episodes.stage_env``).
 
     Returns (on rank 0; other ranks get ``{}``): ``rollout/*`` metrics of the whole store (reward mean,
     solve-all/none fractions, response length, length-finish fraction, reason counts, test pass rate
     of rewards that run tests) and ``perf/*`` metrics of this call (generated tokens over all hosts,
     seconds, shards written and resumed, engines).
     """
-    started, tokens, written, seconds = time.perf_counter(), 0, 0, PhaseSeconds()
+    started, tokens, written, seconds, tally = time.perf_counter(), 0, 0, PhaseSeconds(), None
     if hosts.placement.is_host:
         if engine is None:
             raise ValueError(f"rank {hosts.placement.rank} hosts an engine but generate_planned() got engine=None")
         writer = ShardWriter(store_dir, plan.manifest)
-        for index in plan.missing:
-            with _adding(seconds, "store_write"):
-                claimed = writer.claim(index)
-            if not claimed:
-                continue  # another host took it
-            try:
-                tokens += _generate_shard(
-                    writer, index, engine, prompts, tokenizer, reward_fn, cfg, adv_eps, seed, progress, seconds
-                )
-            except BaseException:
-                writer.release(index)
-                raise
-            written += 1
-            if on_shard_written is not None:
-                on_shard_written(index)
-    counts = hosts.gather((tokens, written))  # rank 0 hears from every rank once all shards are written
+        with stage_env(env, tokenizer) if env is not None else nullcontext() as stage:
+            for index in plan.missing:
+                with _adding(seconds, "store_write"):
+                    claimed = writer.claim(index)
+                if not claimed:
+                    continue  # another host took it
+                try:
+                    tokens += _generate_shard(
+                        writer,
+                        index,
+                        engine,
+                        prompts,
+                        tokenizer,
+                        reward_fn,
+                        cfg,
+                        adv_eps,
+                        seed,
+                        progress,
+                        seconds,
+                        stage,
+                    )
+                except BaseException:
+                    writer.release(index)
+                    raise
+                written += 1
+                if on_shard_written is not None:
+                    on_shard_written(index)
+            tally = stage.tally.counts(seconds.sampling) if stage is not None else None
+    counts = hosts.gather((tokens, written, tally))  # rank 0 hears from every rank once all shards are written
     with _adding(seconds, "store_write"):
         manifest = seal_store(store_dir) if hosts.placement.rank == 0 and plan.missing else plan.manifest
     hosts.barrier()  # nobody opens the store before it is sealed
     if counts is None:
         return {}
     elapsed = time.perf_counter() - started
-    return _stage_metrics(
-        manifest,
-        tokens=sum(t for t, _ in counts),
-        seconds=elapsed,
-        resumed=manifest.num_shards - len(plan.missing),
-        engines=hosts.placement.num_engines,
-        per_engine=[counts[rank][1] for rank in hosts.placement.host_ranks],
-    ) | {
-        "perf/rollout_sampling_s": seconds.sampling,
-        "perf/stage_overhead_reward_s": seconds.reward,
-        "perf/stage_overhead_store_write_s": seconds.store_write,
-    }
+    return (
+        _stage_metrics(
+            manifest,
+            tokens=sum(t for t, _, _ in counts),
+            seconds=elapsed,
+            resumed=manifest.num_shards - len(plan.missing),
+            engines=hosts.placement.num_engines,
+            per_engine=[counts[rank][1] for rank in hosts.placement.host_ranks],
+        )
+        | env_metrics([t for _, _, t in counts if t is not None])
+        | {
+            "perf/rollout_sampling_s": seconds.sampling,
+            "perf/stage_overhead_reward_s": seconds.reward,
+            "perf/stage_overhead_store_write_s": seconds.store_write,
+        }
+    )
 
 
 @contextmanager
@@ -242,6 +267,7 @@ def _generate_shard(
     seed: int,
     progress: ProgressCallback | None,
     seconds: PhaseSeconds,
+    env: StageEnv | None = None,
 ) -> int:
     """Generate, score and write shard ``index``; returns its response tokens."""
     manifest = writer.manifest
@@ -255,6 +281,7 @@ def _generate_shard(
         vocab_size=manifest.vocab_size,
         progress=progress,
         seconds=seconds,
+        env=env,
     )
     for group in groups:
         group.stage, group.policy_version = manifest.stage, manifest.policy_version
@@ -275,14 +302,33 @@ def generate_groups(
     vocab_size: int,
     progress: ProgressCallback | None = None,
     seconds: PhaseSeconds | None = None,
+    env: StageEnv | None = None,
 ) -> list[RolloutGroup]:
     """Sample, decode and score the responses of some prompts (fixed G or VIGOR rounds).
 
     ``seeds`` identifies the call (e.g. (seed, stage, shard)); round r samples with a seed derived
     from seeds + (r,). Advantages are left at 0 (the caller normalises once allocation is final).
-    ``seconds`` (optional) gets the time spent sampling and scoring added.
+    ``seconds`` (optional) gets the time spent sampling and scoring added. With ``env``, each prompt gets
+    G multi-turn trajectories against the environment instead (fixed allocation, one round).
     """
     pending = [_Pending(record, []) for record in records]
+    if env is not None:
+        params = SamplingParams(
+            temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=derive_seed(*seeds, 0)
+        )
+        with _adding(seconds, "sampling"):  # environment calls included: they are the trajectories' time
+            samples = episode_samples(
+                engine,  # type: ignore[arg-type]  # the config allows multi-turn engines only
+                env,
+                records,
+                group_size=cfg.group_size,
+                params=params,
+                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                reward_fn=reward_fn,
+            )
+        for p, group_samples in zip(pending, samples):
+            p.samples = group_samples
+        return _groups(pending)
     budget = total_budget(len(records), cfg)
     extra = initial_allocation(len(records), cfg)
     for round_index in range(num_rounds(cfg) + 1):
@@ -298,6 +344,10 @@ def generate_groups(
             seed=derive_seed(*seeds, round_index),
         )
         _sample_round(engine, pending, extra, params, tokenizer, reward_fn, vocab_size, progress, seconds)
+    return _groups(pending)
+
+
+def _groups(pending: list[_Pending]) -> list[RolloutGroup]:
     return [
         RolloutGroup(
             prompt_id=p.record.prompt_id,

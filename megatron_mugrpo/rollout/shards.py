@@ -13,6 +13,11 @@ token ids as int32, rewards and advantages as float64.
 A log-prob shard (``LOGPROB_SCHEMA``, ``write_logprob_shard`` / ``map_logprob_shard``) holds one row per
 group of the rollout shard it belongs to: [response][token] float32 log-probs (the stage reference's
 log π_old). The replay buffer's copies may carry them too (``groups_to_table(..., old_logprobs=True)``).
+
+Multi-turn trajectories (``env.enabled``) add three columns (``TRAJECTORY_FIELDS``, ``shard_schema``):
+every response's policy mask (int8, 1 where the policy sampled the token), its turns as flat
+[start, end, start, end, ...] int32 offsets, and its environment calls' seconds (float64). A shard holds
+them for all its responses or for none; they sit inside the shard file, under its checksum.
 """
 
 from __future__ import annotations
@@ -50,6 +55,33 @@ SCHEMA_WITH_OLD = SCHEMA.append(OLD_LOGPROBS_FIELD)
 """A shard of groups that also carry log π_old (the replay buffer's copies of a quantized stage)."""
 LOGPROB_SCHEMA = pa.schema([OLD_LOGPROBS_FIELD])
 """One row per group: its responses' log-probs, [response][token]."""
+TRAJECTORY_FIELDS = (
+    pa.field("policy_mask", pa.list_(pa.list_(pa.int8()))),
+    pa.field("turns", pa.list_(pa.list_(pa.int32()))),
+    pa.field("env_seconds", pa.list_(pa.list_(pa.float64()))),
+)
+"""[response][token] policy mask, [response][2·turn] turn offsets, [response][call] environment seconds."""
+
+
+def shard_schema(*, trajectories: bool = False, old_logprobs: bool = False) -> pa.Schema:
+    """The columns of a shard: SCHEMA, plus log π_old (the replay buffer's copies), plus the trajectory
+    columns (multi-turn rollouts)."""
+    schema = SCHEMA_WITH_OLD if old_logprobs else SCHEMA
+    for extra in TRAJECTORY_FIELDS if trajectories else ():
+        schema = schema.append(extra)
+    return schema
+
+
+def holds_trajectories(groups: Sequence[RolloutGroup]) -> bool:
+    """Whether the groups' responses are multi-turn trajectories; StoreError when only some are."""
+    flags = [s.policy_mask is not None for g in groups for s in g.samples]
+    if any(flags) and not all(flags):
+        raise StoreError(
+            f"{flags.count(False)} of {len(flags)} responses are single-turn among multi-turn trajectories; a "
+            "shard holds trajectories for every response or for none"
+        )
+    return bool(flags) and all(flags)
+
 
 _SAMPLE_COLUMNS = (
     ("response_ids", "response_ids"),
@@ -70,8 +102,10 @@ class StoreError(InputError, RuntimeError):
 
 def groups_to_table(groups: Sequence[RolloutGroup], *, old_logprobs: bool = False) -> pa.Table:
     """One Arrow row per group (see SCHEMA); with ``old_logprobs`` also their log π_old (SCHEMA_WITH_OLD,
-    null for a group whose responses carry none)."""
-    schema = SCHEMA_WITH_OLD if old_logprobs else SCHEMA
+    null for a group whose responses carry none); multi-turn trajectories also get their columns
+    (``TRAJECTORY_FIELDS``)."""
+    trajectories = holds_trajectories(groups)
+    schema = shard_schema(trajectories=trajectories, old_logprobs=old_logprobs)
     columns: dict[str, list[Any]] = {name: [] for name in schema.names}
     for g in groups:
         columns["prompt_id"].append(g.prompt_id)
@@ -84,12 +118,17 @@ def groups_to_table(groups: Sequence[RolloutGroup], *, old_logprobs: bool = Fals
         if old_logprobs:
             carried = all(s.old_logprobs is not None for s in g.samples)
             columns["old_logprobs"].append([s.old_logprobs for s in g.samples] if carried else None)
+        if trajectories:
+            columns["policy_mask"].append([s.policy_mask for s in g.samples])
+            columns["turns"].append([[o for turn in s.turns or [] for o in turn] for s in g.samples])
+            columns["env_seconds"].append([s.env_seconds or [] for s in g.samples])
     return pa.Table.from_pydict(columns, schema=schema)
 
 
 def row_to_group(row: dict[str, Any]) -> RolloutGroup:
     """Inverse of one row of ``groups_to_table``."""
-    old = row.get("old_logprobs") or [None] * len(row["response_ids"])
+    responses = len(row["response_ids"])
+    old = row.get("old_logprobs") or [None] * responses
     samples = [
         RolloutSample(
             response_ids=ids,
@@ -99,8 +138,11 @@ def row_to_group(row: dict[str, Any]) -> RolloutGroup:
             reward_reason=reason,
             advantage=adv,
             old_logprobs=old_lps,
+            **trajectory,
         )
-        for ids, lps, reward, reason, adv, finish, old_lps in zip(*(row[name] for name, _ in _SAMPLE_COLUMNS), old)
+        for ids, lps, reward, reason, adv, finish, old_lps, trajectory in zip(
+            *(row[name] for name, _ in _SAMPLE_COLUMNS), old, _trajectory_fields(row, responses)
+        )
     ]
     return RolloutGroup(
         prompt_id=row["prompt_id"],
@@ -110,6 +152,16 @@ def row_to_group(row: dict[str, Any]) -> RolloutGroup:
         stage=row["stage"],
         policy_version=row["policy_version"],
     )
+
+
+def _trajectory_fields(row: dict[str, Any], responses: int) -> list[dict[str, Any]]:
+    """Each response's policy mask, turns and environment seconds (empty dicts for single-turn rows)."""
+    if "policy_mask" not in row:
+        return [{}] * responses
+    return [
+        {"policy_mask": mask, "turns": list(zip(offsets[::2], offsets[1::2])), "env_seconds": seconds}
+        for mask, offsets, seconds in zip(row["policy_mask"], row["turns"], row["env_seconds"])
+    ]
 
 
 def write_table(path: Path, table: pa.Table) -> durable.Checksum:
@@ -201,6 +253,8 @@ def _validate_sample(sample: RolloutSample, vocab_size: int, where: str) -> None
         raise StoreError(f"{where}: reward {sample.reward} / advantage {sample.advantage} must be finite")
     if sample.finish_reason not in FINISH_REASONS:
         raise StoreError(f"{where}: finish_reason {sample.finish_reason!r} is not one of {FINISH_REASONS}")
+    if sample.policy_mask is not None and not (sample.policy_mask[0] == 1 == sample.policy_mask[-1]):
+        raise StoreError(f"{where}: a trajectory starts and ends with a policy turn (policy_mask 1)")
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:

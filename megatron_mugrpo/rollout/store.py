@@ -94,9 +94,11 @@ from megatron_mugrpo.rollout.manifest import (
 from megatron_mugrpo.rollout.routes import group_routes, routes_schema, shard_routes, write_routes
 from megatron_mugrpo.rollout.shards import (
     StoreError,
+    holds_trajectories,
     map_logprob_shard,
     map_shard,
     row_to_group,
+    shard_schema,
     validate_group,
     write_logprob_shard,
     write_shard,
@@ -241,6 +243,12 @@ def _check_same_identity(
             )
 
 
+def holds_env(manifest: StoreManifest) -> bool:
+    """Whether the store's responses are multi-turn trajectories (its sampling record names the environment,
+    ``rollout.generate.stage_identity``): their shards carry the trajectory columns (``rollout.shards``)."""
+    return manifest.sampling.get("env") is not None
+
+
 class ShardWriter:
     """One host's writer: claims shards and writes each (shard file, then its record, both durably)."""
 
@@ -283,6 +291,12 @@ class ShardWriter:
                     f"{group.policy_version}, but {self.store_dir} holds stage {self.manifest.stage} / "
                     f"policy version {self.manifest.policy_version}"
                 )
+        if holds_trajectories(groups) != holds_env(self.manifest):
+            raise StoreError(
+                f"shard {index} of {self.store_dir}: the store was planned "
+                f"{'with' if holds_env(self.manifest) else 'without'} an environment (its sampling record's "
+                "'env'), and its shards must hold multi-turn trajectories exactly when it was"
+            )
         routes = shard_routes(groups, where=f"shard {index} of {self.store_dir}")
         name = SHARD_PATTERN.format(index)
         info = ShardInfo(
@@ -443,7 +457,8 @@ class RolloutStore:
         if position not in self._mapped:
             info = self.manifest.shards[position]
             try:
-                self._mapped[position] = map_shard(self.store_dir / info.file, groups=info.groups)
+                schema = shard_schema(trajectories=holds_env(self.manifest))
+                self._mapped[position] = map_shard(self.store_dir / info.file, groups=info.groups, schema=schema)
             except StoreError as exc:
                 raise StoreError(f"{exc}; rerun the stage to regenerate it") from exc
         return self._mapped[position]
