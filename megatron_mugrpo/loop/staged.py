@@ -31,7 +31,7 @@ from megatron_mugrpo.loop.actions import (
     train_on_groups,
 )
 from megatron_mugrpo.loop.data import StageData
-from megatron_mugrpo.loop.engines import behaviour_policy, release_engine, sync_engine
+from megatron_mugrpo.loop.engines import behaviour_policy, release_engine, restart_metrics, sync_engine
 from megatron_mugrpo.loop.export import export_final
 from megatron_mugrpo.loop.run import Run
 from megatron_mugrpo.metrics import progress
@@ -131,6 +131,7 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
             on_shard_written=lambda index: shard_written(run, stage, index),
             env=cfg.env,  # multi-turn trajectories when env.enabled (the environment lives for this call)
         )
+    metrics |= restart_metrics(run)  # engines the watchdog replaced (rollout.max_restarts), over every host
     with overhead_part(parts, "engine_release"):
         release_engine(run)  # free every engine's memory for the optimizer phase (where that frees any)
     with overhead_part(parts, "store_open"):
