@@ -32,21 +32,16 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from common import free_port, mean
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGED = ROOT / "configs" / "demo_cpu.yaml"
 ASYNC = ROOT / "configs" / "demo_async_cpu.yaml"
 CORES = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def command(mode: str, run_dir: Path, overrides: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -60,7 +55,7 @@ def command(mode: str, run_dir: Path, overrides: list[str]) -> tuple[list[str], 
         return [sys.executable, *train], env
     env["OMP_NUM_THREADS"] = "1"  # one core for the rollout worker, one for the trainer
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(CORES)]
-    launcher += ["--master_port", str(_free_port())]
+    launcher += ["--master_port", str(free_port())]
     return [*launcher, *train, f"async.rollout_ranks={CORES - 1}"], env
 
 
@@ -83,7 +78,7 @@ def run(mode: str, run_dir: Path, overrides: list[str]) -> dict[str, float]:
         "acc_before": evals[0]["eval/avg_pass@1"],
         "acc": last["eval/avg_pass@1"],
         "dropped": sum(r.get("rollout/dropped_groups", 0.0) for r in records),
-        "lag_mean": _mean([r["rollout/lag_mean"] for r in records if "rollout/lag_mean" in r]),
+        "lag_mean": mean([r["rollout/lag_mean"] for r in records if "rollout/lag_mean" in r]),
     }
 
 
@@ -93,10 +88,6 @@ def _first_wait(mode: str, records: list[dict]) -> float:
     if mode == "staged":
         return next(r["perf/t_rollout_s"] for r in records if r.get("perf/t_rollout_s", 0.0) > 0.0)
     return next(r["perf/sample_wait_s"] for r in records if r["step"] == 1 and "perf/sample_wait_s" in r)
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 def main() -> int:

@@ -47,8 +47,10 @@ from pathlib import Path
 _HERE, _ROOT = Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_ROOT))
+sys.path.append(str(_HERE))  # last, for the benchmarks' shared set-up (``common``) only
 
 import torch  # noqa: E402
+from common import best_time  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 
@@ -67,18 +69,6 @@ def _build_hf_dir(out: Path, *, hidden: int, layers: int, vocab: int, seed: int)
     )
     model.save_pretrained(str(out), safe_serialization=True)
     return sum(p.numel() * p.element_size() for p in model.state_dict().values())
-
-
-def _best_time(fn: Callable[[int], object], repeats: int, cleanup: Callable[[int], None] | None = None) -> float:
-    """Fastest of ``repeats`` timed calls ``fn(i)`` (the machine is shared: the minimum is the signal)."""
-    times = []
-    for i in range(repeats):
-        start = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - start)
-        if cleanup is not None:
-            cleanup(i)
-    return min(times)
 
 
 def _raw_copy(src: Path, dst: Path) -> None:
@@ -122,15 +112,11 @@ def _megatron_to_hf(root: Path, out: Path, groups) -> None:
 
 def _policy_with_adam_state(hf_dir: Path, groups):
     """A trainable policy (DDP + Adam) loaded from ``hf_dir`` whose optimizer state exists (one zero-grad step)."""
-    from megatron_mugrpo.conversion.hf_io import load_hf_config
-    from megatron_mugrpo.conversion.live import load_hf_into_model
+    from megatron_mugrpo.conversion import load_hf_policy
 
     from megatron_mugrpo.training.optimizer import OptimConfig
-    from megatron_mugrpo.training.setup import build_policy
 
-    policy = build_policy(load_hf_config(hf_dir), groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-6))
-    load_hf_into_model(policy.unwrapped(), hf_dir, groups)
-    policy.weights_loaded()
+    policy = load_hf_policy(hf_dir, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-6))
     for chunk in policy.model_chunks:
         chunk.zero_grad_buffer()
     policy.optimizer.step()
@@ -233,7 +219,12 @@ def main() -> None:
     groups = parallel.initialize_parallel(1, 1, seed=0)
     work = Path(tempfile.mkdtemp(prefix="mugrpo-bench-", dir=args.workdir))
     reps = args.repeats
-    rm = lambda path: lambda i: shutil.rmtree(work / f"{path}{i}", ignore_errors=True)  # noqa: E731
+
+    def timed(fn: Callable[[], object], written: str | None = None) -> float:
+        """Best of ``reps`` calls; ``written``: the directory under ``work`` each call writes, removed after it."""
+        cleanup = (lambda: shutil.rmtree(work / written, ignore_errors=True)) if written else None
+        return best_time(fn, reps, cleanup=cleanup)[0]
+
     try:
         warm = work / "warm"
         _build_hf_dir(warm / "hf", hidden=64, layers=2, vocab=256, seed=0)
@@ -244,28 +235,26 @@ def main() -> None:
         nbytes = _build_hf_dir(hf, hidden=args.hidden, layers=args.layers, vocab=args.vocab, seed=0)
         gb = nbytes / 1e9
         _hf_to_megatron(hf, work / "mg_src", groups)  # the input of megatron -> hf (untimed)
-        raw_s = _best_time(lambda i: _raw_copy(hf, work / f"raw{i}"), reps, rm("raw"))
-        to_mg_s = _best_time(lambda i: _hf_to_megatron(hf, work / f"mg{i}", groups), reps, rm("mg"))
-        to_hf = lambda i: _megatron_to_hf(work / "mg_src", work / f"hf_back{i}", groups)  # noqa: E731
-        to_hf_s = _best_time(to_hf, reps, rm("hf_back"))
+        raw_s = timed(lambda: _raw_copy(hf, work / "raw"), "raw")
+        to_mg_s = timed(lambda: _hf_to_megatron(hf, work / "mg", groups), "mg")
+        to_hf_s = timed(lambda: _megatron_to_hf(work / "mg_src", work / "hf_back", groups), "hf_back")
 
         policy = _policy_with_adam_state(hf, groups)
         tensors = _checkpoint_tensors(policy)
         ck_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         ck_gb = ck_bytes / 1e9
-        raw_write = lambda fsync: lambda i: _raw_write(tensors, work / f"rawck{i}", fsync=fsync)  # noqa: E731
-        raw_write_s = _best_time(raw_write(False), reps, rm("rawck"))
-        raw_write_fsync_s = _best_time(raw_write(True), reps, rm("rawck"))
+        raw_write_s = timed(lambda: _raw_write(tensors, work / "rawck", fsync=False), "rawck")
+        raw_write_fsync_s = timed(lambda: _raw_write(tensors, work / "rawck", fsync=True), "rawck")
         _raw_write(tensors, work / "rawread", fsync=False)
-        raw_read_s = _best_time(lambda i: _read_bytes(work / "rawread" / "ck.safetensors"), reps)
+        raw_read_s = timed(lambda: _read_bytes(work / "rawread" / "ck.safetensors"))
         tensors.clear()
-        save_s = _best_time(lambda i: _save(policy, work / f"ck{i}", 10, groups), reps, rm("ck"))
-        save_nofsync_s = _best_time(lambda i: _save(policy, work / f"ck{i}", 10, groups, fsync=False), reps, rm("ck"))
+        save_s = timed(lambda: _save(policy, work / "ck", 10, groups), "ck")
+        save_nofsync_s = timed(lambda: _save(policy, work / "ck", 10, groups, fsync=False), "ck")
         blocked_s, async_total_s = _async_block(policy, work / "ck_async", 100, groups)
         step_dir = _save(policy, work / "ck_load", 10, groups)
         on_disk = _dir_bytes(step_dir)
         files = [p for p in step_dir.rglob("*") if p.is_file()]
-        hash_s = _best_time(lambda i: checkpoint_digests.hash_files(files), reps)
+        hash_s = timed(lambda: checkpoint_digests.hash_files(files))
         load_times, load_nv_times = [], []
         for _ in range(reps):
             _load(step_dir, hf, groups, verify=True)

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from common import best_time, prompt_pool
+from transformers import AutoTokenizer
 
 from megatron_mugrpo.algorithms.rollout_correction import mismatch_metrics
 from megatron_mugrpo.rollout.engine import SamplingParams
@@ -42,7 +43,6 @@ from megatron_mugrpo.rollout.quantization import (
     load_behaviour_policy,
     quantization_scheme,
 )
-from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
 
 HEADLINE_SCHEME = "fp8"
@@ -69,26 +69,10 @@ def demo_model(target: Path, steps: int) -> Path:
     return prepare_base_model(load_config(config, [f"warmstart.steps={steps}"]), target)
 
 
-def prompt_pool(hf_dir: Path, count: int) -> list[list[int]]:
-    """Built-in arithmetic prompts (training split) in the model's own tokenizer."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-    rows = builtin_problems("addition", count, seed=0, split="train")
-    return [tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in rows]
-
-
 def timed_generate(engine: TransformersEngine, prompts: list[list[int]], params: SamplingParams, repeats: int):
     """(generations of the last run, best wall seconds over ``repeats`` runs)."""
-    best, groups = float("inf"), None
-    for _ in range(repeats):
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        groups = engine.generate(prompts, 1, params)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+    cuda = engine.device.type == "cuda"
+    best, groups = best_time(lambda: engine.generate(prompts, 1, params), repeats, cuda=cuda)
     return [g[0] for g in groups], best
 
 
@@ -135,7 +119,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(args.hf_dir) if args.hf_dir else demo_model(Path(tmp) / "demo", args.warmstart_steps)
-        pool = prompt_pool(hf_dir, max(args.batch, args.calibration_prompts))
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+        pool = prompt_pool(max(args.batch, args.calibration_prompts), task="addition", tokenizer=tokenizer)
         prompts, calibration = pool[: args.batch], pool[: args.calibration_prompts]
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=0)
 

@@ -24,11 +24,11 @@ import argparse
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import best_time
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -86,15 +86,9 @@ def materialised(impl: str, logits: Tensor, t: Tensor, g: Upstream) -> tuple[Ten
 
 
 def timed(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Best of ``repeats`` calls after one untimed warm-up (Triton compiles on the first)."""
     fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - begin)
-    return best
+    return best_time(fn, repeats, cuda=True)[0]
 
 
 def benchmark_ratios(stdout: str) -> dict[str, float]:

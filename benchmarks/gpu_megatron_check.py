@@ -55,9 +55,9 @@ def main() -> int:
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from gpu_rollout_check import build_model_dir, rollout_groups
-    from megatron_mugrpo.conversion import export_hf, load_hf_into_model
-    from megatron_mugrpo.conversion.hf_io import load_hf_config
+    from common import prompt_pool, tiny_model_dir
+    from gpu_rollout_check import rollout_groups
+    from megatron_mugrpo.conversion import export_hf, load_hf_policy
     from transformers import Qwen2ForCausalLM
 
     from megatron_mugrpo.algorithms.config import AlgoConfig
@@ -66,7 +66,6 @@ def main() -> int:
     from megatron_mugrpo.rollout.transformers_engine import teacher_forced_logprobs
     from megatron_mugrpo.training.optimizer import OptimConfig
     from megatron_mugrpo.training.parallel import initialize_parallel
-    from megatron_mugrpo.training.setup import build_policy
     from megatron_mugrpo.training.train_step import forward_logprobs, train_step
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,14 +73,12 @@ def main() -> int:
     print(f"device={name} torch={torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
-        build_args = argparse.Namespace(hidden=args.hidden, layers=args.layers, prompts=args.prompts)
-        prompts = build_model_dir(model_dir, build_args)
-        hf_config = load_hf_config(model_dir)
+        tiny_model_dir(model_dir, hidden=args.hidden, layers=args.layers)
+        prompts = prompt_pool(args.prompts)
         groups = initialize_parallel(1, 1, seed=0)
         print(f"backend={torch.distributed.get_backend()}")
-        policy = build_policy(hf_config, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-4))
-        load_hf_into_model(policy.unwrapped(), model_dir, policy.groups)
-        policy.weights_loaded()
+        policy = load_hf_policy(model_dir, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-4))
+        hf_config = policy.hf_config
 
         generator = torch.Generator().manual_seed(0)
         vocab = int(hf_config["vocab_size"])

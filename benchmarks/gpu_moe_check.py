@@ -111,9 +111,9 @@ def parse_args() -> argparse.Namespace:
 
 def build_moe_dir(out_dir: Path, args: argparse.Namespace) -> tuple[dict, list[list[int]]]:
     """The tiny Qwen3-MoE (float32) with the character tokenizer in ``out_dir``; (config.json, prompts)."""
+    from common import prompt_pool
     from megatron_mugrpo.conversion.hf_io import load_hf_config
 
-    from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
     from megatron_mugrpo.training.tiny import tiny_hf_dir
 
     def decisive_routers(model: torch.nn.Module) -> None:
@@ -135,9 +135,7 @@ def build_moe_dir(out_dir: Path, args: argparse.Namespace) -> tuple[dict, list[l
         moe_intermediate_size=args.hidden // 2,
         max_position_embeddings=512,
     )
-    tokenizer = build_char_tokenizer()
-    rows = builtin_problems("arithmetic", args.prompts, seed=0, split="train")
-    return load_hf_config(out_dir), [tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in rows]
+    return load_hf_config(out_dir), prompt_pool(args.prompts)
 
 
 def scripted_batch(prompts: list[list[int]], vocab: int, args: argparse.Namespace):

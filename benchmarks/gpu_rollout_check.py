@@ -64,28 +64,6 @@ def free_gib() -> float:
     return torch.cuda.mem_get_info()[0] / 2**30
 
 
-def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
-    """A random float32 Qwen2 (head_dim 64, supported by every SGLang attention backend) over the
-    character tokenizer, saved with it in ``out_dir``, and the tokenized prompts."""
-    from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
-    from megatron_mugrpo.training.tiny import tiny_hf_dir
-
-    tiny_hf_dir(
-        out_dir,
-        seed=0,
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=max(1, args.hidden // 128),
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    tokenizer = build_char_tokenizer()
-    rows = builtin_problems("arithmetic", args.prompts, seed=0, split="train")
-    return [tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in rows]
-
-
 def sync(policy, hf_config, engine) -> tuple[float, int]:
     """export_hf → engine.load_weights; returns (seconds, bytes)."""
     from megatron_mugrpo.conversion import export_hf
@@ -166,8 +144,8 @@ def main() -> int:
     if importlib.util.find_spec("megatron") is None:
         print("megatron-core is not installed (pip install 'megatron-core>=0.16.1'): nothing to check")
         return 0
-    from megatron_mugrpo.conversion import load_hf_into_model
-    from megatron_mugrpo.conversion.hf_io import load_hf_config
+    from common import prompt_pool, tiny_model_dir
+    from megatron_mugrpo.conversion import load_hf_policy
 
     from megatron_mugrpo.algorithms.config import AlgoConfig
     from megatron_mugrpo.records import collate
@@ -177,17 +155,16 @@ def main() -> int:
     from megatron_mugrpo.rollout.sglang_engine import SGLangEngineConfig
     from megatron_mugrpo.training.optimizer import OptimConfig
     from megatron_mugrpo.training.parallel import initialize_parallel
-    from megatron_mugrpo.training.setup import build_policy
     from megatron_mugrpo.training.train_step import train_step
 
     print(f"device={torch.cuda.get_device_name()} torch={torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
-        prompts = build_model_dir(model_dir, args)
-        hf_config = load_hf_config(model_dir)
+        tiny_model_dir(model_dir, hidden=args.hidden, layers=args.layers)  # head_dim 64: every SGLang backend
+        prompts = prompt_pool(args.prompts)
         groups = initialize_parallel(1, 1, seed=0)
-        policy = build_policy(hf_config, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-4))
-        load_hf_into_model(policy.unwrapped(), model_dir, policy.groups)
+        policy = load_hf_policy(model_dir, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=1e-4))
+        hf_config = policy.hf_config
         with torch.no_grad():  # the engine starts from model_dir; only a working sync gives it these weights
             for param in (p for chunk in policy.unwrapped() for p in chunk.parameters()):
                 param.mul_(1.05)

@@ -134,23 +134,19 @@ def generate_stage(args: argparse.Namespace, hf_dir: Path) -> tuple[list[Rollout
     return groups, routes, recorder.bytes_per_token
 
 
-def trainer_policies(config: dict, hf_dir: Path) -> dict:
+def trainer_policies(hf_dir: Path) -> dict:
     """Two float32 Megatron policies loaded from ``hf_dir``: moe.routing_replay none and rollout."""
-    from megatron_mugrpo.conversion import load_hf_into_model
+    from megatron_mugrpo.conversion import load_hf_policy
 
     from megatron_mugrpo.training.moe import MoeConfig
     from megatron_mugrpo.training.parallel import initialize_parallel
-    from megatron_mugrpo.training.setup import build_policy
 
     groups = initialize_parallel(1, 1, seed=0)
     policies = {}
     for mode in ("none", "rollout"):
-        policy = build_policy(
-            config, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR), moe=MoeConfig(routing_replay=mode)
+        policies[mode] = load_hf_policy(
+            hf_dir, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR), moe=MoeConfig(routing_replay=mode)
         )
-        load_hf_into_model(policy.unwrapped(), hf_dir, groups)
-        policy.weights_loaded()
-        policies[mode] = policy
     return policies
 
 
@@ -176,13 +172,13 @@ def main() -> None:
     os.environ.setdefault("RANK", "0")
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "tiny_moe"
-        config = tiny_moe(args, hf_dir)
+        tiny_moe(args, hf_dir)
         started = time.perf_counter()
         groups, routes, bytes_per_token = generate_stage(args, hf_dir)
         generate_s = time.perf_counter() - started
         batch = collate(groups, pad_id=0)
         batch = dataclasses.replace(batch, routes=pad_routes(routes, batch.tokens.shape[1]))
-        policies = trainer_policies(config, hf_dir)
+        policies = trainer_policies(hf_dir)
         first = {mode: update(policy, batch, args.micro_batch) for mode, policy in policies.items()}
         seconds: dict[str, list[float]] = {mode: [] for mode in policies}
         for _ in range(args.updates):

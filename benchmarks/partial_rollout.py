@@ -31,12 +31,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import zlib
 from pathlib import Path
 from typing import Any
+
+from common import free_port, mean
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGED = ROOT / "configs" / "demo_cpu.yaml"
@@ -108,17 +109,11 @@ def register_long_tailed() -> None:
     register_engine("long_tailed", LongTailed, TransformersEngineConfig)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run(run_dir: Path, overrides: list[str]) -> dict[str, float]:
     """One async run under torchrun (this file as the entry point); its figures from metrics.jsonl."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(CORES)]
-    cmd += ["--master_port", str(_free_port()), str(Path(__file__).resolve()), "--child", "train"]
+    cmd += ["--master_port", str(free_port()), str(Path(__file__).resolve()), "--child", "train"]
     cmd += ["--config", str(ASYNC), "--run-dir", str(run_dir), "logging.progress_bars=false"]
     cmd += ["rollout.engine=long_tailed", f"async.rollout_ranks={CORES - 1}", *overrides]
     subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -134,14 +129,10 @@ def run(run_dir: Path, overrides: list[str]) -> dict[str, float]:
         "idle": waiting / (waiting + training),
         "idle_after_first": (waiting - first) / (waiting - first + training),
         "generate_s": sum(shard["generate_s"] for shard in shards),
-        "token_lag": _mean([r["rollout/token_lag_mean"] for r in updates]),
-        "group_lag": _mean([r["rollout/lag_mean"] for r in updates]),
+        "token_lag": mean([r["rollout/token_lag_mean"] for r in updates]),
+        "group_lag": mean([r["rollout/lag_mean"] for r in updates]),
         "dropped": sum(r.get("rollout/dropped_groups", 0.0) for r in updates),
     }
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 def main() -> int:

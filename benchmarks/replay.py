@@ -45,6 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
+from common import mean_std  # noqa: E402
+
 from megatron_mugrpo.commands import train_argv  # noqa: E402
 
 CONFIG = ROOT / "configs" / "demo_grpo_cpu.yaml"
@@ -99,13 +101,6 @@ def replay_summary(records: list[dict]) -> dict[str, float]:
     skipped = [r["replay/recheck_skipped"] for r in records if "replay/recheck_skipped" in r]
     out["replay/recheck_skipped"] = float(sum(skipped))
     return out
-
-
-def mean_std(values: list[float]) -> str:
-    if not values:
-        return "-"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.3f} ± {std:.3f}"
 
 
 def main() -> int:

@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import os
 import shutil
-import socket
 import tempfile
 import time
 import warnings
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import free_port
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_mugrpo.durable import Checksum
@@ -148,12 +148,6 @@ def run_engines(world: int, model_dir: Path, store_dir: Path, prompts, args) -> 
     reports = sorted(results.get() for _ in range(world))
     _, seconds, _, tokens, most = reports[0]
     return {"seconds": seconds, "tokens": tokens, "most_shards": most, "cpu_max": max(r[2] for r in reports)}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def checksums(store_dir: Path) -> str:

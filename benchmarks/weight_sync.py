@@ -27,15 +27,15 @@ import pstats
 import shutil
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 _HERE, _ROOT = Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_ROOT))
+sys.path.append(str(_HERE))  # last, for the benchmarks' shared set-up (``common``) only
 
 import torch  # noqa: E402
+from common import best_time  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 
@@ -49,18 +49,9 @@ def _conversion_benchmark():
     return module
 
 
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def _raw_write_time(tensors: dict[str, torch.Tensor], path: Path, repeats: int) -> float:
     contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
-    return _best_time(lambda: save_file(contiguous, str(path)), repeats)
+    return best_time(lambda: save_file(contiguous, str(path)), repeats)[0]
 
 
 def _copied_bytes(exported: dict[str, torch.Tensor], chunks: list[torch.nn.Module]) -> int:
@@ -146,8 +137,8 @@ def main() -> None:
             sync()
 
         sync()  # warm-up
-        sync_s = _best_time(sync, args.repeats)
-        rebuild_s = _best_time(sync_after_release, args.repeats)
+        sync_s = best_time(sync, args.repeats)[0]
+        rebuild_s = best_time(sync_after_release, args.repeats)[0]
         raw_s = _raw_write_time(exported, work / "raw.safetensors", args.repeats)
         copied = _copied_bytes(exported, chunks)
         exported.clear()

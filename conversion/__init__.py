@@ -2,7 +2,7 @@
 
 - ``mappings``: the declarative name map per architecture (Qwen2, Llama, Qwen3);
 - ``fused``: one pure function pair per fused tensor (QKV interleave, gated fc1, vocab padding);
-- ``live``: ``load_hf_into_model`` / ``export_hf`` on a live TP/PP-sharded model;
+- ``live``: ``load_hf_into_model`` / ``export_hf`` on a live TP/PP-sharded model, ``load_hf_policy``;
 - ``hf_io`` / ``megatron_io``: HF directories and Megatron step directories on disk;
 - ``convert`` / ``verify`` / ``cli``: whole-checkpoint conversion, the logit check
   (``megatron_mugrpo.conversion.verify.verify``), ``mugrpo convert``.
@@ -23,6 +23,7 @@ _EXPORTS = {
     "load_hf_into_model": "megatron_mugrpo.conversion.live",
     "export_hf": "megatron_mugrpo.conversion.live",
     "export_policy": "megatron_mugrpo.conversion.live",
+    "load_hf_policy": "megatron_mugrpo.conversion.live",
     "save_hf_dir": "megatron_mugrpo.conversion.hf_io",
     "HfCheckpoint": "megatron_mugrpo.conversion.hf_io",
     "hf_to_megatron": "megatron_mugrpo.conversion.convert",

@@ -270,3 +270,18 @@ def export_policy(
     for _ in tensors:  # take part in the export's collectives
         pass
     return None
+
+
+def load_hf_policy(hf_dir: str | Path, *, groups: ParallelGroups, **build: Any) -> Policy:
+    """This rank's policy built from a Hugging Face directory's config.json and holding its weights.
+
+    ``build`` goes to ``training.setup.build_policy`` (``dtype``, ``optim``, ``moe``, ...). One call
+    instead of build + ``load_hf_into_model`` + ``weights_loaded``, so no caller forgets that an
+    optimizer's fp32 main copies must re-read the loaded weights."""
+    from megatron_mugrpo.training.setup import build_policy  # the trainer's heavy modules, on first use only
+
+    ckpt = HfCheckpoint(hf_dir)
+    policy = build_policy(ckpt.config, groups=groups, **build)
+    load_hf_into_model(policy.unwrapped(), ckpt, groups)
+    policy.weights_loaded()
+    return policy
