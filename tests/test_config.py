@@ -114,6 +114,7 @@ def test_grid_covers_every_paper_file() -> None:
     # Table 2's asynchronous runs (tests/asynchronous/test_async_config.py checks them).
     grid |= {CONFIGS / "paper" / f"qwen2.5_math_7b__{method}.yaml" for method in ("async_grpo", "async_mu_grpo")}
     grid |= {CONFIGS / "paper" / f"qwen2.5_coder_7b__{method}.yaml" for method in ("mu_grpo", "grpo")}  # coding
+    grid |= {CONFIGS / "paper" / "qwen2.5_7b__search_mu_grpo.yaml"}  # agentic search: tests/envs/
     grid |= {CONFIGS / "paper" / f"{m}__{method}.yaml" for m in MOE_PAPER_MODELS for method in MOE_PAPER_METHODS}
     assert set(YAMLS) - set(NON_PAPER_YAMLS) == grid
 

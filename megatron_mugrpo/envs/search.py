@@ -26,6 +26,7 @@ import json
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,14 @@ ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 INFO_HEAD, INFO_TAIL = "\n\n<information>", "</information>\n\n"
 _SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+PLACEHOLDER_SUFFIX = ".invalid"
+"""A host under the reserved ``.invalid`` domain (RFC 2606) is a placeholder (``configs/paper/``'s
+``http://retriever.invalid:8000``): refused until a real retrieval server's address replaces it."""
+
+
+def is_placeholder_url(url: str) -> bool:
+    """Whether ``url`` is a placeholder (its host is under ``.invalid``)."""
+    return (urllib.parse.urlsplit(url).hostname or "").endswith(PLACEHOLDER_SUFFIX)
 
 
 @dataclass(kw_only=True)
@@ -69,6 +78,11 @@ class SearchOptions:
         require(
             not self.url or self.url.startswith(("http://", "https://")),
             f"env.search.url={self.url!r} must start with http:// or https:// (the retrieval server's address)",
+        )
+        require(
+            not is_placeholder_url(self.url),
+            f"env.search.url={self.url!r} is a placeholder: start a retrieval server (`mugrpo serve-search --corpus "
+            "CORPUS.jsonl --port N`, or Search-R1's) and set env.search.url=http://HOST:N",
         )
         require(
             not (self.url and self.corpus),

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from megatron_mugrpo.envs.search import is_placeholder_url
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.plan.models import known_model
 from megatron_mugrpo.rollout.tasks import char_vocab
@@ -125,4 +126,8 @@ def planning_overrides(config: Path | None, overrides: list[str]) -> Iterator[tu
             path = _declared(raw, overrides, f"eval.benchmarks.{index}.path") or bench.get("path", "")
             if path != "builtin" and not Path(path).is_file():
                 extra.append(f"eval.benchmarks.{index}.path={data}")
+        url = _declared(raw, overrides, "env.search.url")
+        if url and is_placeholder_url(url):  # nothing is called at planning time: any address will do
+            extra.append("env.search.url=http://127.0.0.1:8000")
+            notes.append(f"env.search.url={url} is a placeholder: planned as if a retrieval server answered there")
         yield [*overrides, *extra], notes

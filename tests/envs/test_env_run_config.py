@@ -4,6 +4,7 @@ the run could not roll out multi-turn trajectories."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,21 @@ def test_runs_that_cannot_roll_out_trajectories_are_refused(qa_overrides, extra,
 def test_an_env_needs_the_qa_reward():
     with pytest.raises(ConfigError, match=r"env\.enabled needs questions scored by the qa reward.*'math'"):
         load_config("configs/demo_cpu.yaml", ["env.enabled=true"])
+
+
+PAPER_SEARCH = "configs/paper/qwen2.5_7b__search_mu_grpo.yaml"
+
+
+def test_the_paper_search_config_refuses_its_placeholder_url_until_it_is_set(tmp_path):
+    from megatron_mugrpo.plan.inputs import planning_overrides
+
+    with planning_overrides(Path(PAPER_SEARCH), []) as (resolved, notes):
+        real_paths = [o for o in resolved if not o.startswith("env.search.url=")]
+        with pytest.raises(ConfigError, match=r"env\.search\.url='http://retriever\.invalid:8000' is a placeholder"):
+            load_config(PAPER_SEARCH, real_paths)
+        cfg = load_config(PAPER_SEARCH, [*real_paths, "env.search.url=http://10.0.0.7:8000"])
+        assert any("env.search.url" in note for note in notes)  # `mugrpo plan` plans it with a stand-in
+    assert (cfg.env.enabled, cfg.env.max_turns, cfg.env.search.topk) == (True, 4, 3)
+    assert (cfg.data.format, cfg.reward.kind, cfg.rollout.engine) == ("qa", "qa", "transformers")
+    assert (cfg.algo.loss, cfg.algo.mu_grpo.clip_high, cfg.stages.updates_per_stage) == ("mu_grpo", 5.0, 1024)
+    assert cfg.env.max_total_tokens <= 4096  # Qwen2.5-Math-7B's context window, the shape it plans with
