@@ -207,11 +207,10 @@ def warmstart_spec(cfg: RunSections) -> dict[str, Any]:
     return base_model_spec(cfg.model.tiny, cfg.warmstart, task=cfg.data.builtin_task, seed=cfg.seed)
 
 
-def build_tiny_model(tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> torch.nn.Module:
-    """A randomly initialised Qwen2ForCausalLM (or Qwen3MoeForCausalLM, ``tiny.arch``) of the configured
-    shape, in float32."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def tiny_model_hf_config(tiny: TinyModelConfig, *, vocab_size: int, **extra: Any) -> dict[str, Any]:
+    """The ``config.json`` dict of the tiny model of ``model.tiny`` over a vocabulary of ``vocab_size``:
+    the one the demo builds (``build_tiny_model``) and the one a run's plan sizes (``plan.inputs``).
+    ``extra`` adds keys that do not change the shape (token ids, initialisation, dtype)."""
     from megatron_mugrpo.training.model import tiny_hf_config
 
     moe = (
@@ -224,9 +223,9 @@ def build_tiny_model(tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, 
         if tiny.arch == "qwen3_moe"
         else {}
     )
-    hf = tiny_hf_config(
+    return tiny_hf_config(
         tiny.arch,
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=tiny.hidden_size,
         num_hidden_layers=tiny.num_layers,
         num_attention_heads=tiny.num_attention_heads,
@@ -235,12 +234,24 @@ def build_tiny_model(tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, 
         max_position_embeddings=tiny.max_position_embeddings,
         tie_word_embeddings=tiny.tie_word_embeddings,
         rope_theta=tiny.rope_theta,
+        **moe,
+        **extra,
+    )
+
+
+def build_tiny_model(tiny: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> torch.nn.Module:
+    """A randomly initialised Qwen2ForCausalLM (or Qwen3MoeForCausalLM, ``tiny.arch``) of the configured
+    shape, in float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = tiny_model_hf_config(
+        tiny,
+        vocab_size=len(tokenizer),
         initializer_range=INIT_STD,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
-        **moe,
     )
     config = AutoConfig.for_model(**hf)
     torch.manual_seed(seed)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mugrpo.plan.gpus import GPUS, gpu_spec
-from megatron_mugrpo.plan.inputs import hf_fields, planning_overrides
+from megatron_mugrpo.plan.inputs import hf_fields, model_name, planning_overrides
 from megatron_mugrpo.plan.models import ModelShape
 from megatron_mugrpo.plan.output import plan_json, render
 from megatron_mugrpo.plan.planner import Assumptions, Hardware, Plan, make_plan
@@ -54,12 +54,6 @@ def add_plan_parser(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def _model_name(cfg: Any) -> str:
-    if cfg.model.hf_dir:
-        return Path(cfg.model.hf_dir).name
-    return f"tiny {cfg.model.tiny.arch} (model.tiny)"
-
-
 def run_plan(args: argparse.Namespace, load: Loader) -> int:
     hardware = Hardware(gpu=gpu_spec(args.gpu, args.gpu_memory_gib), gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     assumptions = Assumptions(
@@ -70,7 +64,7 @@ def run_plan(args: argparse.Namespace, load: Loader) -> int:
         def plan_with(extra: list[str]) -> tuple[Any, Plan]:
             cfg = load(args.config, [*overrides, *extra])
             hf = hf_fields(cfg.model.hf_dir, cfg.model.tiny)
-            plan = make_plan(cfg, hf, hardware, assumptions, model=_model_name(cfg))
+            plan = make_plan(cfg, hf, hardware, assumptions, model=model_name(cfg))
             plan.notes.extend(notes)
             return cfg, plan
 

@@ -27,32 +27,19 @@ from megatron_mugrpo.envs.search import is_placeholder_url
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.plan.models import known_model
 from megatron_mugrpo.rollout.tasks import char_vocab
-from megatron_mugrpo.training.model import tiny_hf_config
-from megatron_mugrpo.warmstart import TinyModelConfig
+from megatron_mugrpo.warmstart import TinyModelConfig, tiny_model_hf_config
 
 
 def tiny_hf_fields(tiny: TinyModelConfig) -> dict[str, Any]:
     """The ``config.json`` of the tiny model ``warmstart.build_tiny_model`` builds from ``model.tiny``."""
-    moe = {}
-    if tiny.arch == "qwen3_moe":
-        moe = {
-            "num_experts": tiny.num_experts,
-            "num_experts_per_tok": tiny.num_experts_per_tok,
-            "moe_intermediate_size": tiny.moe_intermediate_size,
-            "head_dim": tiny.hidden_size // tiny.num_attention_heads,
-        }
-    return tiny_hf_config(
-        tiny.arch,
-        vocab_size=len(char_vocab()),
-        hidden_size=tiny.hidden_size,
-        num_hidden_layers=tiny.num_layers,
-        num_attention_heads=tiny.num_attention_heads,
-        num_key_value_heads=tiny.num_key_value_heads,
-        intermediate_size=tiny.intermediate_size,
-        max_position_embeddings=tiny.max_position_embeddings,
-        tie_word_embeddings=tiny.tie_word_embeddings,
-        **moe,
-    )
+    return tiny_model_hf_config(tiny, vocab_size=len(char_vocab()))
+
+
+def model_name(cfg: Any) -> str:
+    """What a plan calls the run's model: its checkpoint directory's name, or the tiny model's arch."""
+    if cfg.model.hf_dir:
+        return Path(cfg.model.hf_dir).name
+    return f"tiny {cfg.model.tiny.arch} (model.tiny)"
 
 
 def hf_fields(hf_dir: str, tiny: TinyModelConfig) -> dict[str, Any]:
