@@ -198,6 +198,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megatron_mugrpo.asynchronous.files import AsyncPaths
     from megatron_mugrpo.asynchronous.liveness import beating
     from megatron_mugrpo.loop.lost_ranks import rank_heartbeat
+    from megatron_mugrpo.plan.run_plan import write_measured
 
     # Async mode: rank 0 beats for the trainer from here (before Megatron is even imported) to the end; the
     # last beat says done, or failed with the error, and the workers stop on reading it. Every other trainer
@@ -209,6 +210,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     ):
         run, result = _train_rank(cfg, run_dir, role, claimed, open_args)
     if run.is_writer:
+        write_measured(run_dir, run.policy, updates=int(result["updates"]))  # for report's plan against actual
         print_summary(result)
         if cfg.logging.report:
             from megatron_mugrpo.report import write_report
@@ -225,7 +227,10 @@ def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim
     from megatron_mugrpo.loop.lost_ranks import beat_path, collective_error, is_peer_loss, is_timeout
     from megatron_mugrpo.loop.setup import open_run
     from megatron_mugrpo.loop.staged import train
+    from megatron_mugrpo.plan.run_plan import write_run_plan
 
+    if role.rank == 0:  # the plan of this launch on this device, before any model is built (plan/run_plan.py)
+        write_run_plan(cfg, run_dir, world_size=role.world_size, processes_per_node=_local_world(role), verb="train")
     run = open_run(cfg, run_dir, claimed=claimed, world_size=role.trainer_world, **open_args)
     if run.is_writer:
         preemption.clear_marker(run_dir)  # resumed: the marker no longer describes the run
@@ -252,6 +257,11 @@ def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim
             preemption.write_marker(run_dir, preempted)
         raise preempted
     return run, result
+
+
+def _local_world(role: ProcessRole) -> int:
+    """Processes of the launch on this host (torchrun's LOCAL_WORLD_SIZE; all of them without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", role.world_size))
 
 
 def _train_run_dir(args: argparse.Namespace) -> Path:

@@ -4,7 +4,10 @@ stage, replay, and for async-mode runs the lag and idle ratios.
     python -m megatron_mugrpo.report runs/mu_grpo runs/grpo --out reports/mu_vs_grpo
 
 reads each run's ``metrics.jsonl`` (written by ``metrics.MetricsLogger``) and writes PNGs plus a
-``report.md`` summary into ``--out``. The legend of every plot is the run directory's name.
+``report.md`` summary and ``report.json`` into ``--out``. The legend of every plot is the run directory's
+name. Both set each run's plan (``RUN_DIR/plan.json``, written when it started) against what it measured
+(``RUN_DIR/memory.json`` and the metrics): ``plan.actual`` makes the rows, docs/plan.md lists them.
+Metric names come from ``metric_names``, beside their producers.
 
 ``write_sweep_report`` does the same for groups of runs that differ only by seed (``mugrpo sweep``):
 one line per group at the mean over seeds with a ±1 std band, and ``summary.csv`` / ``summary.md``
@@ -59,7 +62,7 @@ import re
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,41 +74,58 @@ import matplotlib.pyplot as plt  # the backend above must be chosen before pyplo
 
 from megatron_mugrpo import durable
 from megatron_mugrpo.drift_plots import plot_drift
+from megatron_mugrpo.metric_names import (
+    CLIP_HIGH,
+    CLIP_LOW,
+    DROPPED_GROUPS_TOTAL,
+    EVAL_AVG,
+    EVAL_PREFIX,
+    LAG_MAX,
+    LAG_MEAN,
+    MASKED_FRAC,
+    MOE_AUX_LOSS,
+    MOE_LAYER_LOAD_PATTERN,
+    MOE_LOAD_MAX,
+    MOE_LOAD_MIN,
+    PASS_AT_1_SUFFIX,
+    RATIO_NEG,
+    RATIO_POS,
+    REPLAY_AGE,
+    REPLAY_DRIFT,
+    REPLAY_HEADROOM,
+    REPLAY_HEADROOM_REJECTED,
+    RESPONSE_TOKENS,
+    REWARD,
+    ROLLOUT_IDLE_RATIO,
+    ROUTING_AGREEMENT,
+    STAGE,
+    T_OPTIMIZE,
+    T_ROLLOUT,
+    T_TOTAL,
+    TOKEN_LAG_MAX,
+    TOKEN_LAG_MEAN,
+    TRAINER_IDLE_RATIO,
+    VETO_FRAC,
+)
 from megatron_mugrpo.metrics import read_metrics
+from megatron_mugrpo.plan.actual import PLAN_FILE, Row, compare, read_run_files
 
-EVAL_AVG = "eval/avg_pass@1"
-EVAL_X = "perf/t_total_s"
-VETO_FRAC = "train/nav_vetoed_frac"
-CLIP_LOW = "train/clip_frac_low"
-CLIP_HIGH = "train/clip_frac_high"
-MASKED_FRAC = "train/masked_frac"
-"""Response tokens a loss's mask removed (NAV, M2PO, OPSM, IcePop: algorithms.losses), whatever the loss."""
+EVAL_X = T_TOTAL
 UPDATE_FRACTIONS = (VETO_FRAC, CLIP_LOW, CLIP_HIGH, MASKED_FRAC)
-RATIO_NEG = "train/ratio_mean_neg_adv"
-RATIO_POS = "train/ratio_mean_pos_adv"
 REPLAY_PANELS = (
-    ("replay/headroom_mean", "replay/headroom_mean_rejected"),
-    ("replay/drift_mean",),
-    ("replay/age_mean",),
+    (REPLAY_HEADROOM, REPLAY_HEADROOM_REJECTED),
+    (REPLAY_DRIFT,),
+    (REPLAY_AGE,),
 )
 """Headroom-Drift Replay panels, one per tuple (the first key titles it; the others share its axes)."""
-REWARD = "rollout/reward_mean"
-STAGE = "rollout/stage"
-LAG_KEYS = (
-    "rollout/lag_mean",
-    "rollout/lag_max",
-    "rollout/token_lag_mean",
-    "rollout/token_lag_max",
-    "rollout/dropped_groups_total",
-)
-IDLE_KEYS = ("perf/trainer_idle_ratio", "perf/rollout_idle_ratio")
-MOE_PANELS = ("train/moe_load_min", "train/moe_load_max", "train/routing_agreement", "train/moe_aux_loss")
+LAG_KEYS = (LAG_MEAN, LAG_MAX, TOKEN_LAG_MEAN, TOKEN_LAG_MAX, DROPPED_GROUPS_TOTAL)
+IDLE_KEYS = (TRAINER_IDLE_RATIO, ROLLOUT_IDLE_RATIO)
+MOE_PANELS = (MOE_LOAD_MIN, MOE_LOAD_MAX, ROUTING_AGREEMENT, MOE_AUX_LOSS)
 """Mixture-of-experts panels: the model's expert-load bounds, routing agreement with the engine, aux loss."""
-LAYER_LOAD = re.compile(r"^train/moe_load_(min|max)_layer_(\d+)$")
+LAYER_LOAD = re.compile(MOE_LAYER_LOAD_PATTERN)
 """Per-layer expert-load bounds (``training.moe.load_layer_key``)."""
 LAYER_LEGEND_MAX = 8
 """Up to this many layers get a legend entry each; more are told apart by colour (early: dark)."""
-T_ROLLOUT, T_OPTIMIZE = "perf/t_rollout_s", "perf/t_optimize_s"
 FIGURE_DPI = 120
 SMOOTH_MIN_POINTS = 200
 """Series at least this long (per-update metrics of a long run) also get a moving average."""
@@ -113,9 +133,7 @@ SMOOTH_WINDOW = 32
 """Moving-average window in points (= updates for per-update metrics)."""
 SUBPLOT_SIZE = (5.0, 3.6)
 """Inches per subplot (width, height)."""
-T_ROLLOUT = "perf/t_rollout_s"
-TOKENS = "train/response_tokens"
-"""Response tokens of an update: the weight of its fractions in a run's rate."""
+TOKENS = RESPONSE_TOKENS
 BAND_ALPHA = 0.2
 """Opacity of the ±1 std band around a group's mean line."""
 RUN_FIGURES = {
@@ -138,6 +156,8 @@ class Run:
 
     label: str
     records: list[dict[str, Any]]
+    path: Path | None = None
+    """The run directory (for its plan.json and memory.json); None for records not read from one."""
 
 
 @dataclass
@@ -164,7 +184,8 @@ def load_runs(run_dirs: Sequence[str | Path]) -> list[Run]:
     if not paths:
         raise ValueError("write_report needs at least one run directory")
     return [
-        Run(label, [r for r in read_metrics(path) if "source" not in r]) for label, path in zip(_labels(paths), paths)
+        Run(label, [r for r in read_metrics(path) if "source" not in r], path)
+        for label, path in zip(_labels(paths), paths)
     ]
 
 
@@ -232,7 +253,7 @@ def moving_average(values: list[float], window: int) -> list[float]:
 def eval_keys(runs: list[Run]) -> list[str]:
     """eval/avg_pass@1 first, then the per-benchmark eval/<name>/pass@1 keys in sorted order."""
     names = {k for run in runs for record in run.records for k in record}
-    per_benchmark = sorted(k for k in names if k.startswith("eval/") and k.endswith("/pass@1"))
+    per_benchmark = sorted(k for k in names if k.startswith(EVAL_PREFIX) and k.endswith(PASS_AT_1_SUFFIX))
     return ([EVAL_AVG] if EVAL_AVG in names else []) + per_benchmark
 
 
@@ -477,10 +498,72 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Pa
     ]
     lines = ["# Run comparison", "", *summary_table(runs), "", "## Plots", ""]
     lines += [f"![{p.stem}]({p.name})" for p in written]
+    lines += ["", "## Plan against actual", "", *plan_tables(runs)]
     lines += ["", "## Notes", ""] + ([f"- {n}" for n in notes] or ["- none"])
+    summary = out / "report.json"
+    durable.atomic_write_json(summary, report_json(runs), fsync=False)  # regenerated from the runs, never resumed
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [*written, report]
+    return [*written, summary, report]
+
+
+def _plan_of(run: Run) -> tuple[dict[str, Any] | None, list[Row]]:
+    """The run's plan.json and its rows against what the run measured (none without a run directory)."""
+    if run.path is None:
+        return None, []
+    plan, measured = read_run_files(run.path)
+    return plan, compare(plan, measured, run.records)
+
+
+def _cell(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "bytes":
+        for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if abs(value) >= size:
+                return f"{value / size:.2f} {name}"
+        return f"{value:.0f} B"
+    if unit == "s":
+        return f"{value / 3600:.2f} h" if abs(value) >= 3600 else f"{value:.2f} s"
+    return f"{value:.3f}"
+
+
+def plan_tables(runs: list[Run]) -> list[str]:
+    """Markdown: per run, its plan (``plan.json``, written when it started) against what it measured."""
+    lines: list[str] = []
+    for run in runs:
+        plan, rows = _plan_of(run)
+        lines.append(f"### {run.label}")
+        if plan is None:
+            lines += ["", f"no {PLAN_FILE}: the run started before `mugrpo train` wrote its plan", ""]
+            continue
+        if "error" in plan:
+            lines += ["", f"{PLAN_FILE}: the run could not be planned: {plan['error']}", ""]
+            continue
+        gpu = plan.get("gpu", {})
+        lines += ["", f"planned for {gpu.get('count')} × {gpu.get('name')} ({plan.get('device_source', '')})", ""]
+        lines += ["| quantity | plan | actual | actual / plan | note |", "|---|---|---|---|---|"]
+        for row in rows:
+            ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
+            lines.append(
+                f"| {row.name} | {_cell(row.plan, row.unit)} | {_cell(row.actual, row.unit)} | {ratio} | {row.note} |"
+            )
+        lines.append("")
+    return lines
+
+
+def report_json(runs: list[Run]) -> dict[str, Any]:
+    """report.json: per run its figures (RUN_FIGURES) and its plan against actual (units: bytes, seconds)."""
+    out: dict[str, Any] = {}
+    for run in runs:
+        plan, rows = _plan_of(run)
+        against = {
+            "plan": PLAN_FILE if plan is not None else None,
+            "error": (plan or {}).get("error"),
+            "rows": [{**asdict(row), "ratio": row.ratio} for row in rows],
+        }
+        out[run.label] = {"figures": run_figures(run.records), "plan_vs_actual": against}
+    return {"runs": out}
 
 
 # ---------------------------------------------------------------------------------------------------

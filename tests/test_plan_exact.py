@@ -9,8 +9,8 @@ CPU configs, and compares each rank's allocated bytes with ``plan.memory.static_
 - configs/demo_moe_cpu.yaml's model at EP 2 (expert DP 2, dense DP 4) with the distributed optimizer;
 - the dense model in bfloat16 at TP 2 without the distributed optimizer (fp32 main copies).
 
-Allocated bytes are counted by storage, so a parameter that is a view into DDP's buffer is counted once,
-as the buffer.
+Allocated bytes are counted by storage (``plan.run_plan.allocated_static_bytes``, which a run's
+memory.json records too), so a parameter that is a view into DDP's buffer is counted once, as the buffer.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dist_utils import run_distributed
 from megatron_mugrpo.plan.inputs import tiny_hf_fields
 from megatron_mugrpo.plan.memory import TrainerLayout, static_bytes
 from megatron_mugrpo.plan.models import ModelShape, RankLayout, rank_tensors
+from megatron_mugrpo.plan.run_plan import allocated_static_bytes
 from megatron_mugrpo.warmstart import TinyModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,25 +37,6 @@ LAYOUTS = [
     ("moe_ep2_dist", MOE, 1, 1, 2, True, torch.float32),
     ("dense_tp2_bf16", DENSE, 2, 1, 1, False, torch.bfloat16),
 ]
-
-
-def _storages(tensors) -> dict[int, int]:
-    """data_ptr → bytes of the storages under ``tensors`` (each storage once)."""
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-
-
-def _allocated(policy) -> tuple[int, int, int]:
-    params = [p for chunk in policy.model_chunks for p in chunk.parameters()]
-    weights = _storages(params)
-    grads = _storages(p.main_grad for p in params)
-    inner = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
-    state = []
-    for opt in inner:
-        for group in opt.optimizer.param_groups:
-            state += group["params"]  # main fp32 copies (views into the weights for an fp32 model)
-        state += [v for s in opt.optimizer.state.values() for k, v in s.items() if k != "step"]
-    optimizer = {ptr: n for ptr, n in _storages(state).items() if ptr not in weights}
-    return sum(weights.values()), sum(grads.values()), sum(optimizer.values())
 
 
 def _layout(rank: int, world: int) -> None:
@@ -71,7 +53,8 @@ def _layout(rank: int, world: int) -> None:
             hf, groups=groups, dtype=dtype, optim=OptimConfig(), use_distributed_optimizer=distributed
         )
         policy.optimizer.step()  # Adam's moments exist only after the first step
-        actual = _allocated(policy)
+        got = allocated_static_bytes(policy)
+        actual = (got["weights"], got["grads"], got["optimizer"])
         shape = ModelShape.from_hf(hf)
         model = RankLayout(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else tp)
         edp = world // (pp * model.etp * ep)

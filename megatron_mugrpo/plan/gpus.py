@@ -35,6 +35,8 @@ class GpuSpec:
     """Memory bandwidth, TB/s."""
     source: str
     """Where the numbers come from."""
+    context_bytes: int = CUDA_CONTEXT_BYTES
+    """Taken before any tensor (0 for a CPU: the host's memory has no device context)."""
 
     @property
     def memory_bytes(self) -> int:
@@ -42,8 +44,13 @@ class GpuSpec:
 
     @property
     def usable_bytes(self) -> int:
-        """What tensors can take: the capacity less the CUDA context (``CUDA_CONTEXT_BYTES``)."""
-        return self.memory_bytes - CUDA_CONTEXT_BYTES
+        """What tensors can take: the capacity less the CUDA context (``context_bytes``)."""
+        return self.memory_bytes - self.context_bytes
+
+    @property
+    def has_roofline(self) -> bool:
+        """Whether the time can be planned: FLOPs and bandwidth are known (not for a CPU or an unknown GPU)."""
+        return self.bf16_tflops > 0 and self.hbm_tb_per_s > 0
 
     @property
     def bf16_flops(self) -> float:

@@ -30,7 +30,7 @@ def _hours(s: float) -> str:
 
 def render(plan: Plan) -> str:
     """The plan as a readable table."""
-    t, e, hw, tm = plan.trainer, plan.engine, plan.hardware, plan.time
+    t, e, hw = plan.trainer, plan.engine, plan.hardware
     lines = [
         f"plan: {plan.model}  {_count(plan.params)} parameters ({_count(plan.active_params)} active), "
         f"mode {plan.mode}, {hw.gpus} × {hw.gpu.name} ({hw.gpu.memory_gb:.0f} GB, {hw.gpus_per_node} per node)",
@@ -72,9 +72,15 @@ def render(plan: Plan) -> str:
         )
     if e.route_store_bytes:
         lines.append(f"  routes in D_k       {_gib(e.route_store_bytes)}   per stage, on disk (at full length)")
-    lines += [
-        f"  peak                {_gib(e.peak)}   " + ("fits" if e.fits else f"DOES NOT FIT: {e.problem}"),
-        "",
+    lines += [f"  peak                {_gib(e.peak)}   " + ("fits" if e.fits else f"DOES NOT FIT: {e.problem}"), ""]
+    return "\n".join(lines + _time_lines(plan))
+
+
+def _time_lines(plan: Plan) -> list[str]:
+    tm = plan.time
+    if tm is None:
+        return [f"time     not planned ({plan.hardware.gpu.name}: no FLOPs or bandwidth figures)"]
+    lines = [
         f"time     {tm.stages} stages × μ = {tm.updates_per_stage} updates (mfu {plan.assumptions.mfu}, mean response "
         f"{plan.assumptions.response_fill:.0%} of max_new_tokens)",
         f"  rollout per stage   {_hours(tm.rollout_s)}   ({tm.rollout_tokens / 1e6:.1f}M tokens, "
@@ -94,7 +100,7 @@ def render(plan: Plan) -> str:
             f"(rollout {b.produce_groups_per_s:.2f} groups/s vs trainer {b.consume_groups_per_s:.2f})"
         )
     lines.append(f"  T_total             {_hours(tm.total_s)}")
-    return "\n".join(lines)
+    return lines
 
 
 def plan_json(plan: Plan, suggestion: Suggestion | None = None) -> dict[str, Any]:
@@ -125,10 +131,10 @@ def plan_json(plan: Plan, suggestion: Suggestion | None = None) -> dict[str, Any
                 "fits": plan.engine.fits,
             },
         },
-        "time": {k: v for k, v in asdict(plan.time).items() if k != "balance"},
+        "time": None if plan.time is None else {k: v for k, v in asdict(plan.time).items() if k != "balance"},
         "notes": plan.notes,
     }
-    if plan.time.balance is not None:
+    if plan.time is not None and plan.time.balance is not None:
         out["time"]["async"] = asdict(plan.time.balance)
     if suggestion is not None:
         out["suggestion"] = {

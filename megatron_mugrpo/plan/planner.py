@@ -188,7 +188,8 @@ class Plan:
     assumptions: Assumptions
     trainer: TrainerPlan
     engine: EnginePlan
-    time: TimePlan
+    time: TimePlan | None
+    """None when the device has no FLOPs / bandwidth entry (a CPU, an unknown GPU): memory only."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -265,7 +266,8 @@ def make_plan(
     layout = check_layout(cfg, shape, hardware)
     trainer = _trainer_plan(cfg, shape, layout, hardware)
     engine = _engine_plan(cfg, shape, hardware, trainer)
-    time = _time_plan(cfg, shape, hardware, assumptions, trainer, engine)
+    roofline = hardware.gpu.has_roofline
+    time = _time_plan(cfg, shape, hardware, assumptions, trainer, engine) if roofline else None
     return Plan(
         model=model or str(hf.get("_name_or_path") or hf.get("model_type")),
         params=shape.total_params(),
@@ -276,6 +278,7 @@ def make_plan(
         trainer=trainer,
         engine=engine,
         time=time,
+        notes=[] if roofline else [f"{hardware.gpu.name}: no FLOPs or bandwidth figures, so no time is planned"],
     )
 
 
@@ -283,10 +286,17 @@ def _rows_per_update(cfg: Any) -> int:
     return cfg.stages.mini_groups * cfg.rollout.group_size
 
 
+def trainer_layout(cfg: Any, layout: RankLayout, hardware: Hardware) -> TrainerLayout:
+    """The trainer's data-parallel sizes around the model-parallel ``layout`` (``check_layout``'s)."""
+    world = trainer_ranks(cfg, hardware.gpus)
+    dp, edp = world // (layout.tp * layout.pp), world // (layout.pp * layout.etp * layout.ep)
+    return TrainerLayout(model=layout, dp=dp, edp=edp, distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+
+
 def _trainer_plan(cfg: Any, shape: ModelShape, layout: RankLayout, hardware: Hardware) -> TrainerPlan:
     par, world = cfg.parallel, trainer_ranks(cfg, hardware.gpus)
-    dp, edp = world // (layout.tp * layout.pp), world // (layout.pp * layout.etp * layout.ep)
-    tlayout = TrainerLayout(model=layout, dp=dp, edp=edp, distributed_optimizer=par.use_distributed_optimizer)
+    tlayout = trainer_layout(cfg, layout, hardware)
+    dp, edp = tlayout.dp, tlayout.edp
     dtype = DTYPE_BYTES[cfg.model.dtype]
     seq = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
     budget = getattr(par, "micro_batch_tokens", None)  # a token budget replaces micro_batch_size rows

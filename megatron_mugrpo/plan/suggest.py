@@ -18,6 +18,7 @@ from typing import Any
 
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.plan.planner import GIB, Plan
+from megatron_mugrpo.plan.timing import AsyncBalance
 
 IDLE_WORTH_FIXING = 0.1
 """An async trainer idle for more than this share of its time gets a suggestion."""
@@ -68,11 +69,16 @@ def candidate_changes(cfg: Any, plan: Plan, shape_experts: int) -> list[tuple[st
         for step in (0.05, 0.1, 0.15, 0.2):
             if round(f + step, 2) <= MAX_STATIC_FRACTION:
                 out.append(("rollout.sglang.mem_fraction_static", f, round(f + step, 2)))
-    balance = plan.time.balance
+    balance = _balance(plan)
     if balance is not None and balance.idle_fraction > IDLE_WORTH_FIXING:
         for extra in range(1, 5):
             out.append(("async.rollout_ranks", cfg.async_.rollout_ranks, cfg.async_.rollout_ranks + extra))
     return out
+
+
+def _balance(plan: Plan) -> AsyncBalance | None:
+    """The async idle and lag of a plan that has a time plan (None: staged, or no roofline)."""
+    return plan.time.balance if plan.time is not None else None
 
 
 def _starved(plan: Plan) -> bool:
@@ -87,9 +93,11 @@ def _progress(before: Plan, after: Plan) -> bool:
         return len(after.problems) < len(before.problems)
     if not after.fits:
         return False
-    b, a = before.time.balance, after.time.balance
+    b, a = _balance(before), _balance(after)
     if b is not None and a is not None and a.idle_fraction < b.idle_fraction - 0.02:
         return True
+    if before.time is None or after.time is None:
+        return False
     return after.time.total_s < TIME_WORTH_IT * before.time.total_s
 
 
@@ -99,10 +107,11 @@ def _effect(before: Plan, after: Plan) -> str:
         parts.append(f"trainer peak {before.trainer.peak / GIB:.0f} → {after.trainer.peak / GIB:.0f} GiB")
     if before.engine.bytes.max_sequences != after.engine.bytes.max_sequences:
         parts.append(f"engine sequences {before.engine.bytes.max_sequences} → {after.engine.bytes.max_sequences}")
-    b, a = before.time.balance, after.time.balance
+    b, a = _balance(before), _balance(after)
     if b is not None and a is not None:
         parts.append(f"idle {b.idle_fraction:.2f} → {a.idle_fraction:.2f}")
-    parts.append(f"T_total {before.time.total_s / 3600:.1f} → {after.time.total_s / 3600:.1f} h")
+    if before.time is not None and after.time is not None:
+        parts.append(f"T_total {before.time.total_s / 3600:.1f} → {after.time.total_s / 3600:.1f} h")
     return ", ".join(parts)
 
 
@@ -111,7 +120,8 @@ MAX_CHANGES = 3
 
 
 def _done(plan: Plan) -> bool:
-    idle = plan.time.balance is not None and plan.time.balance.idle_fraction > IDLE_WORTH_FIXING
+    balance = _balance(plan)
+    idle = balance is not None and balance.idle_fraction > IDLE_WORTH_FIXING
     return plan.fits and not idle and not _starved(plan)
 
 
