@@ -72,18 +72,25 @@ def _load_engine(run: Run, tensors: NamedTensors) -> int:
             quantizer=behaviour_quantizer(cfg.rollout, calibration, export_dir),
         )
 
-    kept = HostWeights() if cfg.rollout.max_restarts > 0 else None
+    kept = _host_copy(run.engine) if cfg.rollout.max_restarts > 0 else None
     current = run.engine.engine if isinstance(run.engine, WatchedEngine) else run.engine
     engine = load(current, kept.tee(counted) if kept is not None else counted)
     run.engine = WatchedEngine(
         engine,
         rebuild=(lambda: load(None, kept)) if kept is not None else None,  # a new engine, the same weights
+        host_weights=kept,
         progress_timeout_s=cfg.rollout.progress_timeout_s,
         max_restarts=cfg.rollout.max_restarts,
         label=engine_label(run.placement.engine_index, run.placement.rank),
         where=lambda: doing() or f"in stage {run.state.stage}",
     )
     return counted.bytes
+
+
+def _host_copy(engine: RolloutEngine | None) -> HostWeights:
+    """The last sync's host copy, whose buffers the new weights refill, or a new one."""
+    previous = engine.host_weights if isinstance(engine, WatchedEngine) else None
+    return previous if previous is not None else HostWeights()
 
 
 def restart_metrics(run: Run) -> dict[str, float]:

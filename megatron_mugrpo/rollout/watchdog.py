@@ -102,21 +102,29 @@ class HostWeights:
     collective: the other ranks may be generating or already waiting at the stage's barrier, and
     the export is a collective over the trainer's parallel groups.
 
-    Why host memory and not the run directory: the copy costs one device-to-host copy during the
-    sync and one model's bytes of host RAM per engine host, and writes nothing per stage; a copy on
-    disk would add a full write (and fsync) to every stage boundary, for restarts that are rare.
-    Reloading from memory is as fast as the first sync's load. Kept only when restarts are allowed
-    (``rollout.max_restarts`` > 0).
+    Why host memory and not the run directory: the copy costs one device-to-host copy per weight sync
+    and one model's bytes of host RAM per engine host, and writes nothing; a copy on disk would add a
+    full write (and fsync) to every stage boundary, for restarts that are rare. Reloading from memory
+    is as fast as the first sync's load. The buffers are reused from one sync to the next (same names,
+    shapes and dtypes), so only the first sync allocates. Kept only when ``rollout.max_restarts`` > 0.
+    Engines copy what they are given (``load_weights``), so no engine aliases these buffers.
     """
 
     def __init__(self) -> None:
         self.tensors: list[tuple[str, torch.Tensor]] = []
 
     def tee(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pass the tensors through, keeping a host copy of each (the originals may be reused buffers)."""
-        self.tensors.clear()
+        """Pass the tensors through, copying each into this host's buffer of that name (the originals
+        may be buffers the trainer reuses)."""
+        import torch
+
+        buffers, self.tensors = dict(self.tensors), []
         for name, tensor in named_tensors:
-            self.tensors.append((name, tensor.detach().to("cpu", copy=True)))
+            kept = buffers.get(name)
+            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                kept = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            kept.copy_(tensor.detach())
+            self.tensors.append((name, kept))
             yield name, tensor
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -179,6 +187,7 @@ class WatchedEngine:
     Args:
         engine: the engine, loaded with the stage's weights.
         rebuild: builds a new engine holding the same weights (None: no restart, a failure is an error).
+        host_weights: the host copy ``rebuild`` loads; the next weight sync reuses its buffers.
         progress_timeout_s: seconds without a finished row before the engine counts as hung.
         max_restarts: restarts allowed for this engine's life between two weight syncs.
         label: names the engine in errors (``engine_label``).
@@ -193,6 +202,7 @@ class WatchedEngine:
         engine: RolloutEngine,
         *,
         rebuild: Callable[[], RolloutEngine] | None,
+        host_weights: HostWeights | None = None,
         progress_timeout_s: float,
         max_restarts: int,
         label: str,
@@ -203,6 +213,7 @@ class WatchedEngine:
             raise ValueError(f"progress_timeout_s={progress_timeout_s} must be > 0, max_restarts={max_restarts} >= 0")
         self.engine = engine
         self._rebuild = rebuild
+        self.host_weights = host_weights
         self.progress_timeout_s = progress_timeout_s
         self.max_restarts = max_restarts if rebuild is not None else 0
         self.label = label

@@ -202,6 +202,11 @@ def test_host_weights_keep_a_copy_that_later_writes_do_not_change():
     assert passed[0][1] is source  # the engine gets the original, without a copy in the way
     assert [(n, t.tolist()) for n, t in weights] == [("w", [0.0, 1.0, 2.0, 3.0])]
     assert weights.nbytes == 16
+    buffer = weights.tensors[0][1]
+    list(weights.tee([("w", torch.full((4,), 7.0))]))  # the next sync refills the same buffer
+    assert weights.tensors[0][1] is buffer and buffer.tolist() == [7.0] * 4
+    list(weights.tee([("w", torch.zeros(2, dtype=torch.float64))]))  # another shape: a new buffer
+    assert weights.tensors[0][1] is not buffer and weights.nbytes == 16
 
 
 def test_engine_label_names_index_rank_and_machine():
