@@ -6,11 +6,12 @@ generated here. Prompts are kept short on purpose: a character-level model pays 
 * **Math** (``arithmetic``, ``addition``, ...): short two-operand sums/differences such as ``23+58``;
   the prompt is ``23+58=`` and the model is taught (warm start) to answer ``\\boxed{81}`` followed by
   EOS, which the math reward verifies like any real answer.
-* **Long chains** (``running_sum``, ``running_sum_long``, ``running_sum_hard``): add ``terms`` numbers
-  left to right writing every partial sum, ``3+7+2=`` → ``3+7=10,10+2=12,\\boxed{12}``. Answers are
-  150-400 tokens, and one wrong partial sum carries through to the boxed answer, so a response has
-  a long suffix after its first mistake (the regime the μ-GRPO paper's negative-advantage veto is
-  about). ``terms`` sets the length, ``max_term`` the difficulty (``RunningSumTask``).
+* **Long chains** (``running_sum``, ``running_sum_long``, ``running_sum_hard``, ``running_sum_tagged``):
+  add ``terms`` numbers left to right writing every partial sum, ``3+7+2=`` →
+  ``3+7=10,10+2=12,\\boxed{12}``. Answers are 150-400 tokens, and one wrong partial sum carries
+  through to the boxed answer, so a response has a long suffix after its first mistake (the regime
+  the μ-GRPO paper's negative-advantage veto is about). ``terms`` sets the length, ``max_term`` the
+  difficulty, ``tagged`` (``a3+b7+c2``) how hard the next term is to find (``RunningSumTask``).
 * **Code** (``code_expr``): the problem is an expression in two integers, e.g. ``max(a,b)*3-7``; the
   prompt is ``max(a,b)*3-7:`` and the answer is a program that reads ``a b`` from stdin and prints the
   expression's value, in a fence (``code_solution``). The reference answer is a ``CodeProblem`` (as
@@ -72,6 +73,8 @@ class ArithmeticTask:
         return builtin_prompt(problem)
 
 
+TERM_TAGS = string.ascii_letters
+"""The letters a tagged running sum's terms carry, in order (a-z, then A-Z: 52 terms at most)."""
 CHAIN_SLIPS = (-10, -1, 1, 10)
 """What a slipped partial sum is off by: a dropped or an extra carry, or a units digit off by one."""
 
@@ -88,14 +91,24 @@ class RunningSumTask:
 
     Length (characters, so tokens, of the answer) grows linearly in ``terms``: with one-digit terms a
     step is about 9 characters, with two-digit terms about 12 (measured: docs/long_reasoning.md).
-    Difficulty: ``max_term`` (9: one-digit terms, 99: two-digit ones) and ``terms`` (each step is a
-    chance to slip).
+    Difficulty: ``max_term`` (9: one-digit terms, 99: two-digit ones), ``terms`` (each step is a
+    chance to slip) and ``tagged`` (how hard it is to find the next term).
+
+    ``tagged``: every term carries a letter, ``a3+b7+c2``, and each step writes the tag of the term
+    it adds, ``3+b7=10,10+c2=12,\\boxed{12}``. Untagged, the k-th step must find the k-th term of
+    the prompt by counting, since one-digit terms repeat and their content cannot tell them apart;
+    a two-layer model learns that poorly (the untagged 20-term warm start samples 5% right chains).
+    With tags the next term is found by content: the letter after the previous step's, then the
+    digits after that letter in the prompt (an induction-head lookup), and what is left to slip on is
+    mostly the addition (docs/long_reasoning.md).
     """
 
     terms: int
     """Length knob: numbers to add (the answer has terms − 1 steps)."""
     max_term: int = 9
     """Difficulty knob: terms are drawn uniformly from [1, max_term]."""
+    tagged: bool = False
+    """Lookup knob: terms carry the letters of ``TERM_TAGS`` in order, and the steps copy them."""
     reward_kind: ClassVar[str] = "math"
 
     def __post_init__(self) -> None:
@@ -103,11 +116,16 @@ class RunningSumTask:
             raise ValueError(f"RunningSumTask.terms={self.terms} must be >= 2 (one addition at least)")
         if self.max_term < 1:
             raise ValueError(f"RunningSumTask.max_term={self.max_term} must be >= 1")
+        if self.tagged and self.terms > len(TERM_TAGS):
+            raise ValueError(
+                f"RunningSumTask.terms={self.terms} is more than the {len(TERM_TAGS)} tags of a tagged sum"
+            )
 
     def sample(self, rng: random.Random) -> tuple[str, str]:
-        """One (problem, answer) pair, e.g. ('3+7+2', '12')."""
+        """One (problem, answer) pair, e.g. ('3+7+2', '12'), or tagged ('a3+b7+c2', '12')."""
         values = [rng.randint(1, self.max_term) for _ in range(self.terms)]
-        return "+".join(map(str, values)), str(sum(values))
+        tags = TERM_TAGS if self.tagged else [""] * self.terms
+        return "+".join(f"{tag}{value}" for tag, value in zip(tags, values)), str(sum(values))
 
     def prompt(self, problem: str) -> str:
         return builtin_prompt(problem)
@@ -121,20 +139,31 @@ class RunningSumTask:
         return chain_solution(problem, slip_step=rng.randrange(steps), slip=rng.choice(CHAIN_SLIPS))
 
 
+def chain_terms(problem: str) -> list[tuple[str, int]]:
+    """The (tag, value) terms of a running-sum problem: 'a3+b17' → [('a', 3), ('b', 17)]; the tag is
+    '' for an untagged problem ('3+17')."""
+    terms = []
+    for part in problem.split("+"):
+        tag = part.rstrip(string.digits)
+        terms.append((tag, int(part[len(tag) :])))
+    return terms
+
+
 def chain_solution(problem: str, *, slip_step: int | None = None, slip: int = 0) -> str:
-    """The running-sum chain of ``problem`` ('3+7+2' → '3+7=10,10+2=12,\\boxed{12}').
+    """The running-sum chain of ``problem`` ('3+7+2' → '3+7=10,10+2=12,\\boxed{12}'; tagged,
+    'a3+b7+c2' → '3+b7=10,10+c2=12,\\boxed{12}').
 
     With ``slip_step`` = k (0-based), the k-th step's written sum is off by ``slip`` (clamped at 0),
     and the following steps add to that wrong sum, so the boxed total is off as well: an early
     mistake carries through to the end.
     """
-    values = [int(v) for v in problem.split("+")]
-    total, steps = values[0], []
-    for k, value in enumerate(values[1:]):
+    terms = chain_terms(problem)
+    total, steps = terms[0][1], []
+    for k, (tag, value) in enumerate(terms[1:]):
         new = total + value
         if k == slip_step:
             new = max(0, new + slip)
-        steps.append(f"{total}+{value}={new}")
+        steps.append(f"{total}+{tag}{value}={new}")
         total = new
     return ",".join(steps) + "," + builtin_completion(str(total))
 
@@ -276,11 +305,13 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "running_sum": RunningSumTask(terms=20, max_term=9),
     "running_sum_long": RunningSumTask(terms=40, max_term=9),
     "running_sum_hard": RunningSumTask(terms=16, max_term=99),
+    "running_sum_tagged": RunningSumTask(terms=20, max_term=9, tagged=True),
     "code_expr": CodeExpressionTask(),
 }
 """Built-in tasks (``data.builtin_task``). The running sums' answers with the character tokenizer, EOS
 included (min / median / max over 2,000 train problems): running_sum 154 / 162 / 176 tokens,
-running_sum_long 338 / 362 / 376, running_sum_hard 161 / 174 / 182 (docs/long_reasoning.md)."""
+running_sum_long 338 / 362 / 376, running_sum_hard 161 / 174 / 182, running_sum_tagged 173 / 181 / 199
+(prompt ≤ 61 tokens) (docs/long_reasoning.md)."""
 
 
 def is_eval_problem(problem: str) -> bool:

@@ -10,6 +10,7 @@ import pytest
 from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.tasks import (
     BUILTIN_TASKS,
+    TERM_TAGS,
     RunningSumTask,
     build_char_tokenizer,
     builtin_problems,
@@ -18,6 +19,7 @@ from megatron_mugrpo.rollout.tasks import (
     builtin_solution,
     chain_first_error,
     chain_solution,
+    chain_terms,
 )
 from megatron_mugrpo.warmstart import sft_batch
 
@@ -31,6 +33,8 @@ CHAIN_TASKS = sorted(name for name, spec in BUILTIN_TASKS.items() if isinstance(
         ("3+7+2+5", {"slip_step": 0, "slip": -1}, "3+7=9,9+2=11,11+5=16,\\boxed{16}"),
         ("3+7+2+5", {"slip_step": 2, "slip": 10}, "3+7=10,10+2=12,12+5=27,\\boxed{27}"),
         ("1+1", {"slip_step": 0, "slip": -10}, "1+1=0,\\boxed{0}"),
+        ("a3+b7+c2", {}, "3+b7=10,10+c2=12,\\boxed{12}"),
+        ("a3+b7+c2+d5", {"slip_step": 1, "slip": 1}, "3+b7=10,10+c2=13,13+d5=18,\\boxed{18}"),
     ],
 )
 def test_chain_solution_by_hand(problem: str, kwargs: dict, expected: str) -> None:
@@ -44,7 +48,8 @@ def test_answers_lengths_and_difficulty(task: str) -> None:
     tokenizer = build_char_tokenizer()
     lengths = []
     for row in rows:
-        values = [int(v) for v in row["problem"].split("+")]
+        tags, values = zip(*chain_terms(row["problem"]))
+        assert "".join(tags) == (TERM_TAGS[: spec.terms] if spec.tagged else "")
         assert len(values) == spec.terms and all(1 <= v <= spec.max_term for v in values)
         assert sum(values) == int(row["answer"])
         lengths.append(len(tokenizer(chain_solution(row["problem"]), add_special_tokens=False)["input_ids"]) + 1)
@@ -58,6 +63,13 @@ def test_length_grows_with_terms() -> None:
     assert len(chain_solution(short.sample(rng)[0])) < len(chain_solution(long.sample(rng)[0]))
     with pytest.raises(ValueError, match="terms=1"):
         RunningSumTask(terms=1)
+    with pytest.raises(ValueError, match="terms=53 is more than the 52 tags"):
+        RunningSumTask(terms=53, tagged=True)
+
+
+def test_chain_terms_reads_tags_and_multi_digit_values() -> None:
+    assert chain_terms("a3+b17+Z5") == [("a", 3), ("b", 17), ("Z", 5)]
+    assert chain_terms("3+17") == [("", 3), ("", 17)]
 
 
 def test_an_early_slip_carries_to_the_box_and_the_reward_sees_it() -> None:
