@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from megatron_mugrpo.asynchronous.liveness import RankFailedError
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.loop import preemption
+from megatron_mugrpo.loop.opening import Opening
 
 if TYPE_CHECKING:
     from megatron_mugrpo.asynchronous.roles import ProcessRole
@@ -185,9 +186,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.resume, args.config, args.run_dir, args.overrides, new = run_dir, None, None, [], None
     with locked_run_dir(run_dir, replace_failed_start=new is not None) as claimed:  # the lock, then the judging
         if new is not None:  # a run that produced something was refused as the lock was taken
-            cfg, open_args = new, {"resume": False, "record": _created("train", args)}
+            cfg, opening = new, Opening.new(_created("train", args))
         else:
-            cfg, open_args = _resumed(args)
+            cfg, opening = _resumed(args)
         model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
         role = role_from_env(mode=cfg.mode, rollout_ranks=cfg.async_.rollout_ranks, model_parallel=model_parallel)
     if role.is_worker:  # async mode's rollout ranks: no Megatron, no process group, only the run directory
@@ -208,7 +209,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         beating(AsyncPaths(run_dir).trainer_heartbeat, enabled=async_rank0),
         rank_heartbeat(run_dir, role.rank, world_size=role.trainer_world, beats_elsewhere=async_rank0),
     ):
-        run, result = _train_rank(cfg, run_dir, role, claimed, open_args)
+        run, result = _train_rank(cfg, run_dir, role, claimed, opening)
     if run.is_writer:
         write_measured(run_dir, run.policy, updates=int(result["updates"]))  # for report's plan against actual
         print_summary(result)
@@ -219,7 +220,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim | None, open_args: dict) -> tuple:
+def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim | None, opening: Opening) -> tuple:
     """A trainer rank's run: open it, train, close it; a preemption or a lost peer ends it as they should."""
     from megatron_mugrpo.asynchronous.files import AsyncPaths
     from megatron_mugrpo.asynchronous.liveness import doing
@@ -231,7 +232,7 @@ def _train_rank(cfg: RunConfig, run_dir: Path, role: ProcessRole, claimed: Claim
 
     if role.rank == 0:  # the plan of this launch on this device, before any model is built (plan/run_plan.py)
         write_run_plan(cfg, run_dir, world_size=role.world_size, processes_per_node=_local_world(role), verb="train")
-    run = open_run(cfg, run_dir, claimed=claimed, world_size=role.trainer_world, **open_args)
+    run = open_run(cfg, run_dir, opening, claimed=claimed, world_size=role.trainer_world)
     if run.is_writer:
         preemption.clear_marker(run_dir)  # resumed: the marker no longer describes the run
     preemption.install(grace_s=cfg.checkpoint.preempt_grace_s, run_dir=run_dir if run.is_writer else None)
@@ -295,14 +296,14 @@ def _preempted_run(run_dir: Path, new: RunConfig) -> bool:
     return True
 
 
-def _resumed(args: argparse.Namespace) -> tuple[RunConfig, dict]:
+def _resumed(args: argparse.Namespace) -> tuple[RunConfig, Opening]:
     """`train --resume`: the run's config and how to open it (called with the directory locked)."""
     from megatron_mugrpo.rundir import is_run
 
     if not is_run(args.resume):
         raise _UsageError(f"{args.resume} is not a run (no config.yaml): start one with --config C --run-dir DIR")
     resolved = resolve_config(args, args.resume, "train --resume")
-    return resolved.cfg, {"resume": True, "record": resolved.record, "redo_after_checkpoint": True}
+    return resolved.cfg, Opening.resumed(resolved.record)
 
 
 @contextmanager
@@ -365,8 +366,7 @@ def cmd_phase(args: argparse.Namespace) -> int:
         if not 0 <= args.stage < cfg.stages.num_stages:
             raise _UsageError(f"--stage {args.stage} is outside [0, stages.num_stages={cfg.stages.num_stages})")
     # `optimize` continues from the latest checkpoint and redoes the updates logged after it.
-    redo = args.verb == "optimize"
-    run = open_run(cfg, args.run_dir, resume=True, claimed=claimed, record=resolved.record, redo_after_checkpoint=redo)
+    run = open_run(cfg, args.run_dir, Opening.phase(args.verb, resolved.record), claimed=claimed)
     try:
         if args.verb == "generate":
             rollout_phase(run, args.stage)
@@ -395,15 +395,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         resolved = resolve_config(args, args.run_dir, "eval", persist=False)
         if not resolved.cfg.eval.benchmarks:
             raise _UsageError("no benchmarks configured: add eval.benchmarks to the config")
-    run = open_run(
-        resolved.cfg,
-        args.run_dir,
-        resume=True,
-        claimed=claimed,
-        checkpoint=args.checkpoint,
-        record=resolved.record,
-        standalone="eval",
-    )
+    run = open_run(resolved.cfg, args.run_dir, Opening.evaluation(args.checkpoint, resolved.record), claimed=claimed)
     try:
         metrics = run_evaluation(run)
     finally:

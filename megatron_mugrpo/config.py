@@ -20,7 +20,7 @@ YAML and overrides, and saves:
     replay               algorithms/replay.py          kernels     kernels/config.py
     env                  envs/registry.py, with env.<kind>.* from each environment (env.search.* in envs/search.py)
     moe                  training/moe.py (router losses and token dispatch of mixture-of-experts models)
-    async                asynchronous/config.py        stages      here (the loop's schedule)
+    async                asynchronous/config.py        stages      algorithms/schedule.py (μ per stage)
 
     cfg = load_config("configs/demo_cpu.yaml", ["algo.mu_grpo.clip_high=5", "stages.num_stages=2"])
     cfg.stages.updates_per_stage      # μ = B_train / B_mini, derived, never typed twice
@@ -42,6 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 # Each section lives with the component that reads it (import it from there); this module composes them.
 from megatron_mugrpo.algorithms.config import AlgoConfig
 from megatron_mugrpo.algorithms.replay import ReplayConfig
+from megatron_mugrpo.algorithms.schedule import StagesConfig
 from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_routes_problem
 from megatron_mugrpo.envs.registry import EnvConfig, run_env_problem
 from megatron_mugrpo.errors import ConfigError, require
@@ -64,7 +65,6 @@ MODES = ("staged", "async")
 __all__ = [
     "MODES",
     "RunConfig",
-    "StagesConfig",
     "config_from_dict",
     "config_values",
     "field_name",
@@ -72,38 +72,6 @@ __all__ = [
     "save_config",
     "user_key",
 ]
-
-
-@dataclass(kw_only=True)
-class StagesConfig:
-    """The staged schedule: μ = train_groups / mini_groups optimizer updates per stage."""
-
-    num_stages: int = 4
-    """Generation → optimization stages (the paper's default is 4)."""
-    train_groups: int = 32768
-    """B_train: prompt groups generated per stage."""
-    mini_groups: int = 32
-    """B_mini: prompt groups per optimizer update."""
-    seed: int = 0
-    """Seed of the minibatch permutation and of sampling."""
-
-    def __post_init__(self) -> None:
-        require(self.num_stages >= 1, f"stages.num_stages={self.num_stages} must be >= 1")
-        require(self.mini_groups >= 1, f"stages.mini_groups={self.mini_groups} must be >= 1")
-        require(
-            self.train_groups >= self.mini_groups and self.train_groups % self.mini_groups == 0,
-            f"stages.train_groups (B_train={self.train_groups}) must be a positive multiple of "
-            f"stages.mini_groups (B_mini={self.mini_groups}); μ = B_train / B_mini updates per stage",
-        )
-
-    @property
-    def updates_per_stage(self) -> int:
-        """μ = B_train / B_mini."""
-        return self.train_groups // self.mini_groups
-
-    @property
-    def total_updates(self) -> int:
-        return self.num_stages * self.updates_per_stage
 
 
 @dataclass(kw_only=True)

@@ -65,12 +65,7 @@ imports its own floor or those below it; the bottom floor imports nothing of the
 ``errors``. ``commands`` (argv builders, no imports) sits at the bottom so that ``sweep`` and ``cli``
 both reach it; ``config`` belongs to the root (only the root imports it, see ``COMPOSITION_ROOTS``)."""
 BOTTOM_MAY_IMPORT = {"megatron_mugrpo.errors"}
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("megatron_mugrpo.loop.", "megatron_mugrpo.loop.setup"): (
-        "the loops take the composed run, typed as loop.setup.Run; Run holds the whole RunConfig, so it "
-        "cannot move to the loops floor until it is grouped into sections (issue #40, hot spot 3)"
-    ),
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 """(importer prefix, imported module) → why this upward arrow is still allowed. Each entry must still
 be needed: a stale one fails the test, so the list only shrinks."""
 

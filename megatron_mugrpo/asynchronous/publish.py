@@ -117,15 +117,23 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
+class TrainerOrigin(Protocol):
+    """Where the trainer's policy came from (``loop.run.Origin``): its architecture and tokenizer files."""
+
+    hf_config: dict[str, Any]
+    hf_dir: Path
+
+
 class Trainer(Protocol):
-    """What a publication reads of the trainer's run (``loop.setup.Run`` has it); a protocol, so this
+    """What a publication reads of the trainer's run (``loop.run.Run`` has it); a protocol, so this
     component never imports the loops above it."""
 
     policy: Policy
-    hf_config: dict[str, Any]
-    hf_dir: Path
     groups: ParallelGroups
     is_writer: bool
+
+    @property
+    def origin(self) -> TrainerOrigin: ...
 
 
 def publish_policy(run: Trainer, root: Path, *, version: int, digest: bool) -> Publication | None:
@@ -144,10 +152,12 @@ def publish_policy(run: Trainer, root: Path, *, version: int, digest: bool) -> P
         hashed = Digest()
         if digest:
             stream = hashed.watch(stream)
-        save_hf_dir(stream, root / name, run.hf_config, run.hf_dir, fsync=True)  # durable before the pointer names it
+        save_hf_dir(
+            stream, root / name, run.origin.hf_config, run.origin.hf_dir, fsync=True
+        )  # durable before the pointer names it
         return Publication(name=name, version=version, digest=hashed.hexdigest() if digest else "")
 
-    publication = export_policy(run.policy, run.hf_config, run.groups, consume=run.is_writer, use=write)
+    publication = export_policy(run.policy, run.origin.hf_config, run.groups, consume=run.is_writer, use=write)
     if publication is None:
         return None
     write_json(root / POINTER, dataclasses.asdict(publication))
@@ -173,7 +183,7 @@ def send_policy(
         )
         return Publication(name=name, version=version, digest=hashed.hexdigest() if digest else ""), stats
 
-    sent = export_policy(run.policy, run.hf_config, run.groups, consume=run.is_writer, use=send)
+    sent = export_policy(run.policy, run.origin.hf_config, run.groups, consume=run.is_writer, use=send)
     if sent is not None:
         log_publication(root, sent[0])
     return sent

@@ -1,5 +1,7 @@
 """The training loops and the actions they are made of, one job per module.
 
+* ``run``: ``Run``, one rank's view of a run, the type every loop takes.
+* ``opening``: how each verb opens a run (``Opening``): its weights, its metrics, its history entry.
 * ``setup``: the composition root. ``open_run`` locks the run directory, reads and checks the
   inputs, builds the models and returns a ``Run``.
 * ``staged``: the staged μ-GRPO loop (``train``; ``rollout_phase`` and ``optimize_stage`` for the

@@ -18,7 +18,7 @@ from megatron_mugrpo.asynchronous.liveness import advance
 from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.loop import hdr, preemption
 from megatron_mugrpo.loop.engines import release_engine, sync_engine
-from megatron_mugrpo.loop.setup import Run
+from megatron_mugrpo.loop.run import Run
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.rollout.placement import engine_threads
@@ -36,7 +36,7 @@ TIMER_KEYS = ("perf/t_rollout_s", "perf/t_optimize_s", "perf/t_eval_s")
 
 def train_on_groups(run: Run, groups: list[RolloutGroup]) -> tuple[dict[str, float], float]:
     """One optimizer step on some prompt groups; returns its metrics and response tokens."""
-    cfg, scoring = run.cfg, run.scoring
+    cfg, scoring = run.cfg, run.trainer.scoring
     batch = collate(groups, pad_id=scoring.pad_id)
     metrics = train_step(
         run.policy,
@@ -75,9 +75,9 @@ def check_first_update(run: Run, metrics: dict[str, float], stage: int) -> None:
 
 
 def evaluate_and_checkpoint(run: Run, *, stage_end: bool, last: bool) -> bool:
-    """What ``run.cadence`` asks for after the update just made: evaluation first, so that a checkpoint
+    """What ``run.trainer.cadence`` asks for after the update just made: evaluation first, so that a checkpoint
     written now holds its result and a resume never loses the record. Returns whether it checkpointed."""
-    done, cadence = run.state.global_update, run.cadence
+    done, cadence = run.state.global_update, run.trainer.cadence
     if cadence.evaluate_now(done, stage_end=stage_end, last=last):
         run_evaluation(run)
     due = cadence.checkpoint_now(done, stage_end=stage_end, last=last, stages_done=run.state.stage)
@@ -100,16 +100,16 @@ def stop_if_preempted(run: Run, *, checkpointed: bool) -> None:
 
 def run_evaluation(run: Run) -> dict[str, float]:
     """Evaluate the current policy on every benchmark over every engine host; records the best by average."""
-    if not run.benchmarks:
+    if not run.inputs.benchmarks:
         return {}
     advance(f"evaluating after update {run.state.global_update}")
-    with run.timer("perf/t_eval_s"):
+    with run.telemetry.timer("perf/t_eval_s"):
         synced = sync_engine(run)
         with engine_threads(run.placement.cpu_threads):
             metrics = evaluate(
                 run.engine,
-                run.benchmarks,
-                tokenizer=run.tokenizer,
+                run.inputs.benchmarks,
+                tokenizer=run.inputs.tokenizer,
                 eval_cfg=run.cfg.eval,
                 seed=run.cfg.seed + 7919 * run.state.global_update,
                 hosts=run.hosts,
@@ -121,7 +121,7 @@ def run_evaluation(run: Run) -> dict[str, float]:
         best = run.state.best
         if best is None or metrics[AVG_KEY] > best.avg_pass_at_1:
             run.state.best = BestEval(avg_pass_at_1=metrics[AVG_KEY], global_update=run.state.global_update)
-        run.logger.log(metrics | synced | timers(run), step=run.state.global_update)
+        run.telemetry.logger.log(metrics | synced | timers(run), step=run.state.global_update)
     return metrics
 
 
@@ -133,25 +133,25 @@ def checkpoint(run: Run) -> None:
     """
     advance(f"checkpointing update {run.state.global_update}")
     run.state.timers = timers(run)
-    run.state.metrics_records = run.logger.records
+    run.state.metrics_records = run.telemetry.logger.records
     best = run.state.best
-    saved = run.checkpoints.save(
+    saved = run.trainer.checkpoints.save(
         run.state.global_update,
         run.policy.model_chunks,
-        hf_config=run.hf_config,
+        hf_config=run.origin.hf_config,
         optimizer=run.policy.optimizer,
         scheduler=run.policy.scheduler,
         trainer_state=run.state,
         run_config=run.cfg.to_dict(),
         keep=[best.global_update] if best else [],
-        write_extra=hdr.checkpoint_writer(run.replay),
+        write_extra=hdr.checkpoint_writer(run.trainer.replay),
     )
     if run.is_writer and best:
         step_dir = run.checkpoint_root / step_dir_name(best.global_update)
         # The best may be the starting policy (update 0), which lives in the base HF directory; the
         # step just saved may still be being written in the background.
         exists = step_dir.is_dir() or step_dir == saved
-        where = step_dir if exists else (run.hf_dir if best.global_update == 0 else None)
+        where = step_dir if exists else (run.origin.hf_dir if best.global_update == 0 else None)
         record = {
             "avg_pass@1": best.avg_pass_at_1,
             "global_update": best.global_update,
@@ -178,8 +178,8 @@ def summary(run: Run) -> dict[str, float]:
 
 def timers(run: Run) -> dict[str, float]:
     """Phase times and the run's wall clock, accumulated across resumes."""
-    phases = {k: run.extra_timers.get(k, 0.0) + run.timer.total(k) for k in TIMER_KEYS}
-    total = run.extra_timers.get("perf/t_total_s", 0.0) + (time.monotonic() - run.started)
+    phases = {k: run.telemetry.extra_timers.get(k, 0.0) + run.telemetry.timer.total(k) for k in TIMER_KEYS}
+    total = run.telemetry.extra_timers.get("perf/t_total_s", 0.0) + (time.monotonic() - run.telemetry.started)
     return phases | {"perf/t_total_s": total}
 
 

@@ -38,7 +38,7 @@ from megatron_mugrpo.loop.actions import (
     train_on_groups,
 )
 from megatron_mugrpo.loop.export import export_final
-from megatron_mugrpo.loop.setup import Run
+from megatron_mugrpo.loop.run import Run
 from megatron_mugrpo.rollout.manifest import shard_stats, store_metrics
 from megatron_mugrpo.rollout.placement import HostGroup
 from megatron_mugrpo.rollout.queue import QueueCursor, QueueReader, ShardRecord, Taken
@@ -59,14 +59,14 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
     for _ in progress_range(run, run.state.global_update, cfg.stages.total_updates, "async updates"):
         advance(f"assembling update {run.state.global_update + 1}")
         started = time.perf_counter()
-        with run.timer("perf/t_rollout_s"):  # idle: waiting for and assembling samples
+        with run.telemetry.timer("perf/t_rollout_s"):  # idle: waiting for and assembling samples
             taken = feed.next_groups(run)
-        with run.timer("perf/t_optimize_s"):
+        with run.telemetry.timer("perf/t_optimize_s"):
             advance(f"making update {run.state.global_update + 1}")
             metrics = async_update(run, taken)
             if run.state.global_update % cfg.async_.sync_every == 0:
                 metrics |= feed.publish(run)
-        run.logger.log(metrics | feed.update_metrics(taken, started), step=run.state.global_update)
+        run.telemetry.logger.log(metrics | feed.update_metrics(taken, started), step=run.state.global_update)
         crash_point(f"update:{run.state.global_update}")
         saved = end_of_update(run, feed)  # stage end: rollout summary, evaluation; checkpoint when due
         stop_if_preempted(run, checkpointed=saved)  # SIGTERM / SIGUSR1: checkpoint now, exit
@@ -88,13 +88,13 @@ def async_update(run: Run, taken: Taken) -> dict[str, float]:
 
 
 def end_of_update(run: Run, feed: Feed) -> bool:
-    """At a stage end, the stage's rollout summary; then evaluation and checkpoint when ``run.cadence``
+    """At a stage end, the stage's rollout summary; then evaluation and checkpoint when ``run.trainer.cadence``
     says. Returns whether it checkpointed."""
     done = run.state.global_update
-    run.checkpoints.poll()  # publish a background checkpoint once every rank has written it
+    run.trainer.checkpoints.poll()  # publish a background checkpoint once every rank has written it
     stage_end, last = run.state.update_in_stage == 0, done == run.cfg.stages.total_updates
     if stage_end:
-        run.logger.log(feed.stage_summary(run.state.stage - 1), step=done)
+        run.telemetry.logger.log(feed.stage_summary(run.state.stage - 1), step=done)
     run.state.queue = feed.cursor()  # a copy: a background save must not see the cursor move on
     advance(f"evaluating or checkpointing after update {done}")
     return evaluate_and_checkpoint(run, stage_end=stage_end, last=last)

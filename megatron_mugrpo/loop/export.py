@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from megatron_mugrpo.conversion.live import NamedTensors
-    from megatron_mugrpo.loop.setup import Run
+    from megatron_mugrpo.loop.run import Run
 
 FINAL_HF_DIR = "hf_final"
 
@@ -25,7 +25,7 @@ def export_final(run: Run) -> None:
 
     def write(tensors: NamedTensors) -> None:
         shutil.rmtree(target, ignore_errors=True)
-        save_hf_dir(((name, tensor.cpu()) for name, tensor in tensors), target, run.hf_config, run.hf_dir)
+        save_hf_dir(((name, tensor.cpu()) for name, tensor in tensors), target, run.origin.hf_config, run.origin.hf_dir)
 
-    export_policy(run.policy, run.hf_config, run.groups, consume=run.is_writer, use=write)
+    export_policy(run.policy, run.origin.hf_config, run.groups, consume=run.is_writer, use=write)
     run.hosts.barrier()

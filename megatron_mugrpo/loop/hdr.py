@@ -123,15 +123,32 @@ class ReplayState:
     """Opened log π_old of quantized earlier stages, for references (not saved)."""
 
 
-class ReplayRun(Protocol):
-    """What HDR uses of a run (``loop.setup.Run`` has all of it; tests pass a namespace)."""
+class ReplayTrainer(Protocol):
+    """What HDR uses of the run's trainer parts (``loop.run.TrainerParts``)."""
 
     replay: ReplayState | None
+    scoring: ScoreSettings
+
+
+class ReplayTelemetry(Protocol):
+    """What HDR uses of the run's telemetry (``loop.run.Telemetry``)."""
+
+    logger: MetricsLogger
+
+
+class ReplayRun(Protocol):
+    """What HDR uses of a run (``loop.run.Run`` has all of it; tests pass a namespace). A protocol, because
+    ``loop.run`` holds a ``ReplayState`` and so imports this module."""
+
     state: TrainerState
     policy: Policy
-    scoring: ScoreSettings
     hosts: HostGroup
-    logger: MetricsLogger
+
+    @property
+    def trainer(self) -> ReplayTrainer: ...
+
+    @property
+    def telemetry(self) -> ReplayTelemetry: ...
 
     def rollout_dir(self, stage: int) -> Path: ...
 
@@ -145,7 +162,7 @@ def replayed_groups(run: ReplayRun, stage: int, updates: int) -> list[RolloutGro
 
     Collective when it scores. Without replay: none.
     """
-    state = run.replay
+    state = run.trainer.replay
     if state is None:
         return []
     if state.plan is None or state.plan.stage != stage:
@@ -174,13 +191,13 @@ def plan_stage(run: ReplayRun, state: ReplayState, stage: int, updates: int) -> 
     }
     metrics["perf/replay_select_s"] = time.perf_counter() - started
     # Logged at the stage's first update: a resume from an earlier checkpoint drops and redoes it with that update.
-    run.logger.log(metrics, step=run.state.global_update + 1)
+    run.telemetry.logger.log(metrics, step=run.state.global_update + 1)
     return StagePlan(stage=stage, accepted=selection.accepted, accepted_at=run.state.global_update)
 
 
 def recheck(run: ReplayRun) -> Callable[[Sequence[int]], list[int]] | None:
     """The stage's slot check for ``StageData`` (None: replay off, or a policy without the drift gate)."""
-    if run.replay is None or not replay_policy(run.replay.config.policy).gated:
+    if run.trainer.replay is None or not replay_policy(run.trainer.replay.config.policy).gated:
         return None
     return partial(recheck_slot, run)
 
@@ -191,7 +208,7 @@ def recheck_slot(run: ReplayRun, positions: Sequence[int]) -> list[int]:
     All of them while at most ``replay.recheck_updates`` updates have passed since the decision;
     afterwards each is re-scored against the current policy (collective) and kept iff D ≤ τ.
     """
-    state = run.replay
+    state = run.trainer.replay
     assert state is not None and state.plan is not None, "recheck_slot needs the stage's decision"
     now, cfg = run.state.global_update, state.config
     if not positions or not recheck_due(state.plan.accepted_at, now, cfg.recheck_updates):
@@ -208,13 +225,13 @@ def recheck_slot(run: ReplayRun, positions: Sequence[int]) -> list[int]:
         METRIC_PREFIX + "recheck_age": float(now - state.plan.accepted_at),
         "perf/replay_recheck_s": time.perf_counter() - started,
     }
-    run.logger.log(metrics, step=now + 1)  # the update these groups would have joined
+    run.telemetry.logger.log(metrics, step=now + 1)  # the update these groups would have joined
     return kept
 
 
 def end_stage(run: ReplayRun, stage: int, store: RolloutStore) -> None:
     """E: the stage's mixed-outcome groups enter the FIFO (after its updates: never replayed in their own stage)."""
-    state = run.replay
+    state = run.trainer.replay
     if state is None:
         return
     copy_groups = not state.config.cross_stage
@@ -272,9 +289,9 @@ def score_headroom_drift(run: ReplayRun, groups: list[RolloutGroup]) -> tuple[li
         part = [i for i, c in enumerate(carried) if c == with_old]
         if not part:
             continue
-        batch = collate([groups[i] for i in part], pad_id=run.scoring.pad_id)
+        batch = collate([groups[i] for i in part], pad_id=run.trainer.scoring.pad_id)
         reference = batch.old_logprobs if with_old else batch.behaviour_logprobs
-        logprobs = teacher_forced_logprobs(run.policy, batch, run.scoring)
+        logprobs = teacher_forced_logprobs(run.policy, batch, run.trainer.scoring)
         h, d = group_headroom_drift(
             logprobs, reference, batch.advantages, batch.response_mask, batch.group_index, len(part)
         )

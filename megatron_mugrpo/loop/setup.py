@@ -4,9 +4,9 @@
 ``cli.locked_run_dir``): the cheap inputs that a typo breaks (the tokenizer, the prompts, the
 benchmarks, the reward), so that bad data fails in seconds; the process groups; only then the base
 Hugging Face model (the user's, or the demo's locally built and warm-started one), the Megatron
-policy with its optimizer and the weights (from the latest checkpoint when resuming, else from the
-Hugging Face directory), the metrics logger, the scoring settings every trainer pass shares, and
-the rollout engines' placement: every rank belongs to an engine group of
+policy with its optimizer and the weights (from where the verb's ``Opening`` says: ``loop/opening.py``),
+the trainer's parts (scoring settings every trainer pass shares, cadence, checkpoint writer, replay),
+the metrics logger, and the rollout engines' placement: every rank belongs to an engine group of
 ``rollout.tensor_parallel`` ranks whose first rank hosts one engine (see ``rollout/placement.py``).
 Each host's engine is created at the first weight sync and lives for the whole run, released
 between phases; every host generates, evaluates and scores rewards with its own verifier pool.
@@ -27,8 +27,6 @@ Run directory layout (its guarantees, lock and config written last, are in ``run
 from __future__ import annotations
 
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,104 +36,22 @@ from megatron_mugrpo.config import RunConfig
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.evaluation import Benchmark
 from megatron_mugrpo.loop.cadence import Cadence
-from megatron_mugrpo.loop.hdr import ReplayState, open_replay
-from megatron_mugrpo.metrics import TENSORBOARD_DIR, MetricsLogger, Timer
+from megatron_mugrpo.loop.hdr import open_replay
+from megatron_mugrpo.loop.opening import Opening
+from megatron_mugrpo.loop.run import Inputs, Origin, Run, Telemetry, TrainerParts
+from megatron_mugrpo.metrics import MetricsLogger, Timer
 from megatron_mugrpo.rewards.registry import RewardSet
-from megatron_mugrpo.rollout.engine import RolloutEngine, shutdown_engine
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
-from megatron_mugrpo.rollout.prompts import PromptRecord, load_benchmark, load_prompts
-from megatron_mugrpo.rundir import Claim, RunLock, claim, record_config
+from megatron_mugrpo.rollout.prompts import load_benchmark, load_prompts
+from megatron_mugrpo.rundir import Claim, claim, record_config
 from megatron_mugrpo.state import TrainerState
 from megatron_mugrpo.training.checkpoint import (
     CheckpointSaver,
-    latest_checkpoint,
-    load_checkpoint,
-    load_latest_intact,
     read_metadata,
 )
 from megatron_mugrpo.training.parallel import ParallelGroups, check_hf_model_parallelism, initialize_parallel
-from megatron_mugrpo.training.setup import Policy, build_policy
+from megatron_mugrpo.training.setup import build_policy
 from megatron_mugrpo.training.stage_reference import ScoreSettings
-
-
-class RunError(InputError, RuntimeError):
-    """A run directory cannot be used as asked; the message says why and what to do."""
-
-
-@dataclass(kw_only=True)
-class Run:
-    """One rank's view of a run."""
-
-    cfg: RunConfig
-    run_dir: Path
-    hf_dir: Path
-    """Hugging Face directory of the starting policy (architecture, tokenizer)."""
-    hf_config: dict[str, Any]
-    tokenizer: Any
-    groups: ParallelGroups
-    hosts: HostGroup
-    """This rank's place among the rollout engine groups, and the group every rank coordinates on."""
-    policy: Policy
-    scoring: ScoreSettings
-    """How every trainer pass scores responses (the update, the stage reference, HDR's re-scoring)."""
-    cadence: Cadence
-    """When both loops evaluate and checkpoint."""
-    state: TrainerState
-    prompts: list[PromptRecord]
-    benchmarks: list[Benchmark]
-    reward_fn: RewardSet
-    """The training data's reward (``score``) and every benchmark's, started and closed together."""
-    logger: MetricsLogger
-    timer: Timer
-    checkpoints: CheckpointSaver
-    """Writes RUN_DIR/checkpoints (in the background with checkpoint.async_save)."""
-    engine: RolloutEngine | None = None
-    """This rank's rollout engine when it hosts one (None elsewhere, and before the first weight sync)."""
-    replay: ReplayState | None = None
-    """Headroom-Drift Replay buffer and the current stage's decision (None: replay is off)."""
-    resumed_from: Path | None = None
-    extra_timers: dict[str, float] = field(default_factory=dict)
-    """perf/ seconds accumulated by earlier processes of this run (restored from the checkpoint)."""
-    started: float = field(default_factory=time.monotonic)
-    """When this process opened the run (for perf/t_total_s)."""
-    lock: RunLock | None = None
-    """Rank 0's exclusive lock on the run directory, held until close()."""
-
-    @property
-    def is_writer(self) -> bool:
-        """Rank 0 seals the rollout stores, writes metrics and checkpoints' metadata, owns the console."""
-        return self.groups.rank == 0
-
-    @property
-    def placement(self) -> EnginePlacement:
-        return self.hosts.placement
-
-    def rollout_dir(self, stage: int) -> Path:
-        return self.run_dir / "rollouts" / f"stage_{stage:03d}"
-
-    @property
-    def checkpoint_root(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    def close(self) -> None:
-        self.checkpoints.close()  # publish a checkpoint still being written
-        # The reward pool first: SGLang's engine shutdown kills every child process of this one.
-        self.reward_fn.close()
-        if self.engine is not None:
-            shutdown_engine(self.engine)
-        self.logger.close()
-        if self.lock is not None:
-            self.lock.release()
-
-
-@dataclass(kw_only=True)
-class Inputs:
-    """What a run reads before it builds any model: seconds of work, where a typo in the data shows."""
-
-    tokenizer: Any
-    prompts: list[PromptRecord]
-    benchmarks: list[Benchmark]
-    reward_fn: RewardSet
 
 
 def set_determinism(cfg: RunConfig) -> None:
@@ -144,64 +60,32 @@ def set_determinism(cfg: RunConfig) -> None:
 
 
 def open_run(
-    cfg: RunConfig,
-    run_dir: Path,
-    *,
-    resume: bool,
-    claimed: Claim | None = None,
-    checkpoint: Path | None = None,
-    record: str | None = None,
-    redo_after_checkpoint: bool = False,
-    standalone: str | None = None,
-    replace_failed_start: bool = False,
-    world_size: int | None = None,
+    cfg: RunConfig, run_dir: Path, opening: Opening, *, claimed: Claim | None = None, world_size: int | None = None
 ) -> Run:
-    """Build this rank's Run. ``resume`` loads the latest checkpoint (or ``checkpoint``) when one exists.
+    """Build this rank's Run, opened as ``opening`` says (its weights, its metrics, its history entry).
 
     Rank 0 holds the run directory's lock (``claimed``: the verb took it before judging the
     directory, see ``cli.locked_run_dir``; taken here when None) until ``Run.close()``. Once
-    everything is set up it writes config.yaml with the history entry ``record`` (None: the stored
-    config is unchanged), so a directory becomes a run only when set-up succeeded; a failed set-up
-    removes the directory it created. ``redo_after_checkpoint``: this verb redoes the work logged
-    after the checkpoint (train --resume, optimize), whose metrics records are dropped first.
-    ``standalone`` (e.g. 'eval') marks every metrics record as that command's, never dropped by a
-    later resume. ``world_size``: the trainer ranks when they are fewer than the launch's processes
-    (async mode).
+    everything is set up it writes config.yaml with the history entry ``opening.record``, so a
+    directory becomes a run only when set-up succeeded; a failed set-up removes the directory it
+    created. ``world_size``: the trainer ranks when they are fewer than the launch's processes (async
+    mode).
     """
     set_determinism(cfg)
     inputs: Inputs | None = None
     try:
         inputs = read_inputs(cfg)  # seconds: bad data fails here, on every rank alike, before any model exists
-        parallel = cfg.parallel
-        groups = initialize_parallel(
-            parallel.tensor_parallel,
-            parallel.pipeline_parallel,
-            cfg.seed,
-            world_size=world_size,
-            ep=parallel.expert_parallel,
-            etp=parallel.expert_tensor_parallel,
-            timeout_s=parallel.timeout_s,
-        )
+        groups = _process_groups(cfg, world_size)
         if claimed is None and groups.rank == 0:
-            claimed = claim(run_dir, replace_failed_start=replace_failed_start)
+            claimed = claim(run_dir)
         rollout = cfg.rollout
         placement = EnginePlacement.from_env(
             tensor_parallel=rollout.tensor_parallel, cpu_threads=rollout.cpu_threads, world_size=groups.world_size
         )
         hosts = HostGroup.create(placement)  # collective: every rank, before anything can fail on one rank only
-        run = _set_up(
-            cfg,
-            run_dir,
-            groups,
-            hosts,
-            inputs,
-            resume=resume,
-            checkpoint=checkpoint,
-            redo_after_checkpoint=redo_after_checkpoint,
-            standalone=standalone,
-        )
-        if claimed is not None and record is not None:
-            record_config(cfg, run_dir, event=record)  # last: from here on the directory is a run
+        run = _set_up(cfg, run_dir, groups, hosts, inputs, opening)
+        if claimed is not None and opening.record is not None:
+            record_config(cfg, run_dir, event=opening.record)  # last: from here on the directory is a run
     except BaseException:
         if inputs is not None:
             inputs.reward_fn.close()
@@ -211,6 +95,19 @@ def open_run(
     run.lock = claimed.lock if claimed is not None else None
     hosts.barrier()
     return run
+
+
+def _process_groups(cfg: RunConfig, world_size: int | None) -> ParallelGroups:
+    parallel = cfg.parallel
+    return initialize_parallel(
+        parallel.tensor_parallel,
+        parallel.pipeline_parallel,
+        cfg.seed,
+        world_size=world_size,
+        ep=parallel.expert_parallel,
+        etp=parallel.expert_tensor_parallel,
+        timeout_s=parallel.timeout_s,
+    )
 
 
 def read_inputs(cfg: RunConfig) -> Inputs:
@@ -255,25 +152,16 @@ def load_tokenizer(cfg: RunConfig) -> Any:
 
 
 def _set_up(
-    cfg: RunConfig,
-    run_dir: Path,
-    groups: ParallelGroups,
-    hosts: HostGroup,
-    inputs: Inputs,
-    *,
-    resume: bool,
-    checkpoint: Path | None,
-    redo_after_checkpoint: bool,
-    standalone: str | None,
+    cfg: RunConfig, run_dir: Path, groups: ParallelGroups, hosts: HostGroup, inputs: Inputs, opening: Opening
 ) -> Run:
-    """Base model, policy, weights and metrics logger of one rank (the inputs are already checked)."""
+    """Base model, policy, weights and the trainer's parts of one rank (the inputs are already checked)."""
     hf_dir = _base_model(cfg, run_dir, hosts)
     check_hf_model_parallelism(hf_dir, cfg.parallel)
     from megatron_mugrpo.conversion.hf_io import load_hf_config
 
     hf_config = load_hf_config(hf_dir)
-    resuming_from = checkpoint or (latest_checkpoint(run_dir / "checkpoints") if resume else None)
-    _check_checkpoint_model(hf_config, resuming_from)
+    checkpoint_root = run_dir / "checkpoints"
+    _check_checkpoint_model(hf_config, opening.start_from(checkpoint_root))
     policy = build_policy(
         hf_config,
         groups=groups,
@@ -284,41 +172,41 @@ def _set_up(
         sequence_parallel=cfg.parallel.sequence_parallel,
         moe=cfg.moe,
     )
-    state, resumed_from = _initial_weights(policy, hf_dir, run_dir, resume=resume, checkpoint=checkpoint)
-    checkpoints = CheckpointSaver(
-        run_dir / "checkpoints",
-        groups=groups,
-        async_save=cfg.checkpoint.async_save,
-        fsync=cfg.checkpoint.fsync,
-        keep_last=cfg.checkpoint.keep_last,
-    )
-    logger = _metrics_logger(cfg, run_dir, groups.rank, state, resumed_from, redo_after_checkpoint, standalone)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+    state, resumed_from = opening.load_weights(policy, hf_dir, checkpoint_root)
     return Run(
         cfg=cfg,
         run_dir=run_dir,
-        hf_dir=hf_dir,
-        hf_config=hf_config,
-        tokenizer=inputs.tokenizer,
         groups=groups,
         hosts=hosts,
         policy=policy,
-        scoring=score_settings(cfg, inputs.tokenizer),
+        state=state,
+        origin=Origin(hf_dir=hf_dir, hf_config=hf_config, resumed_from=resumed_from),
+        inputs=inputs,
+        trainer=trainer_parts(cfg, checkpoint_root, groups, inputs.tokenizer, resumed_from),
+        telemetry=_telemetry(cfg, run_dir, groups.rank, state, resumed_from, opening),
+    )
+
+
+def trainer_parts(
+    cfg: RunConfig, checkpoint_root: Path, groups: ParallelGroups, tokenizer: Any, resumed_from: Path | None
+) -> TrainerParts:
+    """The trainer's scoring settings, cadence, checkpoint writer and replay state, each from its section."""
+    checkpoint = cfg.checkpoint
+    return TrainerParts(
+        scoring=score_settings(cfg, tokenizer),
         cadence=Cadence(
             eval_every=cfg.eval.every_updates,
-            checkpoint_every=cfg.checkpoint.every_updates,
-            checkpoint_every_stages=cfg.checkpoint.every_stages,
+            checkpoint_every=checkpoint.every_updates,
+            checkpoint_every_stages=checkpoint.every_stages,
         ),
-        state=state,
-        checkpoints=checkpoints,
-        prompts=inputs.prompts,
-        benchmarks=inputs.benchmarks,
-        reward_fn=inputs.reward_fn,
-        logger=logger,
-        timer=Timer(sync=sync),
-        resumed_from=resumed_from,
+        checkpoints=CheckpointSaver(
+            checkpoint_root,
+            groups=groups,
+            async_save=checkpoint.async_save,
+            fsync=checkpoint.fsync,
+            keep_last=checkpoint.keep_last,
+        ),
         replay=open_replay(cfg.replay, cfg.stages.train_groups, resumed_from),
-        extra_timers=dict(state.timers),
     )
 
 
@@ -349,32 +237,23 @@ def _check_checkpoint_model(hf_config: dict[str, Any], step_dir: Path | None) ->
     check_same_model(hf_config, saved, step_dir)
 
 
-def _metrics_logger(
-    cfg: RunConfig,
-    run_dir: Path,
-    rank: int,
-    state: TrainerState,
-    resumed_from: Path | None,
-    redo_after_checkpoint: bool,
-    standalone: str | None,
-) -> MetricsLogger:
-    """The run's logger: appending, or first dropping the records of work this process redoes."""
-    keep_records = None
-    if redo_after_checkpoint:  # without a checkpoint everything logged so far is redone
-        keep_records = state.metrics_records if resumed_from is not None else 0
-    source, tensorboard_dir = None, TENSORBOARD_DIR
-    if standalone is not None:  # its own TensorBoard run: an older step written later would hide newer points
-        evaluated = resumed_from.name if resumed_from is not None else "base_model"
-        source, tensorboard_dir = f"mugrpo {standalone} of {evaluated}", f"{TENSORBOARD_DIR}/{standalone}_{evaluated}"
-    return MetricsLogger(
+def _telemetry(
+    cfg: RunConfig, run_dir: Path, rank: int, state: TrainerState, resumed_from: Path | None, opening: Opening
+) -> Telemetry:
+    """The run's logger (appending, or first dropping the records of work this process redoes), its
+    timer, and the time earlier processes of the run spent."""
+    source, tensorboard_dir = opening.metrics_source(resumed_from)
+    logger = MetricsLogger(
         run_dir,
         tensorboard=cfg.logging.tensorboard,
         console=cfg.logging.progress_bars,
         rank=rank,
-        keep_records=keep_records,
+        keep_records=opening.keep_records(state, resumed_from),
         source=source,
         tensorboard_dir=tensorboard_dir,
     )
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+    return Telemetry(logger=logger, timer=Timer(sync=sync), extra_timers=dict(state.timers))
 
 
 def _base_model(cfg: RunConfig, run_dir: Path, hosts: HostGroup) -> Path:
@@ -387,25 +266,3 @@ def _base_model(cfg: RunConfig, run_dir: Path, hosts: HostGroup) -> Path:
         hf_dir = prepare_base_model(cfg, target)
     hosts.barrier()
     return hf_dir if is_writer else (Path(cfg.model.hf_dir) if cfg.model.hf_dir else target)
-
-
-def _initial_weights(
-    policy: Policy, hf_dir: Path, run_dir: Path, *, resume: bool, checkpoint: Path | None
-) -> tuple[TrainerState, Path | None]:
-    """Load the given checkpoint, or when resuming the newest intact one (damaged ones are skipped with
-    a warning); otherwise the base HF weights."""
-    if checkpoint is not None:
-        loaded = load_checkpoint(
-            checkpoint, policy.model_chunks, policy.optimizer, policy.scheduler, groups=policy.groups
-        )
-        return loaded.trainer_state, checkpoint
-    if resume:
-        args = (policy.model_chunks, policy.optimizer, policy.scheduler)
-        intact = load_latest_intact(run_dir / "checkpoints", *args, groups=policy.groups)
-        if intact is not None:
-            return intact.trainer_state, intact.step_dir
-    from megatron_mugrpo.conversion import load_hf_into_model
-
-    load_hf_into_model(policy.unwrapped(), hf_dir, policy.groups)
-    policy.weights_loaded()  # optimizers holding fp32 main copies re-read the loaded weights
-    return TrainerState(), None

@@ -29,13 +29,14 @@ def _sync_on_two_hosts(rank: int, world_size: int, run_dir: str) -> None:
 
     from megatron_mugrpo.config import load_config
     from megatron_mugrpo.loop.engines import sync_engine
+    from megatron_mugrpo.loop.opening import Opening
     from megatron_mugrpo.loop.setup import open_run
 
     cfg = load_config(
         DEMO,
         ["warmstart.steps=0", "parallel.tensor_parallel=2", "rollout.tensor_parallel=1", "logging.progress_bars=false"],
     )
-    run = open_run(cfg, Path(run_dir), resume=False)
+    run = open_run(cfg, Path(run_dir), Opening.new(None))
     try:
         assert run.placement.is_host and run.placement.num_engines == 2
         with torch.no_grad():  # make the policy differ from the base model the engines were built from
@@ -43,7 +44,7 @@ def _sync_on_two_hosts(rank: int, world_size: int, run_dir: str) -> None:
                 param.add_(0.01 * (1 + torch.arange(param.numel(), dtype=param.dtype).reshape(param.shape) % 7))
         metrics = sync_engine(run)
         assert metrics["perf/weight_sync_s"] > 0 and metrics["perf/weight_sync_gb_per_s"] > 0
-        exported = dict(export_hf(run.policy.unwrapped(), run.hf_config, run.groups))
+        exported = dict(export_hf(run.policy.unwrapped(), run.origin.hf_config, run.groups))
         held = {name: tensor for name, tensor in run.engine.model.state_dict().items() if name in exported}
         assert held.keys() == exported.keys()
         digests = [None] * world_size

@@ -69,18 +69,21 @@ def _cfg(*extra: str):
 
 
 def _run(tmp: Path, cfg, tp: int = 1) -> SimpleNamespace:
-    """The parts of a loop.setup.Run that replay touches, with a real policy, host group and metrics logger."""
+    """The parts of a loop.run.Run that replay touches (``hdr.ReplayRun``), with a real policy, host group and
+    metrics logger."""
     groups = initialize_parallel(tp, 1, seed=0)
     policy = build_policy(hf_config(), groups=groups, dtype=torch.float32, optim=cfg.optim)
     return SimpleNamespace(
         cfg=cfg,
         policy=policy,
-        scoring=score_settings(cfg, SimpleNamespace(pad_token_id=0)),
         hosts=HostGroup.create(EnginePlacement.from_env(tensor_parallel=1, world_size=groups.world_size)),
         state=TrainerState(stage=1, global_update=4),
-        logger=MetricsLogger(tmp, tensorboard=False, console=False, rank=groups.rank),
         rollout_dir=lambda stage: tmp / "rollouts" / f"stage_{stage:03d}",
-        replay=replay.open_replay(cfg.replay, cfg.stages.train_groups, None),
+        trainer=SimpleNamespace(
+            scoring=score_settings(cfg, SimpleNamespace(pad_token_id=0)),
+            replay=replay.open_replay(cfg.replay, cfg.stages.train_groups, None),
+        ),
+        telemetry=SimpleNamespace(logger=MetricsLogger(tmp, tensorboard=False, console=False, rank=groups.rank)),
     )
 
 
@@ -172,7 +175,7 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
     old = _groups(0, stage=0, count=4)
     shifts = [SHIFT_FAR, 0.0, SHIFT_OK, SHIFT_FAR]
     _set_behaviour(run, old, shifts)
-    run.replay.buffer.push(candidate_entries(enumerate(old)))
+    run.trainer.replay.buffer.push(candidate_entries(enumerate(old)))
     stored = [[list(s.behaviour_logprobs) for s in g.samples] for g in old]
 
     fresh = _groups(1, stage=1, count=TRAIN_GROUPS, version=4)
@@ -180,17 +183,17 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
     store = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
 
     # Every group is ranked by the headroom it entered with (from its stored log-probs), none is "unscored first".
-    order = headroom_order(run.replay.buffer)
+    order = headroom_order(run.trainer.replay.buffer)
     entered = [stored_headroom(g) for g in old]
     assert [entered[i] for _, i in order] == sorted(entered, reverse=True)
     drifts = {(0, i): shift**2 for i, shift in enumerate(shifts)}
     accepted, scored = _walk(order, drifts, k=2)
     data = _stage_data(run, 1, store)
-    assert run.replay.plan.accepted == accepted and run.replay.plan.accepted_at == 4
+    assert run.trainer.replay.plan.accepted == accepted and run.trainer.replay.plan.accepted_at == 4
     assert (0, 1) in accepted and (0, 2) in accepted  # the two within τ, whatever the order
-    scores = {key: run.replay.buffer.score(key) for key in run.replay.buffer}
+    scores = {key: run.trainer.replay.buffer.score(key) for key in run.trainer.replay.buffer}
     assert all(scores[key] is None for key in order if key not in scored)  # never reached: the walk stopped at K_rep
-    assert run.replay.buffer.headroom((0, 1)) == scores[(0, 1)].headroom  # re-scoring replaced the entry's rank
+    assert run.trainer.replay.buffer.headroom((0, 1)) == scores[(0, 1)].headroom  # re-scoring replaced the entry's rank
     for key in scored:  # drift = shift², exactly what the stored log-probs were moved by
         assert scores[key].drift == pytest.approx(drifts[key], rel=1e-4, abs=1e-12)
     assert len(scored) > 2, "the walk met a group the gate rejects"
@@ -207,14 +210,15 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
     assert data.minibatch(0, MINI_GROUPS, 0) == store.minibatch(0, MINI_GROUPS, 0)
     first, second = data.minibatch(1, MINI_GROUPS, 0), data.minibatch(2, MINI_GROUPS, 0)
     assert (
-        first[0] is run.replay.buffer.get(accepted[0]).group and second[0] is run.replay.buffer.get(accepted[1]).group
+        first[0] is run.trainer.replay.buffer.get(accepted[0]).group
+        and second[0] is run.trainer.replay.buffer.get(accepted[1]).group
     )
     assert first[1:] == store.minibatch(1, MINI_GROUPS, 0)
     assert data.minibatch(3, MINI_GROUPS, 0) == store.minibatch(3, MINI_GROUPS, 0)
 
     # The update's ratio uses the stored generation-time log-probs: fresh rows are on-policy (gap 0), the
     # SHIFT_OK group's rows are off by exactly SHIFT_OK, so the batch's mean |log π_θ − b| is SHIFT_OK × their share.
-    first = [run.replay.buffer.get((0, 2)).group, *store.minibatch(1, MINI_GROUPS, 0)]
+    first = [run.trainer.replay.buffer.get((0, 2)).group, *store.minibatch(1, MINI_GROUPS, 0)]
     batch = collate(first, pad_id=0)
     replayed_tokens = sum(len(s.response_ids) for s in first[0].samples)
     metrics = train_step(
@@ -244,7 +248,7 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
         )
         assert math.isfinite(out["train/loss"]) and out["train/update_successful"] == 1.0, name
 
-    run.logger.close()
+    run.telemetry.logger.close()
     record = next(r for r in read_metrics(tmp_path) if "replay/accepted" in r)
     assert record["step"] == 5  # the stage's first update
     assert record["replay/scored"] == len(scored) and record["replay/accepted"] == 2
@@ -255,8 +259,8 @@ def _score_gate_and_replay_stored_logprobs(rank: int, world_size: int, tmp: str)
 
     # E: the stage's mixed groups enter the FIFO after its updates; the decision is cleared.
     replay.end_stage(run, 1, store)
-    assert run.replay.buffer.keys() == [(0, 0), (0, 1), (0, 2), (0, 3)] + [(1, i) for i in range(TRAIN_GROUPS)]
-    assert run.replay.plan is None
+    assert run.trainer.replay.buffer.keys() == [(0, 0), (0, 1), (0, 2), (0, 3)] + [(1, i) for i in range(TRAIN_GROUPS)]
+    assert run.trainer.replay.plan is None
 
 
 def test_scoring_gate_and_stored_logprobs_through_the_trainer(tmp_path: Path) -> None:
@@ -276,31 +280,31 @@ def _persistence(rank: int, world_size: int, tmp: str) -> None:
         _set_behaviour(run, stage0, [0.0] * 4)
         store0 = _write_store(run.rollout_dir(0), stage0, stage=0, version=0)
         replay.end_stage(run, 0, store0)
-        assert run.replay.buffer.keys() == [(0, 0), (0, 2), (0, 3)]
-        assert all((e.group is None) == cross_stage for e in run.replay.buffer.entries())
+        assert run.trainer.replay.buffer.keys() == [(0, 0), (0, 2), (0, 3)]
+        assert all((e.group is None) == cross_stage for e in run.trainer.replay.buffer.entries())
 
         stage1 = _groups(3, stage=1, count=4, version=4)
         _set_behaviour(run, stage1, [0.0] * 4)
         store1 = _write_store(run.rollout_dir(1), stage1, stage=1, version=4)
         data = _stage_data(run, 1, store1)
-        first_two = headroom_order(run.replay.buffer)[:2]  # every drift is 0: the two with the most headroom
-        assert run.replay.plan.accepted == first_two
+        first_two = headroom_order(run.trainer.replay.buffer)[:2]  # every drift is 0: the two with the most headroom
+        assert run.trainer.replay.plan.accepted == first_two
         assert [g.prompt_id for g in data.replayed] == [f"0-{i}" for _, i in first_two]  # read back when by reference
 
         step_dir = tmp_path / f"step_{cross_stage}"
-        replay.checkpoint_writer(run.replay)(step_dir)
+        replay.checkpoint_writer(run.trainer.replay)(step_dir)
         restored = replay.open_replay(cfg.replay, cfg.stages.train_groups, step_dir)
-        assert restored.buffer.state_dict() == run.replay.buffer.state_dict()
-        assert restored.buffer.entries() == run.replay.buffer.entries()
-        assert restored.plan == run.replay.plan
+        assert restored.buffer.state_dict() == run.trainer.replay.buffer.state_dict()
+        assert restored.buffer.entries() == run.trainer.replay.buffer.entries()
+        assert restored.plan == run.trainer.replay.plan
         # A resumed run does not re-score: the restored decision is used as it is.
-        run.replay = restored
+        run.trainer.replay = restored
         again = _stage_data(run, 1, store1)
         assert again.replayed == data.replayed
 
         replay.end_stage(run, 1, store1)  # 4 more mixed groups: capacity 6 evicts the oldest
-        assert run.replay.buffer.keys() == [(0, 2), (0, 3)] + [(1, i) for i in range(4)]
-        assert [e.headroom for e in run.replay.buffer.entries()[2:]] == [stored_headroom(g) for g in stage1]
+        assert run.trainer.replay.buffer.keys() == [(0, 2), (0, 3)] + [(1, i) for i in range(4)]
+        assert [e.headroom for e in run.trainer.replay.buffer.entries()[2:]] == [stored_headroom(g) for g in stage1]
 
         if not cross_stage:
             groups_file = step_dir / replay.REPLAY_DIR / replay.GROUPS_FILE
@@ -311,7 +315,7 @@ def _persistence(rank: int, world_size: int, tmp: str) -> None:
         state_file.write_text(json.dumps({"format": "other"}))
         with pytest.raises(CheckpointError, match="format"):
             replay.open_replay(cfg.replay, cfg.stages.train_groups, step_dir)
-        run.logger.close()
+        run.telemetry.logger.close()
     assert replay.open_replay(load_config(None, []).replay, 4, tmp_path) is None  # replay off: no state at all
 
 
@@ -334,29 +338,29 @@ def _ranks_decide_alike(rank: int, world_size: int, tmp: str) -> None:
     old = _groups(4, stage=0, count=6)
     shifts = [0.0, SHIFT_OK, 0.0, SHIFT_OK, 0.0, SHIFT_OK]
     _set_behaviour(run, old, shifts)
-    run.replay.buffer.push(candidate_entries(enumerate(old)))
+    run.trainer.replay.buffer.push(candidate_entries(enumerate(old)))
     if rank == 1:  # local data that disagrees: what this rank alone would measure is drift SHIFT_FAR² everywhere
-        for entry, shift in zip(run.replay.buffer.entries(), shifts):
+        for entry, shift in zip(run.trainer.replay.buffer.entries(), shifts):
             for sample in entry.group.samples:
                 sample.behaviour_logprobs = [lp + shift - SHIFT_FAR for lp in sample.behaviour_logprobs]
     fresh = _groups(5, stage=1, count=TRAIN_GROUPS, version=4)
     _set_behaviour(run, fresh, [0.0] * TRAIN_GROUPS)
     store = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
-    expected = headroom_order(run.replay.buffer)[:2]  # rank 0: every drift passes
+    expected = headroom_order(run.trainer.replay.buffer)[:2]  # rank 0: every drift passes
     data = _stage_data(run, 1, store)
     decisions = [None] * world_size
-    dist.all_gather_object(decisions, (run.replay.plan.accepted, run.replay.buffer.state_dict()))
+    dist.all_gather_object(decisions, (run.trainer.replay.plan.accepted, run.trainer.replay.buffer.state_dict()))
     assert decisions[0] == decisions[1]
-    assert run.replay.plan.accepted == expected and len(expected) == 2
+    assert run.trainer.replay.plan.accepted == expected and len(expected) == 2
     # The slot re-check broadcasts too: at recheck_updates=0 every slot is re-checked, and rank 1 keeps
     # what rank 0's drift keeps (its own would skip every group).
-    run.replay.config.recheck_updates = 0
+    run.trainer.replay.config.recheck_updates = 0
     run.state.global_update = 5
     kept = [g.prompt_id for g in data.minibatch(1, MINI_GROUPS, 0)[: len(replay_slots(2, 4)[1])]]
     all_kept = [None] * world_size
     dist.all_gather_object(all_kept, kept)
     assert all_kept[0] == all_kept[1] == [f"0-{expected[0][1]}"]
-    run.logger.close()
+    run.telemetry.logger.close()
 
 
 @pytest.mark.multiprocess
@@ -366,12 +370,14 @@ def test_every_rank_takes_the_same_decisions_with_tensor_parallelism(tmp_path: P
 
 def test_replay_off_leaves_d_k_alone(tmp_path: Path) -> None:
     cfg = load_config(None, [])
-    run = SimpleNamespace(cfg=cfg, replay=replay.open_replay(cfg.replay, cfg.stages.train_groups, None))
+    run = SimpleNamespace(
+        cfg=cfg, trainer=SimpleNamespace(replay=replay.open_replay(cfg.replay, cfg.stages.train_groups, None))
+    )
     store = object()
     data = _stage_data(run, 0, store)
     assert data.store is store and data.replayed == []  # D_k alone
     replay.end_stage(run, 0, store)
-    assert replay.checkpoint_writer(run.replay) is None
+    assert replay.checkpoint_writer(run.trainer.replay) is None
 
 
 # ------------------------------------------------------------------------------------------
@@ -393,10 +399,10 @@ def _recheck_at_mu_256(rank: int, world_size: int, tmp: str) -> None:
     run = _run(tmp_path, cfg)
     old = _groups(6, stage=0, count=8)
     _set_behaviour(run, old, [0.0] * 8)
-    run.replay.buffer.push(candidate_entries(enumerate(old)))
+    run.trainer.replay.buffer.push(candidate_entries(enumerate(old)))
     store = _write_store(run.rollout_dir(1), _groups(7, stage=1, count=RECHECK_MU, version=4), stage=1, version=4)
     data = _stage_data(run, 1, store)
-    plan = run.replay.plan
+    plan = run.trainer.replay.plan
     assert len(plan.accepted) == 8 and plan.accepted_at == 4
     slots = replay_slots(8, RECHECK_MU)
     slot_of = {position: u for u, share in enumerate(slots) for position in share}
@@ -405,7 +411,7 @@ def _recheck_at_mu_256(rank: int, world_size: int, tmp: str) -> None:
     assert early and len(late) >= 3
     moved = {early[-1], late[0], late[-1]}  # one that is not due yet, two that are
     for position in moved:
-        for sample in run.replay.buffer.get(plan.accepted[position]).group.samples:
+        for sample in run.trainer.replay.buffer.get(plan.accepted[position]).group.samples:
             sample.behaviour_logprobs = [lp - SHIFT_FAR for lp in sample.behaviour_logprobs]
 
     used = []
@@ -419,13 +425,13 @@ def _recheck_at_mu_256(rank: int, world_size: int, tmp: str) -> None:
     expected = [keys[p][1] for p in range(8) if not (p in moved and slot_of[p] > 64)]
     assert used == expected  # the not-yet-due moved group is still used; the due moved ones are skipped
 
-    run.logger.close()
+    run.telemetry.logger.close()
     rechecks = [r for r in read_metrics(tmp_path) if "replay/recheck_scored" in r]
     assert [r["step"] for r in rechecks] == [plan.accepted_at + slot_of[p] + 1 for p in late]
     assert sum(r["replay/recheck_skipped"] for r in rechecks) == 2
     assert all(r["replay/recheck_age"] > 64 for r in rechecks)
     for p in late:  # re-scoring updated the buffer's scores at the slot's version
-        score = run.replay.buffer.score(plan.accepted[p])
+        score = run.trainer.replay.buffer.score(plan.accepted[p])
         assert score.scored_at == plan.accepted_at + slot_of[p]
         assert score.drift == pytest.approx(SHIFT_FAR**2 if p in moved else 0.0, rel=1e-4, abs=1e-12)
 
@@ -459,7 +465,7 @@ def _quantized_stage_drift_from_pi_old(rank: int, world_size: int, tmp: str) -> 
                     correction=cfg.algo.rollout_correction,
                     measure=True,
                     first_update=True,
-                    settings=run.scoring,
+                    settings=run.trainer.scoring,
                     seed=0,
                     write=True,
                     policy_version=0,
@@ -469,30 +475,34 @@ def _quantized_stage_drift_from_pi_old(rank: int, world_size: int, tmp: str) -> 
                 assert old is None  # no correction: nothing is attached to the stage's own updates
             replay.end_stage(run, 0, store0)
             carried = [
-                replay.resolve_group(run, run.replay, key).samples[0].old_logprobs is not None
-                for key in run.replay.buffer
+                replay.resolve_group(run, run.trainer.replay, key).samples[0].old_logprobs is not None
+                for key in run.trainer.replay.buffer
             ]
             assert all(carried) if quantized else not any(carried)
             if quantized:  # entered with the headroom measured from π_old, not from the quantized β
-                entry = run.replay.buffer.entries()[0]
-                assert entry.headroom == stored_headroom(replay.resolve_group(run, run.replay, entry.key))
+                entry = run.trainer.replay.buffer.entries()[0]
+                assert entry.headroom == stored_headroom(replay.resolve_group(run, run.trainer.replay, entry.key))
                 assert entry.headroom != stored_headroom(stage0[entry.key[1]])
 
             fresh = _groups(9, stage=1, count=TRAIN_GROUPS, version=4)
             store1 = _write_store(run.rollout_dir(1), fresh, stage=1, version=4)
             _stage_data(run, 1, store1)
-            scores = [run.replay.buffer.score(k) for k in run.replay.buffer if run.replay.buffer.score(k)]
+            scores = [
+                run.trainer.replay.buffer.score(k)
+                for k in run.trainer.replay.buffer
+                if run.trainer.replay.buffer.score(k)
+            ]
             if quantized:
-                assert len(run.replay.plan.accepted) == 2 and all(s.drift < 1e-10 for s in scores), name
+                assert len(run.trainer.replay.plan.accepted) == 2 and all(s.drift < 1e-10 for s in scores), name
             else:
-                assert run.replay.plan.accepted == [] and all(
+                assert run.trainer.replay.plan.accepted == [] and all(
                     s.drift == pytest.approx(SHIFT_FAR**2, rel=1e-4) for s in scores
                 ), name
             step_dir = tmp_path / f"step_{name}"
-            replay.checkpoint_writer(run.replay)(step_dir)
+            replay.checkpoint_writer(run.trainer.replay)(step_dir)
             restored = replay.open_replay(cfg.replay, cfg.stages.train_groups, step_dir)
-            assert restored.buffer.entries() == run.replay.buffer.entries()  # copies keep log π_old
-            run.logger.close()
+            assert restored.buffer.entries() == run.trainer.replay.buffer.entries()  # copies keep log π_old
+            run.telemetry.logger.close()
 
 
 def test_a_quantized_stage_drifts_from_the_trainers_pi_old_not_from_the_engine(tmp_path: Path) -> None:
