@@ -48,8 +48,8 @@ def train_on_groups(run: Run, groups: list[RolloutGroup]) -> tuple[dict[str, flo
         impl=scoring.impl,
         rollout_correction=cfg.algo.rollout_correction,
         logits_budget_mib=scoring.logits_budget_mib,
-        micro_batch_tokens=cfg.parallel.micro_batch_tokens,
-        pack_sequences=cfg.parallel.pack_sequences,
+        micro_batch_tokens=scoring.micro_batch_tokens,
+        pack_sequences=scoring.pack_sequences,
     )
     tokens = float(batch.response_mask.sum())
     run.state.train_tokens += tokens

@@ -217,6 +217,8 @@ def score_settings(cfg: RunConfig, tokenizer: Any) -> ScoreSettings:
         micro_batch_size=cfg.parallel.micro_batch_size,
         impl=cfg.kernels.logprob_impl,
         logits_budget_mib=cfg.kernels.logits_budget_mib,
+        micro_batch_tokens=cfg.parallel.micro_batch_tokens,
+        pack_sequences=cfg.parallel.pack_sequences,
         pad_id=tokenizer.pad_token_id or 0,
         chunk_groups=cfg.stages.mini_groups,
     )

@@ -70,6 +70,11 @@ class ScoreSettings:
     """Groups per ``forward_logprobs`` call (bounds memory like one update's minibatch)."""
     logits_budget_mib: float = DEFAULT_LOGITS_BUDGET_MIB
     """``kernels.logits_budget_mib``: with ``impl='auto'`` it decides fused vs unfused per micro-batch."""
+    micro_batch_tokens: int | None = None
+    """``parallel.micro_batch_tokens``: token-budget micro-batches instead of ``micro_batch_size`` rows
+    (the update's cut, so a scoring pass pads no more than an update does); None: fixed rows."""
+    pack_sequences: bool = False
+    """``parallel.pack_sequences``: several responses per row under ``micro_batch_tokens``."""
 
 
 class OldLogprobs:
@@ -138,6 +143,8 @@ def teacher_forced_logprobs(policy: Policy, batch: TrainBatch, settings: ScoreSe
         micro_batch_size=settings.micro_batch_size,
         impl=settings.impl,
         logits_budget_mib=settings.logits_budget_mib,
+        micro_batch_tokens=settings.micro_batch_tokens,
+        pack_sequences=settings.pack_sequences,
     )
 
 

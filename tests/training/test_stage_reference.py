@@ -5,6 +5,7 @@ at a stage's first update."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -194,10 +195,30 @@ def _corrected_first_update_sees_policy_ratio_one(rank: int, world_size: int, tm
     assert metrics["train/rollout_logprob_abs_diff_max"] > 0.1  # β still differs from the trainer
 
 
+def _budget_and_packed_scoring_equal_fixed_rows(rank: int, world_size: int, tmp_path) -> None:
+    """The scoring pass (stage reference, HDR) cuts rows as the update does: token-budget micro-batches
+    and packed rows score every response token as fixed rows do (float32: 1e-6 unpacked, 1e-5 packed)."""
+    from megatron_mugrpo.training.stage_reference import score_groups
+
+    policy = _policy()
+    groups = _groups(3, 5)  # rows of 3-11 tokens, and one of 16 that two short rows share when packed
+    long = dataclasses.replace(groups[0].samples[0], response_ids=list(range(3, 17)), behaviour_logprobs=[-4.6] * 14)
+    groups[0] = dataclasses.replace(groups[0], samples=[long, *groups[0].samples[1:]])
+    fixed = score_groups(policy, groups, SETTINGS)
+
+    def flat(scores):
+        return torch.tensor([lp for per_group in scores for lps in per_group for lp in lps])
+
+    for budget, pack, tolerance in ((16, False, 1e-6), (40, False, 1e-6), (40, True, 1e-5)):
+        settings = dataclasses.replace(SETTINGS, micro_batch_tokens=budget, pack_sequences=pack)
+        torch.testing.assert_close(flat(score_groups(policy, groups, settings)), flat(fixed), atol=tolerance, rtol=0)
+
+
 @pytest.mark.parametrize(
     "body",
     [
         _reference_scores_and_file,
+        _budget_and_packed_scoring_equal_fixed_rows,
         _stale_or_missing_file_is_refused,
         _metrics_only_on_a_subsample,
         _corrected_first_update_sees_policy_ratio_one,
