@@ -30,6 +30,13 @@ the optimizer phase, and the next weight load resumes it. ``shutdown()`` stops S
 SGLang kills *every* child process of the caller there, so pools of the caller must be closed first
 or restarted after (``rewards.VerifierPool`` replaces workers it finds dead).
 
+A server that dies or stops answering mid-stage is replaced by the engine watchdog
+(``rollout.watchdog``): ``shutdown()`` (which also ends a client call blocked on the dead server),
+a new engine built with the same arguments, and the stage's weights pushed again from the host's
+copy with ``load_weights`` (or, for an FP8 behaviour policy, the new engine built on the re-exported
+checkpoint), without a collective. ``tests/rollout/test_watchdog_sglang.py`` checks that life cycle
+against the snapshots.
+
 Seeds: with ``rollout.sglang.deterministic`` SGLang runs its deterministic inference mode and every
 response gets its own ``sampling_seed`` (derived from the call's seed, the prompt and the response
 index), so a stage's data do not depend on how many engines made it or how requests were batched
