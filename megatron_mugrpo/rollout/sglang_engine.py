@@ -31,8 +31,8 @@ SGLang kills *every* child process of the caller there, so pools of the caller m
 or restarted after (``rewards.VerifierPool`` replaces workers it finds dead).
 
 A server that dies or stops answering mid-stage is replaced by the engine watchdog
-(``rollout.watchdog``): ``shutdown()`` (which also ends a client call blocked on the dead server),
-a new engine built with the same arguments, and the stage's weights pushed again from the host's
+(``rollout.watchdog``): ``shutdown()`` (in a thread of its own, bounded), a new engine built with
+the same arguments, and the stage's weights pushed again from the host's
 copy with ``load_weights`` (or, for an FP8 behaviour policy, the new engine built on the re-exported
 checkpoint), without a collective. ``tests/rollout/test_watchdog_sglang.py`` checks that life cycle
 against the snapshots.

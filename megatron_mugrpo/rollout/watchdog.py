@@ -23,9 +23,10 @@ a refused configuration), ``ValueError`` and ``TypeError`` (a bad call) propagat
 What abandoning a call can and cannot do (Python cannot kill a thread):
 
 - The abandoned thread keeps running until its call returns; its result and progress are ignored.
-  A call blocked in the SGLang client (waiting on a server that died or hangs) is unblocked by the
-  shutdown, which kills SGLang's processes. A transformers call blocked inside a kernel stays
-  blocked, holding the old model's memory (on a GPU: the rebuilt engine needs room for a second
+  SGLang's shutdown kills the server's processes, which frees their GPU memory; whether a client
+  call blocked on them then returns was not checked on a GPU (if not, its thread stays parked,
+  holding no GPU memory). A transformers call blocked inside a kernel stays blocked, holding the
+  old model's memory (on a GPU: the rebuilt engine needs room for a second
   copy of the weights, or the rebuild fails with out-of-memory and the run stops with that error).
 - A call that hangs in C code *holding the GIL* stops the watching thread too: no Python-level
   watchdog can see that. torch's kernels and SGLang's client release the GIL while they wait, so

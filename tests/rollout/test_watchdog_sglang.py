@@ -101,8 +101,8 @@ def test_a_dead_server_is_shut_down_restarted_and_given_the_weights_again(sglang
 
 
 def test_a_client_call_that_never_returns_is_abandoned_and_the_shutdown_frees_it(sglang, model_dir):
-    """SGLang's shutdown kills its processes, which breaks the blocked client call: modelled here by a
-    generate that blocks until its engine is shut down, then raises (its answer is ignored)."""
+    """A generate that blocks until its engine is shut down, then raises (as a client whose server
+    processes were killed may): the watchdog shuts it down, and the late error is ignored."""
     clock, unblocked = FakeClock(), threading.Event()
     engine = watched(model_dir, clock, progress_timeout_s=30.0)
     first = sglang.recorder.engines[0]
