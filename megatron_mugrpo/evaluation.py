@@ -23,12 +23,13 @@ from pathlib import Path
 
 from megatron_mugrpo.algorithms.pass_at_k import pass_at_k
 from megatron_mugrpo.errors import require
+from megatron_mugrpo.metric_names import EVAL_AVG
 from megatron_mugrpo.rewards.registry import RewardFn
 from megatron_mugrpo.rollout.engine import RolloutEngine, SamplingParams, derive_seed
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import DATA_FORMATS, PromptRecord
 
-AVG_KEY = "eval/avg_pass@1"
+AVG_KEY = EVAL_AVG  # named in metric_names, which the report reads it from
 
 
 @dataclass(kw_only=True)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mugrpo.errors import InputError, require
+from megatron_mugrpo.metric_names import MOE_AUX_LOSS, MOE_LOAD_MAX, MOE_LOAD_MIN, ROUTING_AGREEMENT
 from megatron_mugrpo.training.routing_replay import reset_routing_agreement, routing_agreement
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
@@ -61,7 +62,7 @@ ROUTING_REPLAY_MODES = ("none", "rollout")
 """``moe.routing_replay``: 'none' routes every forward freshly; 'rollout' replays the rollout engine's routes."""
 _LOAD_ATTR = "_mugrpo_tokens_per_expert"
 """Router attribute holding this update's routed-token counts per expert (set by the forward hook)."""
-_TRACKER_NAMES = {"load_balancing_loss": "train/moe_aux_loss", "z_loss": "train/moe_z_loss"}
+_TRACKER_NAMES = {"load_balancing_loss": MOE_AUX_LOSS, "z_loss": "train/moe_z_loss"}
 
 
 class MoeConfigError(InputError, ValueError):
@@ -304,8 +305,8 @@ def _load_metrics(model_chunks: list[torch.nn.Module], groups: Any, config: Any)
         (layer, float(low), -float(neg_high)) for layer, (low, neg_high) in enumerate(table.cpu()) if low < math.inf
     ]
     if not sparse:
-        return {"train/moe_load_min": 1.0, "train/moe_load_max": 0.0}
-    metrics = {"train/moe_load_min": min(low for _, low, _ in sparse), "train/moe_load_max": max(h for *_, h in sparse)}
+        return {MOE_LOAD_MIN: 1.0, MOE_LOAD_MAX: 0.0}
+    metrics = {MOE_LOAD_MIN: min(low for _, low, _ in sparse), MOE_LOAD_MAX: max(h for *_, h in sparse)}
     for layer, low, high in sparse:
         metrics[load_layer_key("min", layer)] = low
         metrics[load_layer_key("max", layer)] = high
@@ -357,5 +358,5 @@ def moe_step_metrics(model_chunks: list[torch.nn.Module], groups: Any, num_micro
     metrics.update(_tracked_losses(config, groups, num_micro_batches))
     agreement = routing_agreement(model_chunks, groups)
     if agreement is not None:
-        metrics["train/routing_agreement"] = agreement
+        metrics[ROUTING_AGREEMENT] = agreement
     return metrics
