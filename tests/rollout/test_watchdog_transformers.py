@@ -17,7 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from megatron_mugrpo import faults
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity
-from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
+from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup, engine_threads
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.store import RolloutStore
 from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt, char_vocab
@@ -125,6 +125,7 @@ def watched_engine(model_dir, stage_weights, **settings) -> WatchedEngine:
 
 
 def generate(store_dir, engine, tokenizer) -> dict[str, float]:
+    """The stage's store, as the staged loop makes it on one engine thread (rollout.cpu_threads=1)."""
     records, hosts = prompts(tokenizer), HostGroup(EnginePlacement.single())
     identity = stage_identity(
         cfg=CFG,
@@ -136,18 +137,20 @@ def generate(store_dir, engine, tokenizer) -> dict[str, float]:
         vocab_size=VOCAB,
         engine_name="transformers",
     )
-    return generate_planned(
-        plan_stage(store_dir, identity, hosts),
-        engine=engine,
-        prompts=records,
-        tokenizer=tokenizer,
-        reward_fn=ParityReward(),
-        cfg=CFG,
-        adv_eps=1e-6,
-        store_dir=store_dir,
-        seed=5,
-        hosts=hosts,
-    )
+    plan = plan_stage(store_dir, identity, hosts)
+    with engine_threads(1):
+        return generate_planned(
+            plan,
+            engine=engine,
+            prompts=records,
+            tokenizer=tokenizer,
+            reward_fn=ParityReward(),
+            cfg=CFG,
+            adv_eps=1e-6,
+            store_dir=store_dir,
+            seed=5,
+            hosts=hosts,
+        )
 
 
 def rows(store_dir) -> list[tuple]:
