@@ -41,7 +41,7 @@ from megatron_mugrpo.training.setup import build_policy
 from megatron_mugrpo.training.stage_reference import prepare_stage_reference
 from megatron_mugrpo.training.train_step import forward_logprobs, train_step
 
-from .common import VOCAB, hf_config
+from training.common import VOCAB, hf_config
 
 GROUP_SIZE = 4
 TRAIN_GROUPS = 4
