@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from training.common import VOCAB, hf_config
 
 from megatron_mugrpo.algorithms.losses import available_losses, needs_old_logprobs
 from megatron_mugrpo.algorithms.replay import (
@@ -40,8 +41,6 @@ from megatron_mugrpo.training.parallel import initialize_parallel
 from megatron_mugrpo.training.setup import build_policy
 from megatron_mugrpo.training.stage_reference import prepare_stage_reference
 from megatron_mugrpo.training.train_step import forward_logprobs, train_step
-
-from training.common import VOCAB, hf_config
 
 GROUP_SIZE = 4
 TRAIN_GROUPS = 4
