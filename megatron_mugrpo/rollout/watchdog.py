@@ -195,7 +195,9 @@ class WatchedEngine:
         where: says where the run is when a failure is reported (e.g. "in stage 2's rollout phase").
         clock: seconds for the progress timeout (tests pass their own).
 
-    Everything but ``generate``, ``release`` and ``shutdown`` is the current engine's own attribute.
+    Only ``generate`` is watched. Weight loads go to the current engine as they are; any other
+    attribute is the current engine's own, multi-turn ``generate_trajectories`` (``env.enabled``)
+    included, which runs unwatched (its environment calls have their own timeouts).
     """
 
     def __init__(
@@ -230,6 +232,16 @@ class WatchedEngine:
         if engine is None:
             raise AttributeError(name)
         return getattr(engine, name)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def load_hf_dir(self, path: str) -> None:
+        self.engine.load_hf_dir(path)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.load_weights(named_tensors)
 
     @property
     def release_frees_memory(self) -> bool:

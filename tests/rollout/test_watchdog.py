@@ -14,7 +14,7 @@ import torch
 
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.rollout.config import RolloutConfig
-from megatron_mugrpo.rollout.engine import EngineOutputError, Generation, SamplingParams
+from megatron_mugrpo.rollout.engine import EngineOutputError, Generation, RolloutEngine, SamplingParams
 from megatron_mugrpo.rollout.watchdog import EngineFailedError, HostWeights, WatchedEngine, engine_label
 
 PARAMS = SamplingParams(max_new_tokens=4, seed=7)
@@ -58,6 +58,12 @@ class Scripted:
         if progress is not None:
             progress(len(prompts) - 1)
         return [[Generation([params.seed % 16], [-1.0], "stop")] for _ in prompts]
+
+    def load_hf_dir(self, path: str) -> None:
+        self.log.append(f"load_hf_dir {self.index}")
+
+    def load_weights(self, named_tensors) -> None:
+        self.log.append(f"load_weights {self.index}")
 
     def release(self) -> None:
         self.log.append(f"release {self.index}")
@@ -188,12 +194,16 @@ def test_a_shutdown_that_blocks_does_not_block_the_restart(world):
 
 def test_the_watched_engine_is_the_engine_for_everything_else(world):
     make, log, _ = world
-    engine = make(["ok"])
+    engine = make(["raise", "ok"])
+    assert isinstance(engine, RolloutEngine)
     assert engine.vocab_size == 16 and engine.name == "scripted"
     assert engine.release_frees_memory  # the protocol's default for engines that do not say
+    engine.generate(PROMPTS, 1, PARAMS)  # engine 0 dies: engine 1 is the engine from now on
+    engine.load_weights([])
+    engine.load_hf_dir("next")
     engine.release()
     engine.shutdown()
-    assert log == ["release 0", "shutdown 0"]
+    assert log[-4:] == ["load_weights 1", "load_hf_dir 1", "release 1", "shutdown 1"]
 
 
 def test_host_weights_keep_a_copy_that_later_writes_do_not_change():
