@@ -1,4 +1,5 @@
-"""Names of the metrics that more than their producer reads (``report``, ``plan.actual``, the console).
+"""Names of the metrics that more than their producer reads (``report``, ``plan.actual``, the console line
+of ``metrics``).
 
 A consumer imports a name from here instead of spelling it, so a producer that renames a metric
 renames it here and every reader follows. The names are grouped by the module that emits them
@@ -38,6 +39,8 @@ VETO_FRAC = "train/nav_vetoed_frac"
 MASKED_FRAC = "train/masked_frac"
 """Response tokens any loss's mask removed (NAV, M2PO, OPSM, IcePop)."""
 # training/train_step.py
+LOSS = "train/loss"
+"""The update's loss: its weighted sum over its normaliser."""
 RESPONSE_TOKENS = "train/response_tokens"
 """Response tokens of an update: the weight of its fractions in a run's rate."""
 
@@ -75,7 +78,7 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
     "megatron_mugrpo/loop/actions.py": (T_ROLLOUT, T_OPTIMIZE, T_EVAL, T_TOTAL),
     "megatron_mugrpo/algorithms/loss_core.py": (CLIP_LOW, CLIP_HIGH, RATIO_NEG, RATIO_POS),
     "megatron_mugrpo/algorithms/loss_grpo.py": (VETO_FRAC, MASKED_FRAC),
-    "megatron_mugrpo/training/train_step.py": (RESPONSE_TOKENS,),
+    "megatron_mugrpo/training/train_step.py": (LOSS, RESPONSE_TOKENS),
     "megatron_mugrpo/algorithms/replay.py": (
         REPLAY_HEADROOM,
         REPLAY_HEADROOM_REJECTED,

@@ -41,22 +41,14 @@ from tqdm.auto import tqdm
 
 from megatron_mugrpo import durable
 from megatron_mugrpo.errors import InputError, MissingInputError
+from megatron_mugrpo.metric_names import CLIP_HIGH, CLIP_LOW, EVAL_AVG, LOSS, RATIO_NEG, REWARD, T_TOTAL, VETO_FRAC
 
 METRIC_PREFIXES = ("rollout/", "train/", "perf/", "eval/", "replay/")
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 RESERVED_FIELDS = ("step", "wall_s", "time", "nonfinite", "source")
 """Keys of a JSONL record that are not metrics."""
-CONSOLE_KEYS = (
-    "train/loss",
-    "rollout/reward_mean",
-    "train/clip_frac_low",
-    "train/clip_frac_high",
-    "train/nav_vetoed_frac",
-    "train/ratio_mean_neg_adv",
-    "eval/avg_pass@1",
-    "perf/t_total_s",
-)
+CONSOLE_KEYS = (LOSS, REWARD, CLIP_LOW, CLIP_HIGH, VETO_FRAC, RATIO_NEG, EVAL_AVG, T_TOTAL)
 """Metrics shown on the console line when present (all of them go to JSONL and TensorBoard)."""
 CONSOLE_FALLBACK_COUNT = 6
 """Metrics shown on the console line when none of CONSOLE_KEYS is in the record."""
