@@ -11,7 +11,7 @@ ratio ρ_t = exp(log π_θ(a_t | s_t) − b_t) is exactly 1 at the first update 
 frees the engine's memory before the optimizer phase.
 
 Engines are built by name through a small registry (``build_engine``); the heavy modules
-(transformers, SGLang) are imported only when their engine is built.
+(transformers, SGLang, vLLM) are imported only when their engine is built.
 
     engine = build_engine("transformers", "runs/demo/hf", batch_size=64)
     groups = engine.generate(prompt_ids, n=8, params=SamplingParams(max_new_tokens=32, seed=3))
@@ -249,10 +249,12 @@ EngineFactory = Callable[..., RolloutEngine]
 _ENGINES: dict[str, EngineFactory | str] = {
     "transformers": "megatron_mugrpo.rollout.transformers_engine:TransformersEngine",
     "sglang": "megatron_mugrpo.rollout.sglang_engine:SGLangEngine",
+    "vllm": "megatron_mugrpo.rollout.vllm_engine:VLLMEngine",
 }
 _ENGINE_CONFIGS: dict[str, type | str] = {
     "transformers": "megatron_mugrpo.rollout.transformers_engine:TransformersEngineConfig",
     "sglang": "megatron_mugrpo.rollout.sglang_engine:SGLangEngineConfig",
+    "vllm": "megatron_mugrpo.rollout.vllm_engine:VLLMEngineConfig",
 }
 """Each engine's config dataclass. Importing it imports the engine's module, which must therefore
 import its heavy library (transformers' models, SGLang) only when the engine is built."""

@@ -189,7 +189,7 @@ def test_registry_builds_engines(model_dirs):
     assert build_engine_from_config(cfg, model_dirs[0], dtype="float32").batch_size == 5
     assert sampling_params(cfg, seed=4) == SamplingParams(temperature=0.5, max_new_tokens=7, seed=4)
     with pytest.raises(ValueError, match="unknown rollout engine"):
-        build_engine("vllm", model_dirs[0])
+        build_engine("no_such_engine", model_dirs[0])
 
 
 def test_sglang_missing_gives_install_hint(model_dirs):
