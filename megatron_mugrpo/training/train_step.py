@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 from torch import Tensor
@@ -69,8 +71,15 @@ from megatron_mugrpo.training.logprobs import (
 )
 from megatron_mugrpo.training.moe import moe_step_metrics, reset_moe_metrics
 from megatron_mugrpo.training.optimizer import current_lr
-from megatron_mugrpo.training.packing import PackedRows, pack_micro_batch, per_sequence_rotary
+from megatron_mugrpo.training.packing import (
+    PackedRows,
+    pack_micro_batch,
+    per_sequence_rotary,
+    te_attention,
+    thd_inputs,
+)
 from megatron_mugrpo.training.parallel import ParallelGroups
+from megatron_mugrpo.training.rope_cache import shared_cos_sin
 from megatron_mugrpo.training.routing_replay import routes_for_schedule, set_micro_batch_routes
 from megatron_mugrpo.training.setup import Policy
 
@@ -217,10 +226,12 @@ def _forward_step_func(
     check_impl(impl)
     budget = int(logits_budget_mib * 2**20)
 
+    thd_models: dict[int, bool] = {}  # model id -> takes packed rows as THD (Transformer Engine attention)
+
     def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Callable[[Tensor], Any]]:
         mb, packed = next(data_iterator)
-        rows = mb if packed is None else packed  # routes follow their tokens into packed rows
-        set_micro_batch_routes(_bare(model), rows.routes, rows.response_mask)  # MoE: replay / agreement
+        thd = packed is not None and thd_models.setdefault(id(model), te_attention(_bare(model)))
+        _set_routes(_bare(model), mb, packed, thd)
         tokens = mb.tokens if packed is None else packed.tokens
         n_columns = _bare(model).vocab_size // groups.tp  # the padded vocabulary's rows on this TP rank
         path = choose_logprob_path(
@@ -230,6 +241,9 @@ def _forward_step_func(
             head = stack.enter_context(hidden_states_instead_of_logits(_bare(model))) if path == "fused" else None
             if packed is None:
                 output = model(tokens, _position_ids(tokens), None)
+            elif thd:  # one [1, R·W] row; TE's attention and megatron's RoPE read each sequence's bounds
+                flat_tokens, flat_positions, params = thd_inputs(_bare(model), packed)
+                output = model(flat_tokens, flat_positions, None, packed_seq_params=params)
             else:
                 stack.enter_context(per_sequence_rotary(_bare(model), packed.positions))
                 output = model(tokens, packed.positions, packed.attention_mask)
@@ -238,7 +252,7 @@ def _forward_step_func(
             if packed is None:
                 targets = torch.where(mb.response_mask.bool(), mb.targets, 0)  # pad ids need not be real ids
             else:
-                targets = packed.targets
+                targets = packed.targets.reshape(1, -1) if thd else packed.targets
             kwargs = {"temperature": temperature, "vocab_size": vocab_size, "tp_group": groups.tp_group}
             if head is not None:
                 logprobs = logprobs_from_hidden(model_output, head.weight, targets, keep_bytes=budget, **kwargs)
@@ -251,6 +265,17 @@ def _forward_step_func(
     return forward_step
 
 
+def _set_routes(model: torch.nn.Module, mb: TrainBatch, packed: PackedRows | None, thd: bool) -> None:
+    """MoE routing replay / agreement for this micro-batch: routes follow their tokens into packed rows,
+    and into THD's single flattened row."""
+    rows = mb if packed is None else packed
+    routes, mask = rows.routes, rows.response_mask
+    if thd:
+        mask = mask.reshape(1, -1)
+        routes = None if routes is None else routes.reshape(1, -1, *routes.shape[2:])
+    set_micro_batch_routes(model, routes, mask)
+
+
 def _run_schedule(
     policy: Policy, micro_batches: list[MicroBatch], forward_step: Callable, *, forward_only: bool
 ) -> list[dict[str, Any]]:
@@ -258,7 +283,12 @@ def _run_schedule(
     loss outputs come back (other stages get an empty list)."""
     schedule = get_forward_backward_func()
     shapes = [tuple((mb if packed is None else packed).tokens.shape) for mb, packed in micro_batches]
-    with routes_for_schedule(policy.model_chunks), _variable_shapes(policy.model_chunks, len(set(shapes)) > 1):
+    with (
+        routes_for_schedule(policy.model_chunks),
+        _variable_shapes(policy.model_chunks, len(set(shapes)) > 1),
+        shared_cos_sin(),  # RoPE's cos / sin once per table, not per layer and micro-batch (training.rope_cache)
+        _one_rank_finalize(policy.model_chunks, policy.groups),
+    ):
         return schedule(
             forward_step_func=forward_step,
             data_iterator=[iter(micro_batches)],
@@ -283,6 +313,40 @@ def _variable_shapes(model_chunks: list[torch.nn.Module], varied: bool) -> Itera
         yield
     finally:
         config.variable_seq_lengths = before
+
+
+def one_rank(groups: ParallelGroups) -> bool:
+    """Every parallel group of the model has one rank (DP = TP = PP = EP = expert TP = 1)."""
+    return groups.dp == groups.tp == groups.pp == groups.ep == groups.etp == 1
+
+
+@contextmanager
+def _one_rank_finalize(model_chunks: list[torch.nn.Module], groups: ParallelGroups) -> Iterator[None]:
+    """After the last micro-batch, a one-rank update only divides its gradients by the normaliser.
+
+    megatron-core's ``finalize_model_grads`` would also run three collectives on groups of one rank
+    (the DDP buckets' all-reduce, the normaliser's PP broadcast and DP all-reduce): identities that
+    cost a few milliseconds per update at the demo's shape. With per-token loss the DDP buckets are
+    not pre-scaled (gradient_scaling_factor 1), so what remains is exactly the division below. A
+    router with expert bias (which updates it from an all-reduce) keeps megatron-core's function."""
+    config = get_model_config(model_chunks[0])
+    mine = config.finalize_model_grads_func is finalize_model_grads  # not a caller's own hook
+    if not (one_rank(groups) and mine and not config.moe_router_enable_expert_bias):
+        yield
+        return
+    config.finalize_model_grads_func = _finalize_one_rank
+    try:
+        yield
+    finally:
+        config.finalize_model_grads_func = finalize_model_grads
+
+
+def _finalize_one_rank(model: list[torch.nn.Module], num_tokens: Tensor | None = None, **_collectives: Any) -> None:
+    """``finalize_model_grads`` at one rank: the MoE trackers' reset and the division by the normaliser."""
+    reset_model_temporary_tensors(get_model_config(model[0]), model)
+    if num_tokens is not None and num_tokens > 0:
+        for chunk in model:
+            chunk.scale_gradients(1.0 / num_tokens)
 
 
 # ---------------------------------------------------------------------------------- train step
