@@ -15,9 +15,14 @@ log-probs back:
   where the loss runs unchanged (per-response aggregation needs one response per row). The gather
   carries the gradient.
 
-On GPU with Transformer Engine the same packing would use THD with ``cu_seqlens``
-(``PackedSeqParams``); that path is not built: this one is exact on every device but computes the
-full W × W attention scores of each packed row.
+With Transformer Engine's attention (``te_attention``; the paper's GPU set-up) the same packed rows
+go to megatron-core as THD instead (``thd_params``): the [R, W] rows flattened to one row [1, R·W]
+and a ``PackedSeqParams`` whose ``cu_seqlens`` bound each sequence, so TE's attention and megatron's
+RoPE (which restarts positions at each ``cu_seqlens_q_padded`` boundary) stay inside each sequence
+without the W × W mask. A packed row's trailing padding counts as padding of its last sequence
+(``cu_seqlens_*_padded``). megatron-core 0.16's local ``DotProductAttention`` refuses
+``PackedSeqParams``, so without TE the mask path above is the one taken (``parallel.pack_sequences``
+chooses nothing else: the model decides).
 """
 
 from __future__ import annotations
@@ -25,12 +30,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.batching import MicroBatchPlan
+
+if TYPE_CHECKING:  # megatron-core is imported where THD parameters are built
+    from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass(kw_only=True)
@@ -51,6 +60,11 @@ class PackedRows:
     """[n, L] bool: columns of the unpacked rows that lie inside their sequence."""
     response_mask: Tensor
     """[R, W] float32: 1 where ``targets`` is a response token (what routing replay reads as real tokens)."""
+    cu_seqlens: Tensor
+    """[S + 1] int32: cumulative real lengths of the S packed sequences, in row-major order (THD)."""
+    cu_seqlens_padded: Tensor
+    """[S + 1] int32: where each sequence starts in the flattened [R · W] row, each row's trailing padding
+    counted in its last sequence (THD; the last entry is R · W)."""
     routes: Tensor | None = None
     """[R, W, moe_layers, k]: each token's replayed experts, following it into the packed row."""
 
@@ -74,11 +88,14 @@ def pack_micro_batch(mb: TrainBatch, plan: MicroBatchPlan, lengths: list[int]) -
     own_targets = torch.where(mb.response_mask.bool(), mb.targets, 0)
     response_mask = torch.zeros(rows, width, dtype=mb.response_mask.dtype, device=device)
     routes = None if mb.routes is None else mb.routes.new_zeros((rows, width, *mb.routes.shape[2:]))
+    real, starts = [0], [0]
     i = 0
     for r, members in enumerate(plan.bins):
         offset = 0
         for row in members:
             n = lengths[row]
+            real.append(real[-1] + n)
+            starts.append(r * width + offset + n)
             span = torch.arange(n, device=device)
             tokens[r, offset : offset + n] = mb.tokens[i, :n]
             targets[r, offset : offset + n] = own_targets[i, :n]
@@ -91,6 +108,7 @@ def pack_micro_batch(mb: TrainBatch, plan: MicroBatchPlan, lengths: list[int]) -
             valid[i, :n] = True
             offset += n
             i += 1
+        starts[-1] = (r + 1) * width  # the row's trailing padding belongs to its last sequence
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     same = (segment[:, :, None] == segment[:, None, :]) & (segment >= 0)[:, :, None]
     return PackedRows(
@@ -101,6 +119,8 @@ def pack_micro_batch(mb: TrainBatch, plan: MicroBatchPlan, lengths: list[int]) -
         index=index,
         valid=valid,
         response_mask=response_mask,
+        cu_seqlens=torch.tensor(real, dtype=torch.int32, device=device),
+        cu_seqlens_padded=torch.tensor(starts, dtype=torch.int32, device=device),
         routes=routes,
     )
 
@@ -127,3 +147,44 @@ def per_sequence_rotary(model: torch.nn.Module, positions: Tensor) -> Iterator[N
         yield
     finally:
         del rotary.forward
+
+
+TE_ATTENTION = "TEDotProductAttention"
+"""megatron-core's Transformer Engine attention class (``megatron.core.extensions.transformer_engine``),
+the one core attention that takes THD input. Matched by name so that this check imports nothing."""
+
+
+def te_attention(model: torch.nn.Module) -> bool:
+    """True when ``model``'s core attention is Transformer Engine's: packed rows then go in as THD."""
+    return any(type(module).__name__ == TE_ATTENTION for module in model.modules())
+
+
+def thd_params(packed: PackedRows) -> PackedSeqParams:
+    """megatron-core's THD description of ``packed`` flattened to one row [1, R · W] (tokens, positions,
+    targets and log-probs all flatten row-major): each sequence's real length and its padded span.
+
+    ``max_seqlen_*`` is the longest padded span: megatron sizes the RoPE table by it and TE its kernels."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int((packed.cu_seqlens_padded[1:] - packed.cu_seqlens_padded[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=packed.cu_seqlens,
+        cu_seqlens_kv=packed.cu_seqlens,
+        cu_seqlens_q_padded=packed.cu_seqlens_padded,
+        cu_seqlens_kv_padded=packed.cu_seqlens_padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
+def thd_inputs(model: torch.nn.Module, packed: PackedRows) -> tuple[Tensor, Tensor, PackedSeqParams]:
+    """(tokens [1, R · W], positions [1, R · W], THD params) for ``model``; a model without Transformer
+    Engine's attention is refused (megatron-core's local attention asserts on ``PackedSeqParams``)."""
+    if not te_attention(model):
+        raise ValueError(
+            "packed THD input needs Transformer Engine's attention (TEDotProductAttention); this model uses "
+            "megatron-core's local attention, which takes packed rows through the block-diagonal mask instead "
+            "(training.packing.per_sequence_rotary with PackedRows.attention_mask)"
+        )
+    return packed.tokens.reshape(1, -1), packed.positions.reshape(1, -1), thd_params(packed)
