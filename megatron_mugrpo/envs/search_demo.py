@@ -1,0 +1,226 @@
+"""The search demo's starting point: a seeded fictional world and a tiny model warm-started on Search-R1's format.
+
+    python -m megatron_mugrpo.envs.search_demo --out runs/search_demo/inputs --seed 0 [--steps 400]
+    → corpus.jsonl, train.jsonl, test.jsonl (envs/fictional.py) and base_model/ (a Hugging Face directory
+      with the demo's character tokenizer), then: mugrpo train --config configs/demo_search_cpu.yaml ...
+
+A warm-start trace is what the search environment would produce for a policy that searches well, token
+for token: the question's prompt (``rewards.qa.qa_prompt``, as ``data.format: qa`` builds it), policy
+turns ``<search>ENTITY</search>``, the observation the environment returns for that query (the same
+BM25 index, formatting and token ids, ``SearchEnvironment.observation``), and a final
+``<answer>VALUE</answer>``. The loss covers the policy's tokens only, as the RL losses do.
+
+    1 hop    <search>Ada Quill</search> <information>…</information> <answer>Veloria</answer>
+    2 hops   <search>Ada Quill</search> <information>…</information> <search>Veloria</search> <information>…
+             </information> <answer>Norland</answer>
+
+The flaw only the reward reveals (``flaw``, 0.5 in the demo): that fraction of the 2-hop traces answers
+after the first search from the first retrieved document, which is about the person, not the city the
+question asks about (it answers the birth city for "In which country was Ada Quill born?").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_mugrpo.envs.base import EnvLimits
+from megatron_mugrpo.envs.fictional import write_task
+from megatron_mugrpo.envs.search import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    SEARCH_CLOSE,
+    SEARCH_OPEN,
+    SearchEnvironment,
+    SearchOptions,
+    parse_results,
+)
+from megatron_mugrpo.envs.server import Bm25Index, load_corpus
+from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.rewards.qa import qa_prompt
+
+_ENTITY = re.compile(
+    r"^(?:In which city was (?P<born>.+) born|What is the profession of (?P<prof>.+)|In which country is (?P<city>.+)"
+    r"|In which country was (?P<country2>.+) born|Which river flows through the city where (?P<river2>.+) was born)\?$"
+)
+_BORN = re.compile(r"was born in (\w+)")
+_PROFESSION = re.compile(r" is an? (\w+)\.")
+_COUNTRY = re.compile(r"is a city in (\w+)\.")
+_RIVER = re.compile(r"The river (\w+) flows")
+IGNORE = -100
+"""Label of a token the warm-start loss skips (prompt, observations, padding)."""
+
+
+@dataclass(kw_only=True)
+class WarmStart:
+    """The supervised phase of the search demo."""
+
+    steps: int = 400
+    batch_size: int = 16
+    lr: float = 3e-3
+    flaw: float = 0.5
+    """Fraction of the 2-hop traces that answer from the first document of their first search."""
+    topk: int = 2
+    """Documents per search, as ``env.search.topk`` of the demo (the observations must match)."""
+    max_observation_tokens: int = 256
+
+
+class LocalIndex:
+    """``SearchClient``'s ``retrieve`` over an in-process BM25 index (no HTTP: the warm start's searches)."""
+
+    def __init__(self, corpus: Path) -> None:
+        self.index = Bm25Index(load_corpus(corpus))
+
+    def retrieve(self, queries: Sequence[str], topk: int) -> list[Any]:
+        return parse_results({"result": self.index.search(list(queries), topk)}, len(queries))
+
+
+def _attribute(kind: str, text: str) -> str:
+    pattern = {"born": _BORN, "prof": _PROFESSION, "city": _COUNTRY, "country": _COUNTRY, "river": _RIVER}[kind]
+    found = pattern.search(text)
+    return found.group(1) if found else ""
+
+
+def trace(question: str, env: SearchEnvironment, *, flawed: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """[(policy text, observation ids after it)] of one warm-start trajectory (the last has no observation)."""
+    match = _ENTITY.match(question.strip())
+    if match is None:
+        raise InputError(f"the search demo cannot write a trace for {question!r} (not a fictional.py question)")
+    kind, entity = next((k, v) for k, v in match.groupdict().items() if v is not None)
+    turns: list[tuple[str, tuple[int, ...]]] = []
+
+    def search(query: str) -> str:
+        documents = env.client.retrieve([query], env.options.topk)[0]
+        turns.append((f"{SEARCH_OPEN}{query}{SEARCH_CLOSE}", env.observation(documents)))
+        own = [d for d in documents if d.title == query]
+        return (own[0] if own and not flawed else documents[0]).text
+
+    text = search(entity)
+    if kind in ("country2", "river2"):
+        city = _attribute("born", text)
+        if not flawed:
+            text = search(city)
+        answer = city if flawed else _attribute("country" if kind == "country2" else "river", text)
+    else:
+        answer = _attribute(kind, text)
+    turns.append((f"{ANSWER_OPEN}{answer}{ANSWER_CLOSE}", ()))
+    return turns
+
+
+def trace_example(
+    question: str, env: SearchEnvironment, tokenizer: Any, *, flawed: bool
+) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of one trace: labels on the policy's tokens and the closing EOS only."""
+    ids = list(tokenizer(qa_prompt(question))["input_ids"])
+    labels = [IGNORE] * len(ids)
+    for text, observation in trace(question, env, flawed=flawed):
+        turn = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids += turn + list(observation)
+        labels += turn + [IGNORE] * len(observation)
+    return [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
+
+
+def warm_start(
+    model: torch.nn.Module, tokenizer: Any, questions: Sequence[str], env: SearchEnvironment, ws: WarmStart, seed: int
+) -> list[float]:
+    """``ws.steps`` AdamW steps on traces of ``questions`` (seeded order and flaws); the loss per step."""
+    rng = random.Random(seed)
+    hops2 = re.compile(r"^(In which country was|Which river flows)")
+    examples = [
+        trace_example(q, env, tokenizer, flawed=bool(hops2.match(q)) and rng.random() < ws.flaw) for q in questions
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / ws.steps)
+    model.train()
+    losses = []
+    for _ in range(ws.steps):
+        batch = _pad([examples[rng.randrange(len(examples))] for _ in range(ws.batch_size)], tokenizer.pad_token_id)
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+def _pad(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    length = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), length), pad_id)
+    labels = torch.full((len(examples), length), IGNORE)
+    mask = torch.zeros(len(examples), length, dtype=torch.long)
+    for row, (seq, lab) in enumerate(examples):
+        ids[row, : len(seq)], labels[row, : len(lab)], mask[row, : len(seq)] = (
+            torch.tensor(seq),
+            torch.tensor(lab),
+            1,
+        )
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def build_demo(out: Path, *, seed: int, ws: WarmStart, tiny: Any, people: int = 200, cities: int = 40) -> dict:
+    """Write the world (``out/{corpus,train,test}.jsonl``) and the warm-started ``out/base_model``."""
+    from megatron_mugrpo.rollout.tasks import build_char_tokenizer
+    from megatron_mugrpo.warmstart import build_tiny_model
+
+    counts = write_task(out, seed, people=people, cities=cities)
+    tokenizer = build_char_tokenizer(out / "base_model")
+    limits = EnvLimits(max_observation_tokens=ws.max_observation_tokens, max_total_tokens=tiny.max_position_embeddings)
+    env = SearchEnvironment(
+        tokenizer=tokenizer, limits=limits, options=SearchOptions(topk=ws.topk), client=LocalIndex(out / "corpus.jsonl")
+    )
+    questions = [json.loads(line)["question"] for line in (out / "train.jsonl").read_text().splitlines()]
+    model = build_tiny_model(tiny, tokenizer, seed=seed)
+    losses = warm_start(model, tokenizer, questions, env, ws, seed)
+    model.save_pretrained(str(out / "base_model"), safe_serialization=True)
+    return counts | {"final_loss": losses[-1] if losses else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_mugrpo.warmstart import TinyModelConfig
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=WarmStart.steps)
+    parser.add_argument("--flaw", type=float, default=WarmStart.flaw)
+    parser.add_argument("--people", type=int, default=200)
+    parser.add_argument("--cities", type=int, default=40)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    tiny = TinyModelConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=768,
+    )
+    try:
+        result = build_demo(
+            args.out,
+            seed=args.seed,
+            ws=WarmStart(steps=args.steps, flaw=args.flaw),
+            tiny=tiny,
+            people=args.people,
+            cities=args.cities,
+        )
+    except InputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(" ".join(f"{k}={v}" for k, v in result.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
