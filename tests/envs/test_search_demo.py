@@ -3,7 +3,6 @@ ids between them, the right answer (or, flawed, the first document's), and a los
 
 from __future__ import annotations
 
-
 import pytest
 
 from megatron_mugrpo.envs.base import EnvLimits
