@@ -192,13 +192,7 @@ def grouped_vs_sequential(hf_dir: Path, hf_config: dict, batch, groups, dtype: t
     models = {}
     for grouped in (False, True):
         models[grouped] = build_gpt_model(
-            hf_config,
-            dtype=dtype,
-            pre_process=True,
-            post_process=True,
-            tensor_parallel=1,
-            pipeline_parallel=1,
-            config_overrides={"moe_grouped_gemm": grouped},
+            hf_config, groups, dtype=dtype, config_overrides={"moe_grouped_gemm": grouped}
         ).cuda()
     sequential, grouped = models[False], models[True]
     load_hf_into_model(sequential, hf_dir, groups)

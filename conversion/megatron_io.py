@@ -72,13 +72,8 @@ def build_model_chunks(hf_config: dict[str, Any], dtype: torch.dtype, groups: Pa
     """
     model = build_gpt_model(
         hf_config,
+        groups,
         dtype=dtype,
-        tensor_parallel=groups.tp,
-        pipeline_parallel=groups.pp,
-        expert_parallel=groups.ep,
-        expert_tensor_parallel=groups.etp,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
         config_overrides={"perform_initialization": False, "sequence_parallel": is_moe(hf_config) and groups.tp > 1},
     )
     if torch.cuda.is_available():

@@ -29,11 +29,9 @@ def _measure(rank: int, world: int, config: str, out: list) -> None:
     from megatron_mugrpo.training.parallel import initialize_parallel
 
     cfg = load_config(CONFIGS / config)
-    initialize_parallel(1, 1, seed=0)
+    groups = initialize_parallel(1, 1, seed=0)
     hf = tiny_hf_fields(cfg.model.tiny)
-    model = build_gpt_model(
-        hf, dtype=torch.float32, pre_process=True, post_process=True, tensor_parallel=1, pipeline_parallel=1
-    )
+    model = build_gpt_model(hf, groups, dtype=torch.float32)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 

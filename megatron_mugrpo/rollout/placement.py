@@ -15,8 +15,9 @@ within a node here. On CPU, an engine's torch threads share the node's cores wit
 on it: N engines on N cores must not oversubscribe them (spinning OpenMP threads multiply CPU time).
 
 ``EnginePlacement`` is pure arithmetic (plus ``from_env`` reading torchrun's variables), unit-tested
-without any process group. ``HostGroup`` adds the three collectives the hosts meet with (barrier,
-broadcast from rank 0, gather to rank 0) on a gloo group whose timeout outlasts a long generation.
+without any process group. ``HostGroup`` gives the hosts the package's object collectives
+(``collectives.ObjectGroup``: barrier, broadcast, gather, ...) on a gloo group whose timeout outlasts a
+long generation.
 
     hosts = HostGroup.create(EnginePlacement.from_env(tensor_parallel=cfg.rollout.tensor_parallel))
     if hosts.placement.is_host:
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_mugrpo.collectives import ObjectGroup
 from megatron_mugrpo.errors import InputError
 
 
@@ -190,8 +192,9 @@ the slowest one, which at paper scale is hours (the training collectives keep th
 
 
 @dataclass(frozen=True)
-class HostGroup:
-    """The placement plus the process group on which all ranks coordinate around generation.
+class HostGroup(ObjectGroup):
+    """The placement plus the process group on which all ranks coordinate around generation, with
+    ``ObjectGroup``'s collectives (``barrier``, ``broadcast``, ``gather``, ...) on it.
 
     ``group`` is None in a single process; every collective is then a no-op.
     """
@@ -212,25 +215,17 @@ class HostGroup:
         return cls(placement, dist.new_group(backend="gloo", timeout=HOST_WAIT_TIMEOUT))
 
     @property
-    def distributed(self) -> bool:
-        return self.group is not None
+    def rank(self) -> int:  # type: ignore[override]
+        return self.placement.rank
 
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.group)
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self.placement.world_size
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+    @property
+    def collective_group(self) -> Any:
+        return self.group
 
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
-        if not self.distributed:
-            return [obj]
-        out: list[Any] | None = [None] * self.placement.world_size if self.placement.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        return out
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cpu")  # a gloo group

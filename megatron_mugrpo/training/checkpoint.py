@@ -184,7 +184,7 @@ def _agreed(problem: str | None, groups: ParallelGroups) -> str | None:
     Per-rank steps (reading an RNG file, a writer thread) fail on one rank only; ranks must still
     take the same branch afterwards, or the next collective would hang.
     """
-    return next((p for p in groups.all_gather_object(problem) if p), None)
+    return next((p for p in groups.all_gather(problem) if p), None)
 
 
 # -------------------------------------------------------------------------------------- save
@@ -454,7 +454,7 @@ class _Publication:
         digests = list(self.own)
         for strategy, sub, _ in self.parts:
             digests += [FileDigest(f"{sub}/{d.path}", d.checksum, d.nbytes) for d in strategy.digests()]
-        gathered = [d for rank_digests in self.saver.groups.all_gather_object(digests) for d in rank_digests]
+        gathered = [d for rank_digests in self.saver.groups.all_gather(digests) for d in rank_digests]
         if self.saver.groups.rank == 0:
             fsync = self.saver.fsync
             durable.atomic_write_json(self.tmp / "metadata.json", self.metadata, indent=2, default=str, fsync=fsync)
@@ -620,7 +620,7 @@ def verify_checkpoint(
     entries = sorted(files.items())
     groups = groups or ParallelGroups.local()
     mine = _file_problems(step_dir, algorithm, entries[groups.rank :: groups.world_size])
-    problems = [p for rank_problems in groups.all_gather_object(mine) for p in rank_problems]
+    problems = [p for rank_problems in groups.all_gather(mine) for p in rank_problems]
     if problems:
         raise CheckpointError(f"checkpoint {step_dir} is damaged: {'; '.join(problems)}")
 

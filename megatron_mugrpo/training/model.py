@@ -10,14 +10,13 @@ without biases, which is what the Megatron config below expresses.
 MoE models may also split their experts over ``expert_parallel`` ranks (``groups.ep``); without TE
 each rank runs its experts one after another (``SequentialMLP``), with TE as one grouped GEMM.
 
-The model is built inside an already initialised Megatron parallel state (see
-``training.parallel.initialize_parallel``); its TP/PP sizes come from the caller's
-``ParallelGroups`` (``groups.tp`` / ``groups.pp``), the same groups the trainer and the converter use.
+The model is built for the caller's ``ParallelGroups`` (``training.parallel.initialize_parallel``), the
+same groups the trainer and the converter use: its TP / PP / EP / ETP sizes and pipeline stage come
+from them, and it communicates on their process groups (megatron-core's ``ProcessGroupCollection``,
+``groups.mcore``), never on megatron's global ones.
 
-    cfg = tiny_hf_config("qwen3", tie_word_embeddings=True)
-    model = build_gpt_model(
-        cfg, dtype=torch.float32, pre_process=True, post_process=True, tensor_parallel=1, pipeline_parallel=1
-    )
+    groups = initialize_parallel(tp=1, pp=1, seed=0)
+    model = build_gpt_model(tiny_hf_config("qwen3", tie_word_embeddings=True), groups, dtype=torch.float32)
 
 The vocabulary is padded to a multiple of 128 × TP as Megatron does. The padded rows exist only in
 Megatron: every log-prob computation must mask ids >= ``hf_config["vocab_size"]``.
@@ -46,6 +45,7 @@ from megatron_mugrpo.training.moe import (
     moe_layer_pattern,
     moe_transformer_fields,
 )
+from megatron_mugrpo.training.parallel import ParallelGroups
 from megatron_mugrpo.training.routing_replay import install_routing_hooks
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe")
@@ -358,47 +358,37 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
 
 def build_gpt_model(
     hf_config: dict[str, Any],
+    groups: ParallelGroups,
     *,
     dtype: torch.dtype,
-    pre_process: bool,
-    post_process: bool,
     fp8: str = "none",
     vp_stage: int | None = None,
     config_overrides: dict[str, Any] | None = None,
-    tensor_parallel: int,
-    pipeline_parallel: int,
-    expert_parallel: int | None = None,
-    expert_tensor_parallel: int | None = None,
     moe: MoeConfig | None = None,
 ) -> GPTModel:
-    """The local TP/PP shard of the ``GPTModel`` described by ``hf_config``.
+    """This rank's TP / PP / EP shard of the ``GPTModel`` described by ``hf_config``.
 
-    Must run after Megatron's parallel state is initialised. ``pre_process`` / ``post_process`` say
-    whether this pipeline stage holds the embedding / the final norm and output layer
-    (``groups.is_first_stage`` / ``groups.is_last_stage``). ``tensor_parallel`` / ``pipeline_parallel``:
-    ``groups.tp`` / ``groups.pp``. The last stage
-    returns logits [B, S, V_pad / tp] per TP rank (``parallel_output=True``); other stages hidden
-    states [S, B, H].
-
-    ``expert_parallel`` / ``expert_tensor_parallel`` (``groups.ep`` / ``groups.etp``): None takes the
-    initialised parallel state's EP / ETP size, so that callers written for dense models build a MoE
-    model at the EP and ETP the process groups were set up with.
+    ``groups`` (``initialize_parallel``'s) give the sizes, the pipeline stage (the first holds the
+    embedding, the last the final norm and output layer) and the process groups the model communicates
+    on. The last stage returns logits [B, S, V_pad / tp] per TP rank (``parallel_output=True``); other
+    stages hidden states [S, B, H]. A dense model ignores ``groups.ep`` / ``groups.etp``.
     A MoE model counts its routed tokens per expert (``training.moe.moe_step_metrics``).
     """
-    if expert_parallel is None or expert_tensor_parallel is None:
-        ep, etp = initialised_expert_parallel() if is_moe(hf_config) else (1, None)
-        expert_parallel = ep if expert_parallel is None else expert_parallel
-        expert_tensor_parallel = etp if expert_tensor_parallel is None else expert_tensor_parallel
-    if is_moe(hf_config):
+    if groups.mcore is None:  # GPTModel would fall back to megatron's global groups
+        raise ValueError(
+            "build_gpt_model needs the process groups of initialize_parallel(); ParallelGroups.local() has none"
+        )
+    moe_model = is_moe(hf_config)
+    if moe_model:
         mcore_compat.define_moe_te_names()  # megatron-core 0.16's MoE router needs them without TE
         cpu_compat.activate_moe()  # gloo all-to-all split sizes (no-op unless the CPU layer is active)
     config = transformer_config_from_hf(
         hf_config,
         dtype=dtype,
-        tensor_parallel=tensor_parallel,
-        pipeline_parallel=pipeline_parallel,
-        expert_parallel=expert_parallel,
-        expert_tensor_parallel=expert_tensor_parallel,
+        tensor_parallel=groups.tp,
+        pipeline_parallel=groups.pp,
+        expert_parallel=groups.ep if moe_model else 1,
+        expert_tensor_parallel=groups.etp if moe_model else None,
         moe=moe,
         fp8=fp8,
         **(config_overrides or {}),
@@ -410,8 +400,8 @@ def build_gpt_model(
         transformer_layer_spec=layer_spec(config, vp_stage),
         vocab_size=padded_vocab_size(hf_config["vocab_size"], config.tensor_model_parallel_size),
         max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
-        pre_process=pre_process,
-        post_process=post_process,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
         parallel_output=True,
         share_embeddings_and_output_weights=tie_word_embeddings(hf_config),
         position_embedding_type="rope",
@@ -419,6 +409,7 @@ def build_gpt_model(
         rope_scaling=llama3,
         rope_scaling_factor=float(rope.get("factor", 8.0)),
         vp_stage=vp_stage,
+        pg_collection=groups.mcore,
     )
     if llama3:
         _apply_llama3_rope(model, hf_config, rope)
@@ -429,19 +420,6 @@ def build_gpt_model(
         install_expert_load_hooks(model)
         install_routing_hooks(model)  # routes of a batch: agreement, and replay under moe.routing_replay
     return model
-
-
-def initialised_expert_parallel() -> tuple[int, int | None]:
-    """The expert-parallel and expert-tensor-parallel sizes of Megatron's parallel state ((1, None):
-    not initialised, so the model's ETP is its TP)."""
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 1, None
-    return (
-        parallel_state.get_expert_model_parallel_world_size(),
-        parallel_state.get_expert_tensor_parallel_world_size(),
-    )
 
 
 _TINY_BASE: dict[str, Any] = {

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_mugrpo.collectives import ObjectGroup
 from megatron_mugrpo.errors import ConfigError, require
 from megatron_mugrpo.training import cpu_compat
 
@@ -143,11 +144,11 @@ def check_hf_model_parallelism(hf_dir: str | Path, parallel: ParallelConfig) -> 
 
 
 @dataclass(frozen=True)
-class ParallelGroups:
+class ParallelGroups(ObjectGroup):
     """This rank's place in the TP × PP × DP grid and the process groups it communicates on.
 
-    Object collectives (``barrier``, ``broadcast_object``, ``all_gather_object``, ``any_rank``) run
-    on ``world_group``, every trainer rank; in one process they are no-ops, like ``HostGroup``'s.
+    Its object collectives (``ObjectGroup``'s ``barrier``, ``broadcast``, ``all_gather``, ``any_rank``)
+    run on ``world_group``, every trainer rank; in one process they are no-ops.
     ``ParallelGroups.local()`` is that one process without torch.distributed.
     """
 
@@ -179,6 +180,10 @@ class ParallelGroups:
     etp_rank: int = 0
     etp_group: Any = field(default=None, compare=False)
     """Ranks holding the shards of the same experts (None in one process)."""
+    mcore: Any = field(default=None, compare=False, repr=False)
+    """The same groups as megatron-core's ``ProcessGroupCollection`` (plus the ones megatron derives from
+    them: embedding, context-parallel, expert-data-parallel, ...), handed to ``GPTModel`` so the model
+    never reads megatron's global groups. None in one process."""
 
     @classmethod
     def local(cls, device: torch.device | None = None) -> ParallelGroups:
@@ -190,37 +195,8 @@ class ParallelGroups:
         )  # fmt: skip
 
     @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def barrier(self) -> None:
-        """Wait for every trainer rank."""
-        if self.distributed:
-            dist.barrier(group=self.world_group)
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` (picklable) on every trainer rank."""
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.world_group)
-        return box[0]
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every trainer rank's ``obj``, in rank order, on every rank (``[obj]`` in one process)."""
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.world_group)
-        return out
-
-    def any_rank(self, flag: bool) -> bool:
-        """True when ``flag`` is true on any trainer rank (one small all-reduce on this rank's device)."""
-        if not self.distributed:
-            return flag
-        tensor = torch.tensor([int(flag)], dtype=torch.int, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.world_group)
-        return bool(tensor[0])
+    def collective_group(self) -> Any:
+        return self.world_group
 
     @property
     def is_first_stage(self) -> bool:
@@ -340,12 +316,17 @@ def check_expert_parallel(world: int, tp: int, pp: int, ep: int, etp: int | None
 
 
 def current_groups() -> ParallelGroups:
-    """The ParallelGroups of an already initialised Megatron parallel state."""
+    """The ParallelGroups of an already initialised Megatron parallel state.
+
+    The one place that reads megatron's global groups: everything after takes them from the returned
+    object (``groups.tp_group`` ..., ``groups.mcore`` for megatron-core modules)."""
     from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is not initialised: call initialize_parallel() first")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mcore = ProcessGroupCollection.use_mpu_process_groups()
     return ParallelGroups(
         world_size=dist.get_world_size(),
         rank=dist.get_rank(),
@@ -355,19 +336,20 @@ def current_groups() -> ParallelGroups:
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
-        tp_group=parallel_state.get_tensor_model_parallel_group(),
-        pp_group=parallel_state.get_pipeline_model_parallel_group(),
-        dp_group=parallel_state.get_data_parallel_group(),
-        model_parallel_group=parallel_state.get_model_parallel_group(),
+        tp_group=mcore.tp,
+        pp_group=mcore.pp,
+        dp_group=mcore.dp,
+        model_parallel_group=mcore.mp,
         device=device,
         # The default group is the trainers only (see _init_process_group's world_size).
         world_group=dist.group.WORLD,
         ep=parallel_state.get_expert_model_parallel_world_size(),
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
-        ep_group=parallel_state.get_expert_model_parallel_group(),
+        ep_group=mcore.ep,
         etp=parallel_state.get_expert_tensor_parallel_world_size(),
         etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
-        etp_group=parallel_state.get_expert_tensor_parallel_group(),
+        etp_group=mcore.expt_tp,
+        mcore=mcore,
     )
 
 

@@ -246,12 +246,8 @@ def set_micro_batch_routes(model: torch.nn.Module, routes: torch.Tensor | None, 
     )
     valid = real_tokens(response_mask).t().reshape(-1)  # sequence-major like the rows
     if config.sequence_parallel:  # each TP rank routes its own slice of the sequence
-        from megatron.core import parallel_state
-
-        tp, rank = (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank(),
-        )
+        tp_group = routers[0].tp_group  # the model's TP group (GPTModel's pg_collection.tp)
+        tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
         share = rows.shape[1] // tp
         rows, valid = rows[:, rank * share : (rank + 1) * share], valid[rank * share : (rank + 1) * share]
     for router, state in zip(routers, states):

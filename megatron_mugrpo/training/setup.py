@@ -85,15 +85,10 @@ def build_model_chunks(
     """
     model = build_gpt_model(
         hf_config,
+        groups,
         dtype=dtype,
-        tensor_parallel=groups.tp,
-        pipeline_parallel=groups.pp,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
         fp8=fp8,
         config_overrides={"calculate_per_token_loss": True, "sequence_parallel": sequence_parallel},
-        expert_parallel=groups.ep,
-        expert_tensor_parallel=groups.etp,
         moe=moe,
     )
     model.to(groups.device)

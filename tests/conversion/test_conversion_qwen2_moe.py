@@ -124,9 +124,7 @@ def _live_at_ep2(rank: int, world_size: int, hf_dir: str, out: str) -> None:
 
     config = load_hf_config(hf_dir)
     groups = initialize_parallel(1, 1, seed=0, ep=2)
-    model = build_gpt_model(
-        config, dtype=torch.float32, pre_process=True, post_process=True, tensor_parallel=1, pipeline_parallel=1
-    )
+    model = build_gpt_model(config, groups, dtype=torch.float32)
     assert len(model.decoder.layers[0].mlp.local_expert_indices) == 2  # half of the 4 experts
     load_hf_into_model([model], hf_dir, groups)
     model.eval()

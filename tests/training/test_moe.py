@@ -86,7 +86,7 @@ def _full(policy: Policy, values: dict[str, torch.Tensor]) -> dict[str, torch.Te
     """``values`` keyed by single-rank names, every rank's experts and layers (gathered over all ranks)."""
     groups = policy.groups
     mine = {_global_name(name, groups): value.detach().clone() for name, value in values.items()}
-    return {name: value for part in groups.all_gather_object(mine) for name, value in part.items()}
+    return {name: value for part in groups.all_gather(mine) for name, value in part.items()}
 
 
 def _params(policy: Policy) -> dict[str, torch.Tensor]:
@@ -298,12 +298,16 @@ def _hf_routing(logits: torch.Tensor, k: int, normalise: bool) -> torch.Tensor:
 
 
 def _routing_and_layout(rank: int, world_size: int, out: str) -> None:
-    initialize_parallel(1, 1, seed=0)
+    groups = initialize_parallel(1, 1, seed=0)
     results = {}
     for normalise in (True, False):
         cfg = {**CONFIG, "norm_topk_prob": normalise, "mlp_only_layers": [0]}
-        model = build_gpt_model(cfg, dtype=torch.float32, pre_process=True, post_process=True, **_TP1)
+        model = build_gpt_model(cfg, groups, dtype=torch.float32)
         router = model.decoder.layers[1].mlp.router
+        # The model communicates on the caller's groups (handed down as megatron-core's collection).
+        experts = model.decoder.layers[1].mlp.experts
+        assert model.pg_collection is groups.mcore and router.tp_group is groups.tp_group
+        assert experts.ep_group is groups.ep_group and experts.tp_group is groups.etp_group
         hidden = torch.randn(5, 3, cfg["hidden_size"])
         with torch.no_grad():
             probs, routing_map = router(hidden)
@@ -312,9 +316,6 @@ def _routing_and_layout(rank: int, world_size: int, out: str) -> None:
         assert routing_map.sum(dim=1).eq(2).all()
     keys = {getattr(item, "key", None) for item in model.sharded_state_dict().values()}  # checkpoint keys
     torch.save({"routing": results, "keys": keys, "dense_mlp": type(model.decoder.layers[0].mlp).__name__}, out)
-
-
-_TP1 = {"tensor_parallel": 1, "pipeline_parallel": 1}
 
 
 def test_router_matches_transformers_routing_and_mixed_layers_keep_one_norm_key(tmp_path):

@@ -170,7 +170,7 @@ def _full(policy: Policy, values: dict[str, torch.Tensor]) -> dict[str, torch.Te
         mine[_global_name(name, policy)] = (rank, params[name].partition_dim if split else None, value.detach().clone())
     shards: dict[str, dict[int, torch.Tensor]] = {}
     dims: dict[str, int | None] = {}
-    for part in policy.groups.all_gather_object(mine):
+    for part in policy.groups.all_gather(mine):
         for name, (rank, dim, value) in part.items():
             shards.setdefault(name, {})[rank] = value
             dims[name] = dim

@@ -27,7 +27,6 @@ replayed vs fresh log-probs 9.5e-7, rotated routes move log-probs by up to 0.60.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -139,7 +138,7 @@ def _gathered(policy: Any, values: dict[str, torch.Tensor]) -> dict[str, torch.T
         _EXPERT.sub(lambda m: f".local_experts.{groups.ep_rank * local + int(m.group(1))}.", name): v.detach().clone()
         for name, v in values.items()
     }
-    return {name: value for part in groups.all_gather_object(mine) for name, value in part.items()}
+    return {name: value for part in groups.all_gather(mine) for name, value in part.items()}
 
 
 def _params(policy: Any) -> dict[str, torch.Tensor]:
@@ -152,18 +151,14 @@ def _grads(policy: Any) -> dict[str, torch.Tensor]:
 
 def _run(rank: int, world_size: int, hf_dir: str, out: str) -> None:
     """Build the policy at EP = world size from ``hf_dir``; logits, log-probs, one update, its gradients."""
-    from megatron_mugrpo.conversion import load_hf_into_model
+    from megatron_mugrpo.conversion import load_hf_policy
 
     from megatron_mugrpo.training.parallel import initialize_parallel
-    from megatron_mugrpo.training.setup import build_policy
     from megatron_mugrpo.training.train_step import forward_logprobs
 
     torch.use_deterministic_algorithms(True)
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
     groups = initialize_parallel(1, 1, seed=1234, ep=world_size)
-    policy = build_policy(config, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR), moe=MOE)
-    load_hf_into_model(policy.unwrapped(), hf_dir, groups)
-    policy.weights_loaded()
+    policy = load_hf_policy(hf_dir, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR), moe=MOE)
     bare = policy.unwrapped()[0]
     result: dict[str, Any] = {}
     if world_size == 1:
@@ -172,7 +167,7 @@ def _run(rank: int, world_size: int, hf_dir: str, out: str) -> None:
     bare.eval()
     with torch.no_grad():
         positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
-        result["logits"] = bare(batch.tokens, positions, None)[..., : config["vocab_size"]].clone()
+        result["logits"] = bare(batch.tokens, positions, None)[..., : policy.vocab_size].clone()
     bare.train()
     result["tokens"] = batch.tokens
     result["logprobs"] = forward_logprobs(policy, batch, temperature=1.0, micro_batch_size=MICRO_BATCH)
@@ -208,18 +203,14 @@ def _replay(rank: int, world_size: int, hf_dir: str, out: str) -> None:
     update's agreement with transformers' routes."""
     import dataclasses
 
-    from megatron_mugrpo.conversion import load_hf_into_model
+    from megatron_mugrpo.conversion import load_hf_policy
 
     from megatron_mugrpo.training.parallel import initialize_parallel
-    from megatron_mugrpo.training.setup import build_policy
     from megatron_mugrpo.training.train_step import forward_logprobs
 
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
     groups = initialize_parallel(1, 1, seed=1234)
     moe = MoeConfig(aux_loss_coeff=1e-2, routing_replay="rollout")
-    policy = build_policy(config, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR), moe=moe)
-    load_hf_into_model(policy.unwrapped(), hf_dir, groups)
-    policy.weights_loaded()
+    policy = load_hf_policy(hf_dir, groups=groups, dtype=torch.float32, optim=OptimConfig(lr=LR), moe=moe)
     routes = torch.load(Path(out) / "routes.pt")
     batch = dataclasses.replace(make_batch(10, groups=2, group_size=4), routes=routes)
     rotated = dataclasses.replace(batch, routes=(routes + 1) % EXPERTS)  # still k distinct experts

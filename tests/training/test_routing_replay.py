@@ -131,14 +131,7 @@ def _body(rank: int, world_size: int, out: dict[str, Any]) -> None:
     for name, overrides in (("plain", {}), ("recompute", RECOMPUTE)):
         torch.manual_seed(5)
         models[name] = build_gpt_model(
-            CONFIG,
-            dtype=torch.float32,
-            pre_process=True,
-            post_process=True,
-            tensor_parallel=1,
-            pipeline_parallel=1,
-            moe=MoeConfig(routing_replay="rollout"),
-            config_overrides=overrides,
+            CONFIG, groups, dtype=torch.float32, moe=MoeConfig(routing_replay="rollout"), config_overrides=overrides
         )
     models["recompute"].load_state_dict(models["plain"].state_dict())
     out["recompute"] = {name: _grads(m, batch, other) for name, m in models.items()}
@@ -153,11 +146,8 @@ def _body(rank: int, world_size: int, out: dict[str, Any]) -> None:
     try:
         build_gpt_model(
             CONFIG,
+            groups,
             dtype=torch.float32,
-            pre_process=True,
-            post_process=True,
-            tensor_parallel=1,
-            pipeline_parallel=1,
             moe=MoeConfig(routing_replay="rollout"),
             config_overrides={"moe_router_fusion": True},
         )
