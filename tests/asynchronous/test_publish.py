@@ -52,9 +52,8 @@ def _publish_and_pick_up(rank: int, world_size: int, tmp: str) -> None:
     groups = initialize_parallel(1, 1, seed=0)
     hf_config = tiny_hf_config("qwen2")
     policy = build_policy(hf_config, groups=groups, dtype=torch.float32, optim=None)
-    trainer = SimpleNamespace(
-        policy=policy, hf_config=hf_config, is_writer=True, groups=groups, hf_dir=Path(tmp) / "no_tokenizer"
-    )
+    origin = SimpleNamespace(hf_config=hf_config, hf_dir=Path(tmp) / "no_tokenizer")
+    trainer = SimpleNamespace(policy=policy, origin=origin, is_writer=True, groups=groups)
     root = Path(tmp) / "weights"
     root.mkdir()
     worker = _worker("")  # the worker's own load: build the engine once, then reload weights
