@@ -14,7 +14,7 @@ RUN_DIR ?= runs/demo
 PYTEST_ARGS ?= -n 2 --durations=20
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-cluster test-vllm docs lint env clean
+.PHONY: demo demo-search test test-cluster test-vllm docs lint env clean
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ demo: $(STAMP)
 	else \
 		$(VENV)/bin/mugrpo train --config configs/demo_cpu.yaml --run-dir $(RUN_DIR); \
 	fi
+
+# The search demo (docs/agentic.md): its inputs (a seeded world and a warm-started tiny model), then the run.
+demo-search: $(STAMP)
+	@if [ ! -f runs/search_demo/inputs/base_model/config.json ]; then \
+		$(PY) -m megatron_mugrpo.envs.search_demo --out runs/search_demo/inputs --seed 0; \
+	fi
+	$(VENV)/bin/mugrpo train --config configs/demo_search_cpu.yaml --run-dir runs/search_demo/run
 
 # The cluster tests (a real single-host Slurm, installed from Debian's packages when missing; two
 # torchrun agents as two nodes) take minutes of their own: `make test-cluster`, which CI also runs.

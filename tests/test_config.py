@@ -82,6 +82,10 @@ def _path_overrides(path: Path, tmp_path: Path, hf_fields: dict | None = None) -
     for index, bench in enumerate(raw.get("eval", {}).get("benchmarks", [])):
         if bench["path"] != "builtin":
             overrides.append(f"eval.benchmarks.{index}.path={train}")
+    if raw.get("env", {}).get("search", {}).get("corpus"):  # the search demo's generated corpus
+        corpus = tmp_path / "corpus.jsonl"
+        corpus.write_text(json.dumps({"id": "0", "title": "Paris", "text": "Paris is in France."}) + "\n")
+        overrides.append(f"env.search.corpus={corpus}")
     return overrides
 
 
