@@ -228,11 +228,14 @@ def stored_headroom(group: RolloutGroup) -> float:
     """H(g) under the policy that generated ``group``, from its stored log-probs (no forward pass).
 
     The same formula as ``token_headroom``/``group_token_mean`` with log π_θ = the drift reference
-    (``drift_reference``), in float64; NaN for a group without response tokens.
+    (``drift_reference``), in float64, over the policy's tokens (a multi-turn response's policy mask);
+    NaN for a group without response tokens.
     """
     total, tokens = 0.0, 0
     for sample in group.samples:
         reference = drift_reference(sample.behaviour_logprobs, sample.old_logprobs)
+        if sample.policy_mask is not None:  # a trajectory's observation tokens are the environment's
+            reference = [lp for lp, policy in zip(reference, sample.policy_mask) if policy]
         tokens += len(reference)
         if sample.advantage > 0:
             total += math.fsum(1.0 - math.exp(lp) for lp in reference)

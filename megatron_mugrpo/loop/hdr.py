@@ -65,7 +65,14 @@ from megatron_mugrpo.algorithms.replay import (
 )
 from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.rollout.routes import RoutesInfo, group_routes, routes_schema, shard_routes, write_routes
-from megatron_mugrpo.rollout.shards import SCHEMA, SCHEMA_WITH_OLD, StoreError, groups_to_table, map_shard, row_to_group
+from megatron_mugrpo.rollout.shards import (
+    SCHEMA,
+    StoreError,
+    groups_to_table,
+    map_shard,
+    row_to_group,
+    shard_schema,
+)
 from megatron_mugrpo.rollout.store import RolloutStore
 from megatron_mugrpo.training.checkpoint import CheckpointError
 from megatron_mugrpo.training.stage_reference import (
@@ -371,7 +378,8 @@ def load_replay(replay_dir: Path, capacity: int) -> tuple[ReplayBuffer, StagePla
                 "replay buffer is corrupted: resume from an older checkpoint"
             ) from exc
         table = pq.read_table(path)
-        if not (table.schema.equals(SCHEMA) or table.schema.equals(SCHEMA_WITH_OLD)):
+        known = [shard_schema(trajectories=t, old_logprobs=o) for t in (False, True) for o in (False, True)]
+        if not any(table.schema.equals(schema) for schema in known):  # multi-turn copies carry their masks
             raise CheckpointError(f"{path} has columns {table.schema.names}, not the replay copies' {SCHEMA.names}")
         copies = [row_to_group(row) for row in table.to_pylist()]
         if record.get("routes") is not None:
