@@ -169,8 +169,10 @@ def group_mismatch_metrics(groups: list[RolloutGroup], reference: GroupLogprobs)
     """``rollout/mismatch_*`` of the groups' behaviour log-probs against the trainer's ``reference``."""
     behaviour = [lp for g in groups for s in g.samples for lp in s.behaviour_logprobs]
     trainer = [lp for per_sample in reference for lps in per_sample for lp in lps]
+    # A multi-turn response's observation tokens have no behaviour log-prob (0.0 stands in): left out.
+    policy = [m for g in groups for s in g.samples for m in (s.policy_mask or [1] * len(s.response_ids))]
     b, p = torch.tensor([behaviour], dtype=torch.float64), torch.tensor([trainer], dtype=torch.float64)
-    metrics = mismatch_metrics(b, p, torch.ones_like(b, dtype=torch.bool))
+    metrics = mismatch_metrics(b, p, torch.tensor([policy], dtype=torch.bool))
     return {f"rollout/{name}": value for name, value in metrics.items()}
 
 

@@ -44,3 +44,17 @@ def test_the_replay_buffer_keeps_trajectories_through_a_checkpoint(tmp_path):
     save_replay(ReplayState(config=ReplayConfig(enabled=True), train_groups=4, buffer=buffer), tmp_path)
     loaded, _ = load_replay(tmp_path / "replay", capacity=8)
     assert [fields(e.group) for e in loaded.entries()] == [fields(g) for g in stored]
+
+
+def test_the_stage_reference_mismatch_leaves_observation_tokens_out():
+    from megatron_mugrpo.training.stage_reference import group_mismatch_metrics
+
+    group = groups(1)[0]
+    alone = copy.deepcopy(group)
+    alone.samples = [policy_only(s) for s in group.samples]
+    # the trainer agrees with β on every policy token and disagrees (by -3) on every observation token
+    reference = [[[lp - 3.0 * (1 - m) for lp, m in zip(s.behaviour_logprobs, s.policy_mask)] for s in group.samples]]
+    got = group_mismatch_metrics([group], reference)
+    assert got == group_mismatch_metrics([alone], [[s.behaviour_logprobs for s in alone.samples]])
+    assert got["rollout/mismatch_logprob_abs_max"] == 0.0
+    assert got["rollout/mismatch_tokens"] == sum(sum(s.policy_mask) for s in group.samples)
