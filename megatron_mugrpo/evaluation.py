@@ -18,10 +18,14 @@ engines took part (bitwise with the seeded transformers engine on CPU at equal t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from megatron_mugrpo.algorithms.pass_at_k import pass_at_k
+from megatron_mugrpo.envs.episodes import StageEnv, episode_samples, stage_env
 from megatron_mugrpo.errors import require
 from megatron_mugrpo.metric_names import EVAL_AVG
 from megatron_mugrpo.rewards.registry import RewardFn
@@ -146,8 +150,11 @@ def evaluate_chunk(
     tokenizer,
     eval_cfg: EvalConfig,
     seed: int,
+    env: StageEnv | None = None,
 ) -> ChunkResult:
-    """Sample k responses for each problem of ``chunk`` and score them."""
+    """Sample k responses for each problem of ``chunk`` and score them; with ``env``, k multi-turn
+    trajectories each, scored on the policy's own turns (``envs.episodes.episode_samples``), their length
+    the policy's tokens."""
     params = SamplingParams(
         max_new_tokens=eval_cfg.max_new_tokens,
         temperature=eval_cfg.temperature,
@@ -155,6 +162,19 @@ def evaluate_chunk(
     )
     problems = bench.problems[chunk.start : chunk.stop]
     k = bench.config.k
+    if env is not None:
+        decode = partial(tokenizer.decode, skip_special_tokens=True)
+        groups = episode_samples(
+            engine,  # type: ignore[arg-type]  # the config allows multi-turn engines only
+            env,
+            problems,
+            group_size=k,
+            params=params,
+            decode=decode,
+            reward_fn=bench.reward_fn,
+        )
+        lengths = [sum(s.policy_mask or []) for group in groups for s in group]
+        return ChunkResult(chunk=chunk, rewards=[[s.reward for s in group] for group in groups], lengths=lengths)
     generations = engine.generate([p.prompt_ids for p in problems], k, params)
     texts, answers, lengths = [], [], []
     for problem, gens in zip(problems, generations, strict=True):
@@ -177,18 +197,24 @@ def evaluate(
     eval_cfg: EvalConfig,
     seed: int,
     hosts: HostGroup | None = None,
+    env: Any = None,
 ) -> dict[str, float]:
     """Every benchmark's metrics plus ``eval/avg_pass@1`` on rank 0 (``{}`` elsewhere and without
-    benchmarks). Collective over ``hosts``: hosts pass their engine, other ranks ``engine=None``."""
+    benchmarks). Collective over ``hosts``: hosts pass their engine, other ranks ``engine=None``.
+    ``env``: the run's ``env`` section; when enabled, problems are solved as multi-turn trajectories
+    against the environment, which each host holds for this call (as a rollout phase does)."""
     hosts = hosts or HostGroup(EnginePlacement.single())
     placement = hosts.placement
     results: list[ChunkResult] = []
     if placement.is_host and engine is not None:
         chunks = eval_chunks(benchmarks, eval_cfg.chunk_problems)[placement.engine_index :: placement.num_engines]
-        results = [
-            evaluate_chunk(engine, benchmarks[c.bench], c, tokenizer=tokenizer, eval_cfg=eval_cfg, seed=seed)
-            for c in chunks
-        ]
+        with stage_env(env, tokenizer) if env is not None else nullcontext() as stage:
+            results = [
+                evaluate_chunk(
+                    engine, benchmarks[c.bench], c, tokenizer=tokenizer, eval_cfg=eval_cfg, seed=seed, env=stage
+                )
+                for c in chunks
+            ]
     gathered = hosts.gather(results)
     if gathered is None or not benchmarks:
         return {}

@@ -113,6 +113,7 @@ def run_evaluation(run: Run) -> dict[str, float]:
                 eval_cfg=run.cfg.eval,
                 seed=run.cfg.seed + 7919 * run.state.global_update,
                 hosts=run.hosts,
+                env=run.cfg.env,  # multi-turn problems when env.enabled (the environment lives for this call)
             )
         release_engine(run)
         run.hosts.barrier()

@@ -1,12 +1,12 @@
 """A multi-turn search run through the CLI, SIGKILLed in the middle of a stage's generation and resumed.
 
 The run serves its corpus on loopback (no env.search.url), rolls out trajectories into the store, trains
-on them, and logs the env metrics. Killed after stage 1's first shard, the resumed run generates the
-missing shard only and ends with the same weights, bit for bit, and the same trajectories (tokens,
-behaviour log-probs, policy masks, turns, rewards) as an uninterrupted run. The environment's seconds,
-also stored, are wall-clock measurements and are the one field allowed to differ.
+on them, logs the env metrics, and evaluates held-out questions as trajectories too. Killed after stage
+1's first shard, the resumed run generates the missing shard only and ends with the same weights, bit for
+bit, and the same trajectories (tokens, behaviour log-probs, policy masks, turns, rewards) as an
+uninterrupted run. The environment's seconds, also stored, are wall-clock measurements and are the one
+field allowed to differ.
 """
-
 from __future__ import annotations
 
 import json
@@ -26,7 +26,11 @@ from e2e_runs import DEMO, final_weights, mugrpo, records
 RUN = [
     "data.format=qa",
     "reward.kind=qa",
-    "eval.benchmarks=[]",
+    "eval.benchmarks.0.name=search",
+    "eval.benchmarks.0.format=qa",
+    "eval.benchmarks.0.limit=4",
+    "eval.benchmarks.0.k=2",
+    "eval.max_new_tokens=12",
     "env.enabled=true",
     "env.search.topk=2",
     "env.max_total_tokens=448",
@@ -63,6 +67,7 @@ def test_a_search_run_killed_mid_stage_resumes_bitwise(tmp_path: Path):
     data = tmp_path / "data"
     write_task(data, 0, people=12, cities=4)
     run = [f"data.train_path={data / 'train.jsonl'}", f"env.search.corpus={data / 'corpus.jsonl'}", *RUN]
+    run.append(f"eval.benchmarks.0.path={data / 'test.jsonl'}")  # held-out questions, solved with the env
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     mugrpo("train", "--config", str(DEMO), "--run-dir", str(whole), *run)
     proc = mugrpo("train", "--config", str(DEMO), "--run-dir", str(killed), *run, crash_at="shard:1:0", check=False)
@@ -81,5 +86,7 @@ def test_a_search_run_killed_mid_stage_resumes_bitwise(tmp_path: Path):
     assert sample.policy_mask is not None and len(sample.env_seconds) == len(sample.turns) >= 1
     logged = [r for r in records(whole) if "rollout/turns_mean" in r]
     assert len(logged) == 2 and all(r["rollout/turns_mean"] >= 1.0 and r["rollout/env_errors"] == 0 for r in logged)
+    evals = [r for r in records(whole) if "eval/search/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]  # before training and after each stage, multi-turn
     manifest = json.loads((whole / "rollouts" / "stage_000" / "manifest.json").read_text())
     assert manifest["sampling"]["env"]["search"]["topk"] == 2  # another env never completes this store
