@@ -60,7 +60,8 @@ def tiny_model_dir(
 def prompt_pool(count: int, *, task: str = "arithmetic", tokenizer: Any = None) -> list[list[int]]:
     """``count`` built-in ``task`` prompts (training split, seed 0) as token ids, in ``tokenizer`` (a
     Hugging Face tokenizer; default the character tokenizer the tiny models use)."""
-    from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
+    from megatron_mugrpo.char_tokenizer import build_char_tokenizer
+    from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
 
     tokenizer = tokenizer or build_char_tokenizer()
     rows = builtin_problems(task, count, seed=0, split="train")

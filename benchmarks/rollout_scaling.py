@@ -36,13 +36,14 @@ import torch.multiprocessing as mp
 from common import free_port
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.durable import Checksum
 from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
 from megatron_mugrpo.rollout.prompts import PromptRecord
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
+from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
 
 

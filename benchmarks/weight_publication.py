@@ -56,8 +56,8 @@ STOP = "stop"
 
 def demo_state_dict() -> dict[str, torch.Tensor]:
     """The CPU demo's policy (configs/demo_cpu.yaml's model.tiny) as Hugging Face tensors."""
+    from megatron_mugrpo.char_tokenizer import build_char_tokenizer
     from megatron_mugrpo.config import load_config
-    from megatron_mugrpo.rollout.tasks import build_char_tokenizer
     from megatron_mugrpo.warmstart import build_tiny_model
 
     cfg = load_config(_ROOT / "configs" / "demo_cpu.yaml", [])

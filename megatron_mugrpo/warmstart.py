@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from megatron_mugrpo import durable
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.errors import require
 from megatron_mugrpo.rollout.tasks import (
-    build_char_tokenizer,
     builtin_completion,
     builtin_problems,
     builtin_prompt,

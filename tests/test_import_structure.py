@@ -37,6 +37,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
         "megatron_mugrpo.faults",
         "megatron_mugrpo.datafiles",
         "megatron_mugrpo.commands",
+        "megatron_mugrpo.char_tokenizer",
     ),
     "math": ("megatron_mugrpo.algorithms", "megatron_mugrpo.kernels"),
     "components": (

@@ -9,15 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.config import load_config
 from megatron_mugrpo.rewards.registry import build_reward
-from megatron_mugrpo.rollout.tasks import (
-    CODE_READ_FLAWED,
-    build_char_tokenizer,
-    builtin_completion,
-    builtin_problems,
-    code_solution,
-)
+from megatron_mugrpo.rollout.tasks import CODE_READ_FLAWED, builtin_completion, builtin_problems, code_solution
 from megatron_mugrpo.warmstart import WARMSTART_FILE, miscopy, prepare_base_model, sft_batch, worked_solution
 
 

@@ -170,7 +170,7 @@ def _pad(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
 
 def build_demo(out: Path, *, seed: int, ws: WarmStart, tiny: Any, people: int = 200, cities: int = 40) -> dict:
     """Write the world (``out/{corpus,train,test}.jsonl``) and the warm-started ``out/base_model``."""
-    from megatron_mugrpo.rollout.tasks import build_char_tokenizer
+    from megatron_mugrpo.char_tokenizer import build_char_tokenizer
     from megatron_mugrpo.warmstart import build_tiny_model
 
     counts = write_task(out, seed, people=people, cities=cities)

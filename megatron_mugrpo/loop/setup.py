@@ -144,7 +144,7 @@ def load_tokenizer(cfg: RunConfig) -> Any:
 
     if cfg.model.hf_dir:
         return AutoTokenizer.from_pretrained(str(cfg.model.hf_dir))
-    from megatron_mugrpo.rollout.tasks import build_char_tokenizer
+    from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         build_char_tokenizer(tmp)

@@ -23,10 +23,10 @@ from typing import Any
 
 import yaml
 
+from megatron_mugrpo.char_tokenizer import char_vocab
 from megatron_mugrpo.envs.search import is_placeholder_url
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.plan.models import known_model
-from megatron_mugrpo.rollout.tasks import char_vocab
 from megatron_mugrpo.warmstart import TinyModelConfig, tiny_model_hf_config
 
 

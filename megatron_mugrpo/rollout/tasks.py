@@ -1,4 +1,4 @@
-"""Built-in procedural tasks (math and code) and a character-level tokenizer, for the CPU demos and the tests.
+"""Built-in procedural tasks (math and code), for the CPU demos and the tests.
 
 Nothing can be downloaded at run time, so the demos train a tiny locally built model on problems
 generated here. Prompts are kept short on purpose: a character-level model pays one token per character.
@@ -18,7 +18,8 @@ generated here. Prompts are kept short on purpose: a character-level model pays 
   JSON) with hidden stdin/stdout tests on multi-digit inputs, which the code reward runs the program on.
 
     rows = builtin_problems("arithmetic", n=4096, seed=0, split="train")   # [{"problem", "answer"}]
-    tokenizer = build_char_tokenizer("runs/demo/tokenizer")                 # AutoTokenizer-loadable
+
+Their model reads them with the character tokenizer (``megatron_mugrpo.char_tokenizer``).
 
 Train and eval splits are disjoint by construction: a problem belongs to the eval split iff a
 stable hash of its text falls in the eval bucket, whatever the seed or the number drawn.
@@ -32,12 +33,9 @@ import string
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
-
     from megatron_mugrpo.rewards.code import CodeProblem
 
 SPLITS = ("train", "eval")
@@ -383,43 +381,3 @@ def _task(task: str) -> BuiltinTask:
 def builtin_completion(answer: str) -> str:
     """The answer text the demo model is taught to produce (EOS follows), e.g. '\\boxed{81}'."""
     return f"\\boxed{{{answer}}}"
-
-
-# --------------------------------------------------------------------------------------------------
-# Character-level tokenizer
-# --------------------------------------------------------------------------------------------------
-
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-CHARACTERS = string.digits + "+-*/=()[]{}\\^_.,:;!?'\"<>|$%&#` \n" + string.ascii_letters
-"""Everything the tasks, the answer formats (``\\boxed{}``, a fenced program) and short English
-instructions need. The backtick of code fences took the place of '~' (which nothing here needs), so
-the vocabulary's size and every other token's id are those of the math demo's models before it."""
-
-
-def char_vocab() -> dict[str, int]:
-    """Token → id: the special tokens first (pad = 0, bos = 1, eos = 2, unk = 3), then characters."""
-    return {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
-
-
-def build_char_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
-    """A character-level fast tokenizer (vocabulary < 128) built locally with `tokenizers`.
-
-    Encoding prepends <bos>; decoding concatenates characters. Unknown characters map to <unk>.
-    When ``out_dir`` is given the tokenizer is saved there (``AutoTokenizer.from_pretrained`` loads it).
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = char_vocab()
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    # Oniguruma's (?m) lets '.' match newlines too: every character is its own pre-token.
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?m)."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, padding_side="left"
-    )
-    if out_dir is not None:
-        tokenizer.save_pretrained(str(out_dir))
-    return tokenizer

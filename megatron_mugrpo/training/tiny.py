@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.training.model import ModelConfigError, tiny_hf_config
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def tiny_hf_dir(
 ) -> Path:
     """Save ``tiny_model(arch, seed=seed, dtype=dtype, **overrides)`` as a Hugging Face directory.
 
-    With ``tokenizer`` the built-in character tokenizer (``rollout.tasks.build_char_tokenizer``) is
+    With ``tokenizer`` the built-in character tokenizer (``char_tokenizer.build_char_tokenizer``) is
     saved beside the weights and sets the defaults of ``vocab_size`` (its length), ``bos_token_id``
     and ``eos_token_id``; an explicit ``vocab_size`` must cover it. ``adjust(model)`` runs under
     ``torch.no_grad()`` after the cast and before saving, for weights a check wants other than the

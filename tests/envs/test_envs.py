@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.envs.base import (
     EnvError,
     EnvLimits,
@@ -27,7 +28,6 @@ from megatron_mugrpo.envs.search import (
     parse_results,
 )
 from megatron_mugrpo.errors import ConfigError
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer
 
 TURN = Turn(token_ids=(5, 6), text="x")
 

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.datafiles import PromptDataError
 from megatron_mugrpo.envs.fictional import corpus_rows, main, make_world, question_rows, write_task
 from megatron_mugrpo.envs.server import Bm25Index, CorpusDocument
@@ -21,7 +22,6 @@ from megatron_mugrpo.rewards.qa import (
 )
 from megatron_mugrpo.rewards.registry import RewardSet, reward_metrics
 from megatron_mugrpo.rollout.prompts import DataConfig, format_reward_kind, load_prompts
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer
 
 
 def test_squad_normalisation():

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.envs.base import EnvLimits
 from megatron_mugrpo.envs.fictional import make_world, write_task
 from megatron_mugrpo.envs.search import SearchEnvironment, SearchOptions
 from megatron_mugrpo.envs.search_demo import IGNORE, LocalIndex, trace, trace_example
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.cli import main
 from megatron_mugrpo.envs.base import EnvError, EnvLimits, Problem, Turn
 from megatron_mugrpo.envs.search import INFO_HEAD, SearchClient, SearchEnvironment, SearchOptions
 from megatron_mugrpo.envs.server import Bm25Index, CorpusDocument, CorpusError, LocalSearchServer, load_corpus
 from megatron_mugrpo.errors import MissingInputError
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer
 
 DOCS = [
     CorpusDocument(id="d0", title="Veloria", text="Veloria is a city in Norland. Its mayor is Ada Quill."),

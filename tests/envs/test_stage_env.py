@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.envs.base import EnvError, EnvLimits
 from megatron_mugrpo.envs.episodes import EnvTally, StageEnv, env_metrics, episode_samples, stage_env
 from megatron_mugrpo.envs.registry import EnvConfig
@@ -16,7 +17,6 @@ from megatron_mugrpo.envs.search import SearchOptions
 from megatron_mugrpo.envs.trajectory import Trajectory
 from megatron_mugrpo.rewards.qa import QaOptions, QaReward
 from megatron_mugrpo.rollout.prompts import PromptRecord
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer
 
 OBSERVATION = "<information>Paris</information>"
 

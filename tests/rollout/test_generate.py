@@ -14,6 +14,7 @@ from dist_utils import run_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_mugrpo.algorithms.allocation import VigorConfig
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer, char_vocab
 from megatron_mugrpo.durable import Checksum
 from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.config import RolloutConfig
@@ -24,7 +25,7 @@ from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup, engine
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.shards import StoreError
 from megatron_mugrpo.rollout.store import RolloutStore
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt, char_vocab
+from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
 
 LOGPROB_TOLERANCE = 1e-5

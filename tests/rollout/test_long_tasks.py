@@ -7,12 +7,12 @@ import statistics
 
 import pytest
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.tasks import (
     BUILTIN_TASKS,
     TERM_TAGS,
     RunningSumTask,
-    build_char_tokenizer,
     builtin_problems,
     builtin_prompt,
     builtin_reward_kind,

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.evaluation import BenchmarkConfig
 from megatron_mugrpo.rollout.prompts import (
     INSTRUCTION,
@@ -20,7 +21,6 @@ from megatron_mugrpo.rollout.prompts import (
     load_prompts,
     read_rows,
 )
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer
 
 MAX_TOKENS = 120
 # One good row of each kind plus one row per rejection reason (the long one exceeds MAX_TOKENS).

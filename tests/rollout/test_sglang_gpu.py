@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.rollout.engine import SamplingParams
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt
+from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import teacher_forced_logprobs
 from megatron_mugrpo.training.tiny import tiny_hf_dir
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from megatron_mugrpo.char_tokenizer import CHARACTERS, build_char_tokenizer
 from megatron_mugrpo.rewards.code import CodeProblem, CodeRewardConfig, extract_program, score_response
 from megatron_mugrpo.rewards.sandbox import Unsandboxed
 from megatron_mugrpo.rollout.tasks import (
     BUILTIN_TASKS,
-    CHARACTERS,
     ArithmeticTask,
-    build_char_tokenizer,
     builtin_completion,
     builtin_problems,
     builtin_prompt,

@@ -15,12 +15,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_mugrpo import faults
+from megatron_mugrpo.char_tokenizer import build_char_tokenizer, char_vocab
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup, engine_threads
 from megatron_mugrpo.rollout.prompts import PromptRecord
 from megatron_mugrpo.rollout.store import RolloutStore
-from megatron_mugrpo.rollout.tasks import build_char_tokenizer, builtin_problems, builtin_prompt, char_vocab
+from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine
 from megatron_mugrpo.rollout.watchdog import EngineFailedError, HostWeights, WatchedEngine
 
