@@ -7,6 +7,7 @@ bit, and the same trajectories (tokens, behaviour log-probs, policy masks, turns
 uninterrupted run. The environment's seconds, also stored, are wall-clock measurements and are the one
 field allowed to differ.
 """
+
 from __future__ import annotations
 
 import json
