@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import keyword
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,8 +271,8 @@ def _field_names(values: dict[str, Any], where: object) -> dict[str, Any]:
 def _user_spelling(text: str) -> str:
     """Field names in an error message back to the user's keys (``async_.max_lag`` → ``async.max_lag``)."""
     for f in dataclasses.fields(RunConfig):
-        if user_key(f.name) != f.name:
-            text = text.replace(f.name, user_key(f.name))
+        if user_key(f.name) != f.name:  # whole names only: a file called async_grpo.yaml keeps its name
+            text = re.sub(rf"\b{re.escape(f.name)}\b", user_key(f.name), text)
     return text
 
 

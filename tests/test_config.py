@@ -113,6 +113,14 @@ def test_only_keyword_sections_are_spelled_apart_from_their_key() -> None:
     assert RunConfig().to_dict().keys() == {user_key(name) for name in names}
 
 
+def test_errors_name_the_section_as_written_and_leave_file_names_alone(tmp_path: Path) -> None:
+    path = tmp_path / "async_run.yaml"
+    path.write_text("async:\n  max_lag: soon\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert "async.max_lag" in str(caught.value) and "async_run.yaml" in str(caught.value)
+
+
 def test_grid_covers_every_paper_file() -> None:
     grid = {CONFIGS / "paper" / f"{m}__{method}.yaml" for m in PAPER_MODELS for method in PAPER_METHODS}
     # Table 2's asynchronous runs (tests/asynchronous/test_async_config.py checks them).
