@@ -303,7 +303,7 @@ def test_round_trip_through_dict_and_yaml(tmp_path: Path) -> None:
         (["algo.m2po.m2_threshold=0"], r"m2_threshold \(τ_M2\)=0\.0 must be > 0"),
         (["algo.loss=ppo"], r"algo\.loss='ppo' is unknown"),
         (["algo.mu_grpo.veto_scope=prefix"], r"algo\.mu_grpo\.veto_scope='prefix' is unknown"),
-        (["rollout.engine=vllm"], r"rollout\.engine='vllm' is not one of"),
+        (["rollout.engine=tgi"], r"rollout\.engine='tgi' is not one of"),
         (["rollout.transformers.batch_size=0"], r"rollout\.transformers\.batch_size=0 must be >= 1"),
         (["rollout.sglang.mem_fraction_static=1.5"], r"mem_fraction_static=1\.5 must be in \(0, 1\)"),
         (["kernels.logprob_impl=magic"], r"kernels\.logprob_impl='magic' is not one of"),
