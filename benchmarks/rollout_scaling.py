@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from common import free_port, tiny_model_dir
 
 from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.durable import Checksum
@@ -60,20 +59,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_model(out_dir: Path, args: argparse.Namespace) -> list[PromptRecord]:
-    """Save a random Qwen2 + char tokenizer in out_dir; return the stage's prompts."""
-    tokenizer = build_char_tokenizer(out_dir)
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(out_dir)
+    """Save a random Qwen2 (4 heads, 2 KV heads) + char tokenizer in out_dir; return the stage's prompts."""
+    tiny_model_dir(out_dir, hidden=args.hidden, layers=args.layers, heads=4, max_positions=256)
+    tokenizer = build_char_tokenizer()
     rows = builtin_problems("arithmetic", args.shards * args.shard_groups, seed=0, split="train")
     return [
         PromptRecord(
