@@ -71,6 +71,7 @@ REQUIRED = {
         "logprobs",
         "seed",
         "stop_token_ids",
+        "ignore_eos",
         "detokenize",
     ),
     "logprobs_modes": ("processed_logprobs",),

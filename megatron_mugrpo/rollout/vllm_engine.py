@@ -16,8 +16,9 @@ What the engine relies on, read in vLLM 0.32.0 (``docs/engines.md`` has the long
 * **Seeds.** Every response gets its own ``SamplingParams.seed`` (from the call's seed, the prompt and
   the response index), so a stage's data do not depend on batching or on how many engines made it.
 * **EOS.** The engine runs without a tokenizer (``skip_tokenizer_init``: token ids in, token ids out),
-  so vLLM knows no EOS of its own: the model's EOS ids go in as ``stop_token_ids``; vLLM keeps the
-  stop token in the output ids, as the protocol wants.
+  and the engine's EOS ids (the model's, unless given) go in as ``stop_token_ids`` with
+  ``ignore_eos=True``, which keeps vLLM from adding generation_config.json's EOS ids of its own; vLLM
+  keeps the stop token in the output ids, as the protocol wants.
 * **Weights in place.** The CPU backend repacks every linear layer's weight after loading
   (``UnquantizedLinearMethod.process_weights_after_loading`` → ``dispatch_cpu_unquantized_gemm``: a
   oneDNN handle over a packed copy, the parameter itself replaced by an empty tensor; the LM head
@@ -53,7 +54,7 @@ import logging
 import os
 import random
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,7 @@ class VLLMEngine:
         gpu_memory_utilization, kv_cache_gib, max_num_seqs, enable_prefix_caching, enable_sleep_mode:
             ``VLLMEngineConfig``.
         record_routes: refused (routing replay needs the transformers or SGLang engine).
+        eos_token_ids: tokens that end a response; None reads generation_config.json / config.json.
         **llm_kwargs: further ``vllm.EngineArgs`` fields.
     """
 
@@ -185,6 +187,7 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         enable_sleep_mode: bool = True,
         record_routes: bool = False,
+        eos_token_ids: Sequence[int] | None = None,
         **llm_kwargs: Any,
     ) -> None:
         if record_routes:
@@ -194,7 +197,7 @@ class VLLMEngine:
             )
         config = _hf_config(hf_dir)
         self.vocab_size = int(config["vocab_size"])
-        self.eos_token_ids = _eos_ids(hf_dir, config)
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _eos_ids(hf_dir, config)
         self.gpu = torch.cuda.is_available()
         self.quantized = (Path(hf_dir) / QUANT_CONFIG_FILE).is_file()
         if self.quantized and not self.gpu:
@@ -313,7 +316,7 @@ class VLLMEngine:
 
     def _sampling(self, params: SamplingParams, seed: int) -> Any:
         """vLLM's sampling parameters of one response: untruncated sampling at T, the sampled token's
-        log-prob, the model's EOS ids as stop tokens, token ids only (no detokenizer)."""
+        log-prob, the engine's EOS ids as the only stop tokens, token ids only (no detokenizer)."""
         return self._sampling_params(
             n=1,
             temperature=params.temperature,
@@ -324,6 +327,7 @@ class VLLMEngine:
             logprobs=0,
             seed=seed,
             stop_token_ids=list(self.eos_token_ids),
+            ignore_eos=True,  # vLLM would add generation_config.json's EOS ids; the engine's list alone decides
             detokenize=False,
         )
 
