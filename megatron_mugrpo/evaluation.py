@@ -18,7 +18,6 @@ engines took part (bitwise with the seeded transformers engine on CPU at equal t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -208,7 +207,7 @@ def evaluate(
     results: list[ChunkResult] = []
     if placement.is_host and engine is not None:
         chunks = eval_chunks(benchmarks, eval_cfg.chunk_problems)[placement.engine_index :: placement.num_engines]
-        with stage_env(env, tokenizer) if env is not None else nullcontext() as stage:
+        with stage_env(env, tokenizer) as stage:
             results = [
                 evaluate_chunk(
                     engine, benchmarks[c.bench], c, tokenizer=tokenizer, eval_cfg=eval_cfg, seed=seed, env=stage

@@ -266,9 +266,10 @@ class StageEnv:
 
 @contextmanager
 def stage_env(settings: Any, tokenizer: Any) -> Iterator[StageEnv | None]:
-    """The run's environment for one stage's generation (None when ``env.enabled`` is off), closed after it:
-    a search environment without ``env.search.url`` serves its corpus on loopback until then."""
-    if not settings.enabled:
+    """The run's environment for one stage's generation or evaluation, closed after it (None without an
+    ``env`` section or when it is off): a search environment without ``env.search.url`` serves its corpus on
+    loopback until then."""
+    if settings is None or not settings.enabled:
         yield None
         return
     env = build_env(settings, tokenizer)

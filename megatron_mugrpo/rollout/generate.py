@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -191,7 +191,7 @@ def generate_planned(
         if engine is None:
             raise ValueError(f"rank {hosts.placement.rank} hosts an engine but generate_planned() got engine=None")
         writer = ShardWriter(store_dir, plan.manifest)
-        with stage_env(env, tokenizer) if env is not None else nullcontext() as stage:
+        with stage_env(env, tokenizer) as stage:
             for index in plan.missing:
                 with _adding(seconds, "store_write"):
                     claimed = writer.claim(index)
