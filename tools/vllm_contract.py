@@ -60,6 +60,7 @@ REQUIRED = {
         "gpu_memory_utilization",
         "enable_sleep_mode",
         "kv_cache_memory_bytes",
+        "enable_chunked_prefill",
     ),
     "sampling_params": (
         "n",
@@ -127,6 +128,12 @@ PROBES: dict[str, Probe] = {
         "vllm/v1/worker/cpu_worker.py",
         r"sleep mode is not supported on CPU",
         "the CPU worker ignores sleep/wake_up: on the CPU release() frees nothing",
+    ),
+    "chunked_prefill_rewinds_generator": Probe(
+        "vllm/v1/worker/gpu_model_runner.py",
+        r"gen\.set_offset\(gen\.get_offset\(\) - 4\)",
+        "a partial prefill's sample is discarded by rewinding the request's generator, which a seeded CPU "
+        "generator refuses: the CPU engine turns chunked prefill off",
     ),
     "in_process_env": Probe(
         "vllm/envs.py",

@@ -210,7 +210,10 @@ class VLLMEngine:
         memory = (
             {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": enable_sleep_mode}
             if self.gpu
-            else {"kv_cache_memory_bytes": int(kv_cache_gib * 1024**3)}
+            # A prompt's prefill split over two steps discards the first step's sample and rewinds the
+            # request's generator (gpu_model_runner._bookkeeping_sync), which a seeded CPU generator cannot
+            # do ("CPU Generator does not use offset"): on the CPU prompts are prefilled whole.
+            else {"kv_cache_memory_bytes": int(kv_cache_gib * 1024**3), "enable_chunked_prefill": False}
         )
         with _process_state_kept():
             self._llm = vllm.LLM(

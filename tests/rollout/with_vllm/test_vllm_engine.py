@@ -37,7 +37,7 @@ def engine(model_dirs):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    built = VLLMEngine(model_dirs[0], seed=0, kv_cache_gib=0.25, max_num_seqs=32)
+    built = VLLMEngine(model_dirs[0], seed=0, kv_cache_gib=0.25, max_num_seqs=64)
     built.rng_moved = not torch.equal(torch.rand(3), expected)
     yield built
     built.shutdown()
@@ -78,6 +78,15 @@ def test_seeds_per_response_make_batching_irrelevant(engine):
     assert ids(alone)[0] == ids(both)[0]
     other = engine.generate(PROMPTS, COUNTS, SamplingParams(max_new_tokens=24, temperature=0.7, seed=6))
     assert ids(other) != ids(both)
+
+
+def test_prompts_beyond_one_step_of_prefill(engine, model_dirs):
+    """64 prompts of 100 tokens are more than vLLM's 4096 prefill tokens per step: with chunked prefill a
+    prompt would be split, and the seeded CPU generator cannot rewind the split step's sample."""
+    prompts = [[1, *[(9 + i + t) % (VOCAB - 8) + 8 for t in range(99)]] for i in range(64)]
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, seed=2)
+    groups = engine.generate(prompts, 1, params)
+    assert _max_gap(_hf(model_dirs[0]), prompts, [1] * 64, groups, params.temperature) < LOGPROB_TOLERANCE
 
 
 def test_weights_in_place_in_buckets_then_from_disk(engine, model_dirs, monkeypatch):
