@@ -130,6 +130,8 @@ class RunConfig:
             allocation=self.rollout.allocation,
             mode=self.mode,
             routing_replay=self.moe.routing_replay,
+            max_prompt_tokens=self.rollout.max_prompt_tokens,
+            positions=None if self.model.hf_dir else self.model.tiny.max_position_embeddings,
         )
         require(not problem, problem)
         tiny_arch = None if self.model.hf_dir else self.model.tiny.arch

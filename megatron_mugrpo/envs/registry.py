@@ -87,15 +87,35 @@ MULTI_TURN_ENGINES = ("transformers",)
 
 
 def run_env_problem(
-    settings: Any, *, reward_kind: str, engine: str, allocation: str, mode: str, routing_replay: str
+    settings: Any,
+    *,
+    reward_kind: str,
+    engine: str,
+    allocation: str,
+    mode: str,
+    routing_replay: str,
+    max_prompt_tokens: int = 0,
+    positions: int | None = None,
 ) -> str | None:
     """Why a run cannot roll out against the environment ``settings`` describes, or None (also when it is off).
 
     The search environment's episodes are scored by the qa reward (the answer tag, the end reasons); the
     transformers engine is the one that decodes trajectories; VIGOR's rounds, the asynchronous loop and
-    route recording do not carry trajectories yet."""
+    route recording do not carry trajectories yet. A trajectory needs room after its prompt
+    (``max_prompt_tokens``) within ``env.max_total_tokens``, and that within the model's ``positions``
+    (max_position_embeddings, when known before the model is loaded: the locally built tiny model)."""
     if not settings.enabled:
         return None
+    if settings.max_total_tokens <= max_prompt_tokens:
+        return (
+            f"env.max_total_tokens={settings.max_total_tokens} leaves no room for a trajectory after a prompt of up "
+            f"to rollout.max_prompt_tokens={max_prompt_tokens}; raise it"
+        )
+    if positions is not None and settings.max_total_tokens > positions:
+        return (
+            f"env.max_total_tokens={settings.max_total_tokens} is more than the model's "
+            f"model.tiny.max_position_embeddings={positions}; lower it or raise that"
+        )
     if reward_kind != "qa":
         return (
             f"env.enabled needs questions scored by the qa reward (data.format: qa, reward.kind: qa); the data is "

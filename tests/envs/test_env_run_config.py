@@ -25,6 +25,7 @@ def qa_overrides(tmp_path):
         "eval.benchmarks=[]",
         "env.enabled=true",
         f"env.search.corpus={corpus}",
+        "env.max_total_tokens=256",  # the demo's tiny model holds 256 positions
     ]
 
 
@@ -45,6 +46,8 @@ def test_a_qa_run_with_a_corpus_accepts_the_env_section(qa_overrides):
         (["rollout.allocation=vigor"], r"rollout\.allocation=fixed only"),
         (["env.search.corpus="], r"env\.search\.url .* or env\.search\.corpus"),
         (["env.max_turns=0"], r"env\.max_turns=0 must be >= 1"),
+        (["env.max_total_tokens=16"], r"env\.max_total_tokens=16 leaves no room .*max_prompt_tokens=16"),
+        (["env.max_total_tokens=300"], r"env\.max_total_tokens=300 is more than .*max_position_embeddings=256"),
     ],
 )
 def test_runs_that_cannot_roll_out_trajectories_are_refused(qa_overrides, extra, message):
