@@ -106,16 +106,6 @@ def run_env_problem(
     (max_position_embeddings, when known before the model is loaded: the locally built tiny model)."""
     if not settings.enabled:
         return None
-    if settings.max_total_tokens <= max_prompt_tokens:
-        return (
-            f"env.max_total_tokens={settings.max_total_tokens} leaves no room for a trajectory after a prompt of up "
-            f"to rollout.max_prompt_tokens={max_prompt_tokens}; raise it"
-        )
-    if positions is not None and settings.max_total_tokens > positions:
-        return (
-            f"env.max_total_tokens={settings.max_total_tokens} is more than the model's "
-            f"model.tiny.max_position_embeddings={positions}; lower it or raise that"
-        )
     if reward_kind != "qa":
         return (
             f"env.enabled needs questions scored by the qa reward (data.format: qa, reward.kind: qa); the data is "
@@ -140,6 +130,16 @@ def run_env_problem(
         return (
             "env.enabled with env.kind=search needs env.search.url (a running `mugrpo serve-search`) or "
             "env.search.corpus (a JSONL corpus the run serves itself on loopback)"
+        )
+    if settings.max_total_tokens <= max_prompt_tokens:
+        return (
+            f"env.max_total_tokens={settings.max_total_tokens} leaves no room for a trajectory after a prompt of up "
+            f"to rollout.max_prompt_tokens={max_prompt_tokens}; raise it"
+        )
+    if positions is not None and settings.max_total_tokens > positions:
+        return (
+            f"env.max_total_tokens={settings.max_total_tokens} is more than the model's "
+            f"model.tiny.max_position_embeddings={positions}; lower it or raise that"
         )
     return None
 
