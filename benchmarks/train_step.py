@@ -2,6 +2,8 @@
 
     python benchmarks/train_step.py                 # CPU (float32), well under 2 minutes
     python benchmarks/train_step.py --layers 8      # bigger; on a GPU the same script runs in bf16
+    python benchmarks/train_step.py --demo-shape    # the CPU demo's update: 64 rows of 64 tokens, 2 tiny layers
+    nice -n 19 python benchmarks/train_step.py --threads 1   # on a shared machine (see below)
 
 Both sides make the same μ-GRPO update (same Qwen2-architecture shapes, same batch, same
 ``policy_loss``, AdamW + gradient clipping, the same micro-batching):
@@ -16,6 +18,10 @@ The two sides alternate update by update and each reports its median, so a machi
 drifts (a shared CI box) affects both alike. On CPU the compatibility layer's device mode is then
 active for both sides (it adds the same small per-op cost to each). Last line:
 ``megatron_overhead=<Megatron median time per update / plain median time per update>``.
+
+On a machine other jobs share, measure with ``--threads 1``: with two threads on two busy cores every
+parallel region waits for a descheduled thread, which times the number of torch ops rather than the
+update (measured: 12 s per update at load average 18 against 0.23 s idle, at the default shape).
 """
 
 from __future__ import annotations
@@ -54,7 +60,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--updates", type=int, default=4)
-    return parser.parse_args()
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, the cores)")
+    parser.add_argument(
+        "--demo-shape", action="store_true", help="the CPU demo's update: 64 rows of 16 + 48 tokens, 2 layers"
+    )
+    args = parser.parse_args()
+    if args.demo_shape:  # configs/demo_cpu.yaml: mini_groups x G rows, max_prompt + max_new tokens, one micro-batch
+        args.hidden, args.layers, args.vocab = 64, 2, 100
+        args.groups, args.group_size, args.prompt_len, args.response_len, args.micro_batch = 8, 8, 16, 48, 64
+    return args
 
 
 def make_batch(args: argparse.Namespace, seed: int = 0) -> TrainBatch:
@@ -168,6 +182,8 @@ def megatron_step_fn(
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
