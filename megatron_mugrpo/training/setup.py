@@ -98,7 +98,10 @@ def build_model_chunks(
         use_distributed_optimizer=use_distributed_optimizer,
         average_in_collective=False,
     )
-    wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    # Gradients are reduced on the model's own groups (groups.mcore), not on megatron's globals.
+    wrapped = DistributedDataParallel(
+        config=model.config, ddp_config=ddp_config, module=model, pg_collection=groups.mcore
+    )
     wrapped.broadcast_params()  # identical replicas across DP even if initialisation differed
     return [wrapped]
 
