@@ -57,6 +57,8 @@ _PROFESSION = re.compile(r" is an? (\w+)\.")
 _COUNTRY = re.compile(r"is a city in (\w+)\.")
 _RIVER = re.compile(r"The river (\w+) flows")
 IGNORE = -100
+LOG_EVERY = 50
+"""Warm-start steps between progress lines on stderr."""
 """Label of a token the warm-start loss skips (prompt, observations, padding)."""
 
 
@@ -150,6 +152,8 @@ def warm_start(
         optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))
+        if len(losses) % LOG_EVERY == 0:  # minutes per hundred steps on a shared CPU: say where it is
+            print(f"warm start step {len(losses)}/{ws.steps} loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
     model.eval()
     return losses
 
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=WarmStart.steps)
+    parser.add_argument("--batch-size", type=int, default=WarmStart.batch_size)
     parser.add_argument("--flaw", type=float, default=WarmStart.flaw)
     parser.add_argument("--people", type=int, default=200)
     parser.add_argument("--cities", type=int, default=40)
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         result = build_demo(
             args.out,
             seed=args.seed,
-            ws=WarmStart(steps=args.steps, flaw=args.flaw),
+            ws=WarmStart(steps=args.steps, batch_size=args.batch_size, flaw=args.flaw),
             tiny=tiny,
             people=args.people,
             cities=args.cities,
