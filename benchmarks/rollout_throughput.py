@@ -15,6 +15,13 @@ sizes, by wall clock; the CPU-time ratio is printed too (steadier on a shared ma
 The model is a randomly initialised Qwen2 over the built-in character tokenizer; EOS is disabled
 so that every row generates exactly --max-new-tokens tokens and the token count is exact.
 Last line: ``batch_speedup=<tokens/s at the largest batch / at the smallest> vs_generate=<ours / generate>``.
+
+``--vllm`` (in the vLLM environment, ``.venv-vllm``) adds the vLLM engine (``rollout.engine: vllm``, in
+process) to the side-by-side runs and ``vllm_vs_engine=<vLLM / our engine>`` to the last line. vLLM's CPU
+attention needs head_dim 64, so run it at the demo's width with one head::
+
+    nice -n 19 .venv-vllm/bin/python benchmarks/rollout_throughput.py --vllm --hidden 64 --heads 1 \
+        --batch-sizes 256 --generate-batches 256 2048 --max-new-tokens 48
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from pathlib import Path
 import torch
 
 from megatron_mugrpo.char_tokenizer import build_char_tokenizer
-from megatron_mugrpo.rollout.engine import SamplingParams
+from megatron_mugrpo.rollout.engine import RolloutEngine, SamplingParams
 from megatron_mugrpo.rollout.tasks import builtin_problems, builtin_prompt
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, left_pad
 from megatron_mugrpo.training.tiny import tiny_hf_dir
@@ -48,7 +55,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--generate-batches", type=int, nargs="*", default=[256, 2048], help="rows compared with model.generate"
     )
-    return parser.parse_args()
+    parser.add_argument("--vllm", action="store_true", help="also the vLLM engine at --generate-batches (head_dim 64)")
+    args = parser.parse_args()
+    if args.vllm and args.hidden // args.heads != 64:
+        parser.error(f"--vllm needs head_dim 64 (vLLM's CPU attention), got {args.hidden} / {args.heads}: --heads 1")
+    return args
 
 
 def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
@@ -69,12 +80,11 @@ def build_model_dir(out_dir: Path, args: argparse.Namespace) -> list[list[int]]:
     return [tokenizer(builtin_prompt(r["problem"]))["input_ids"] for r in rows]
 
 
-def measure(engine: TransformersEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
+def measure(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
     """Generated tokens per wall-clock second and per CPU second (process time, all threads) for
     one call on len(prompts) rows; the CPU figure is the steadier one on a shared machine."""
-    return _timed(
-        engine.device, lambda: sum(len(g.response_ids) for grp in engine.generate(prompts, 1, params) for g in grp)
-    )
+    device = getattr(engine, "device", torch.device("cpu"))  # the vLLM engine runs where vLLM put it
+    return _timed(device, lambda: sum(len(g.response_ids) for grp in engine.generate(prompts, 1, params) for g in grp))
 
 
 def measure_generate(
@@ -140,6 +150,39 @@ def versus_generate(
     return min(ratios, default=float("nan"))
 
 
+def versus_vllm(
+    model_dir: str,
+    engine: TransformersEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    batches: list[int],
+    repeats: int,
+) -> float:
+    """Print the vLLM engine's tokens/s beside ours per batch size (interleaved, best of ``repeats``; vLLM
+    schedules up to the whole batch at once); returns the smallest wall-clock ratio vLLM / ours."""
+    from megatron_mugrpo.rollout.vllm_engine import VLLMEngine
+
+    vllm = VLLMEngine(model_dir, eos_token_ids=[], max_num_seqs=max(batches), kv_cache_gib=1.0)
+    measure(vllm, prompts[: min(batches)], params)  # warm-up
+    print(f"vLLM engine vs ours, best of {repeats} interleaved runs each")
+    print(f"{'batch':>6} {'vllm tok/s':>11} {'ours':>10} {'ratio':>6} {'cpu ratio':>10}")
+    ratios = []
+    for batch in batches:
+        engine.batch_size = batch
+        theirs, ours = [], []
+        for _ in range(repeats):
+            theirs.append(measure(vllm, prompts[:batch], params))
+            ours.append(measure(engine, prompts[:batch], params))
+        wall = max(r[0] for r in theirs) / max(r[0] for r in ours)
+        cpu = max(r[1] for r in theirs) / max(r[1] for r in ours)
+        ratios.append(wall)
+        print(
+            f"{batch:>6} {max(r[0] for r in theirs):>11.1f} {max(r[0] for r in ours):>10.1f} {wall:>6.2f} {cpu:>10.2f}"
+        )
+    vllm.shutdown()
+    return min(ratios, default=float("nan"))
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -166,8 +209,10 @@ def main() -> None:
             print(f"{batch:>6} {rates[batch]:>12.1f} {speedup:>11.2f}x {cpu_rate:>13.1f}")
         measure_generate(engine, prompts[: min(args.batch_sizes)], params)  # warm-up
         vs_generate = versus_generate(engine, prompts, params, args.generate_batches, args.repeats)
+        vs_vllm = versus_vllm(tmp, engine, prompts, params, args.generate_batches, args.repeats) if args.vllm else None
     largest, smallest = max(args.batch_sizes), min(args.batch_sizes)
-    print(f"batch_speedup={rates[largest] / rates[smallest]:.2f} vs_generate={vs_generate:.2f}")
+    last = f"batch_speedup={rates[largest] / rates[smallest]:.2f} vs_generate={vs_generate:.2f}"
+    print(last + (f" vllm_vs_engine={vs_vllm:.2f}" if vs_vllm is not None else ""))
 
 
 if __name__ == "__main__":
