@@ -82,7 +82,7 @@ class _EnvSettings(EnvLimits):
 EnvConfig = with_registry_sections(_EnvSettings, env_options())
 """The ``env`` section: the settings above plus one options section per registered environment."""
 
-MULTI_TURN_ENGINES = ("transformers",)
+MULTI_TURN_ENGINES = ("transformers", "vllm")
 """Rollout engines that decode trajectories (``generate_trajectories``); SGLang's multi-turn path is not built."""
 
 

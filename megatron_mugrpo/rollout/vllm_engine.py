@@ -42,8 +42,9 @@ What the engine relies on, read in vLLM 0.32.0 (``docs/engines.md`` has the long
   no-op there and seeds the global RNGs; the engine undoes both (the loops set threads per phase,
   and a resumed run must draw the same random numbers as the run it continues).
 
-Not supported (clear refusals): routing replay (``record_routes``; vLLM's routed-expert output is not
-wired here), multi-turn trajectories and partial rollouts (the transformers engine has them), and a
+Multi-turn trajectories (``generate_trajectories``): one request per turn over the ids so far, token in,
+token out (see the method). Not supported (clear refusals): routing replay (``record_routes``; vLLM's
+routed-expert output is not wired here), partial rollouts (the transformers engine has them), and a
 ModelOpt FP8 checkpoint on the CPU or reloaded in place (each stage builds a new engine, as with SGLang).
 """
 
@@ -54,15 +55,18 @@ import logging
 import os
 import random
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from megatron_mugrpo.envs.base import ENV_ERROR, EnvLimits, Episode, StepResult, guarded_step
+from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, stop_hit
 from megatron_mugrpo.errors import InputError, MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
@@ -334,6 +338,79 @@ class VLLMEngine:
             detokenize=False,
         )
 
+    # --------------------------------------------------------------- multi-turn
+
+    def generate_trajectories(
+        self,
+        prompts: list[list[int]],
+        episodes: list[Episode],
+        params: SamplingParams,
+        *,
+        limits: EnvLimits,
+        decode: Callable[[list[int]], str],
+        stop_strings: Sequence[str] = (),
+    ) -> list[Trajectory]:
+        """One multi-turn trajectory per prompt, token in, token out, as the transformers engine's
+        ``generate_trajectories`` (the reference for every rule: stop strings, turn cap, EOS, budget).
+
+        Each turn is one vLLM request whose prompt is the prompt plus the trajectory so far (ids, never
+        re-encoded; prefix caching keeps the earlier turns' keys and values), sampled to the turn's cap
+        or EOS with its own seed (call seed, prompt, turn). vLLM knows no stop strings without a
+        tokenizer, so the turn is replayed token by token through the same rules and cut where one
+        appears; what it sampled past the cut is dropped (it does not change the kept tokens' log-probs).
+        """
+        if len(episodes) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(episodes)} episodes; give one episode per prompt")
+        check_prompt_ids(prompts, self.vocab_size)
+        rows = [
+            TrajectoryBuilder(prompt_length=len(p), episode=e, limits=limits, max_turn_tokens=params.max_new_tokens)
+            for p, e in zip(prompts, episodes)
+        ]
+        live = list(range(len(rows)))
+        while live:
+            turns = self._sample_turns(
+                [prompts[i] + rows[i].token_ids for i in live], [rows[i] for i in live], params, live
+            )
+            ended = [rows[i] for i, turn in zip(live, turns) if self._replay_turn(rows[i], turn, decode, stop_strings)]
+            for row, result in zip(ended, env_steps(ended, decode, self.vocab_size)):
+                row.apply(result)
+            live = [i for i in live if not rows[i].done]
+        return [row.build() for row in rows]
+
+    def _sample_turns(
+        self, contexts: list[list[int]], rows: list[TrajectoryBuilder], params: SamplingParams, indices: list[int]
+    ) -> list[Generation]:
+        """One turn for each live row: at most the turn cap, and at least one token even past the budget
+        (that token ends the trajectory, as in the transformers engine)."""
+        requests = [
+            self._sampling(
+                replace(
+                    params,
+                    max_new_tokens=max(1, min(params.max_new_tokens, row.limits.max_total_tokens - row.total_tokens)),
+                ),
+                derive_seed(params.seed, i, len(row.turns)),
+            )
+            for row, i in zip(rows, indices)
+        ]
+        outputs = self._llm.generate(
+            [self._tokens_prompt(prompt_token_ids=c) for c in contexts], requests, use_tqdm=False
+        )
+        return [generation_from_output(o, self.eos_token_ids) for o in outputs]
+
+    def _replay_turn(
+        self, row: TrajectoryBuilder, turn: Generation, decode: Callable[[list[int]], str], stop_strings: Sequence[str]
+    ) -> bool:
+        """Feed a sampled turn to ``row`` token by token; True when the turn goes to the environment."""
+        eos = set(self.eos_token_ids)
+        for token, logprob in zip(turn.response_ids, turn.logprobs):
+            row.add_sampled(token, logprob)
+            stopped = bool(stop_strings) and stop_hit(decode(row.turn_ids()), stop_strings)
+            if row.turn_over(eos=token in eos, stopped=stopped):
+                return True
+            if row.done:
+                return False
+        raise VLLMContractError(f"vLLM ended a turn after {len(turn.response_ids)} tokens, before its cap or EOS")
+
     # ------------------------------------------------------------------ memory
 
     def release(self) -> None:
@@ -424,6 +501,26 @@ def _end_reload(worker: Any, loaded: list[str]) -> list[str]:
         if isinstance(method, UnquantizedEmbeddingMethod):
             method.process_weights_after_loading(module)
     return sorted({name for name, _ in model.named_parameters()} - set(loaded))
+
+
+def env_steps(rows: list[TrajectoryBuilder], decode: Callable[[list[int]], str], vocab_size: int) -> list[StepResult]:
+    """The environment's answers to the turns that just ended, at once (each bounded by its timeout); an
+    observation id the model cannot embed is the environment's error (as in the transformers engine)."""
+
+    def call(row: TrajectoryBuilder) -> StepResult:
+        result = guarded_step(
+            row.episode, row.turn(decode), row.limits, turn_index=len(row.turns), total_tokens=row.total_tokens
+        )
+        bad = [t for t in result.observation_ids if t >= vocab_size]
+        if bad:
+            message = f"observation id {bad[0]} is outside the model's vocabulary ({vocab_size} ids)"
+            return StepResult(done=True, reason=ENV_ERROR, seconds=result.seconds, info={"error": message})
+        return result
+
+    if len(rows) <= 1:
+        return [call(row) for row in rows]
+    with ThreadPoolExecutor(max_workers=len(rows), thread_name_prefix="env-step") as pool:
+        return list(pool.map(call, rows))
 
 
 # ------------------------------------------------------------------ outputs

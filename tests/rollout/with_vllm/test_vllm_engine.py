@@ -5,11 +5,14 @@ engine on the same weights."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from vllm_models import EOS_IDS, VOCAB, vllm_model_dir
 
+from megatron_mugrpo.envs.base import EnvLimits, StepResult
 from megatron_mugrpo.rollout import vllm_engine
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.transformers_engine import TransformersEngine, teacher_forced_logprobs
@@ -67,6 +70,48 @@ def test_logprobs_equal_teacher_forced_at_temperature(engine, model_dirs):
             assert g.response_ids[-1] in EOS_IDS and not set(g.response_ids[:-1]) & set(EOS_IDS)
         else:
             assert len(g.response_ids) == PARAMS.max_new_tokens and not set(g.response_ids) & set(EOS_IDS)
+
+
+def _decode(ids):
+    return "".join("|" if i in range(40, 45) else chr(97 + i % 26) for i in ids)
+
+
+class _Recorder:
+    """An episode that answers after three turns; its observations are seeded random ids."""
+
+    def __init__(self, seed):
+        self.rng, self.turns, self.observations = random.Random(seed), [], []
+
+    def step(self, turn):
+        self.turns.append(turn)
+        if len(self.turns) >= 3:
+            return StepResult(done=True, reason="answered")
+        observation = tuple(self.rng.randrange(12, 40) for _ in range(self.rng.randint(1, 5)))
+        self.observations.append(observation)
+        return StepResult(observation_ids=observation, done=False)
+
+
+def test_multi_turn_trajectories_token_in_token_out(engine, model_dirs):
+    """Turns end at the stop string '|' (ids 40-44), the turn cap or EOS; each policy token's log-prob is
+    the teacher-forced one over prompt + trajectory, observations included."""
+    engine.load_hf_dir(model_dirs[0])
+    episodes = [_Recorder(seed) for seed in range(len(PROMPTS))]
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3)
+    trajectories = engine.generate_trajectories(
+        PROMPTS, episodes, params, limits=EnvLimits(max_total_tokens=96), decode=_decode, stop_strings=("|",)
+    )
+    reference = teacher_forced_logprobs(_hf(model_dirs[0]), PROMPTS, [t.token_ids for t in trajectories], 0.8)
+    assert {t.end_reason for t in trajectories} <= {"answered", "stop", "max_total_tokens"}
+    assert sum(len(e.turns) for e in episodes) > len(PROMPTS), "some trajectory should have several turns"
+    for trajectory, episode, ref in zip(trajectories, episodes, reference):
+        policy = torch.tensor(trajectory.policy_mask, dtype=torch.bool)
+        assert torch.allclose(torch.tensor(trajectory.logprobs), ref[policy], atol=LOGPROB_TOLERANCE, rtol=0)
+        env_turns = [list(t.token_ids) for t in episode.turns]
+        assert [trajectory.token_ids[a:b] for a, b in trajectory.turns][: len(env_turns)] == env_turns
+        for (_, end), observation in zip(trajectory.turns, episode.observations):
+            assert tuple(trajectory.token_ids[end : end + len(observation)]) == observation
+        for turn in env_turns:  # a turn the environment saw ended at the stop string or the cap
+            assert (_decode(turn).endswith("|") and "|" not in _decode(turn)[:-1]) or len(turn) == 8
 
 
 def test_seeds_per_response_make_batching_irrelevant(engine):
