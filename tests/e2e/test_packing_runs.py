@@ -1,5 +1,5 @@
-"""End to end: token-budget micro-batches with packed sequences in a staged run and a Headroom-Drift
-Replay run, through the `mugrpo` CLI, against the same runs unpacked (the shared fixtures).
+"""End to end: token-budget micro-batches with packed sequences in a staged run, a Headroom-Drift
+Replay run and an async run, through the `mugrpo` CLI, against the same runs unpacked.
 
 The rollouts do not depend on how the trainer cuts its updates, so the first update of a packed run
 trains on the same rows from the same weights as the unpacked run: its loss must be the same up to
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from e2e_runs import records, train
+from test_async import ok, start
 from test_stages import REPLAY, replay_uninterrupted  # noqa: F401  (the shared replay run, a fixture)
 
 PACKED = ["parallel.micro_batch_tokens=128", "parallel.pack_sequences=true"]
@@ -60,3 +61,19 @@ def test_packed_replay_run_scores_and_updates_as_unpacked(
     assert plan[5]["replay/accepted"] == reference[5]["replay/accepted"] > 0
     # Stage 1's weights differ from the unpacked run's by four updates' rounding only.
     assert plan[5]["replay/drift_mean"] == pytest.approx(reference[5]["replay/drift_mean"], rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_packed_async_run_makes_the_unpacked_first_update(tmp_path: Path, base_model: Path) -> None:
+    """A trainer and a rollout worker, two updates each way: the first update trains on the worker's
+    first groups from the initial weights in both runs, so packing leaves its loss unchanged."""
+    short = ["stages.num_stages=1", "stages.train_groups=8", "eval.benchmarks.0.limit=8"]
+    unpacked_dir, packed_dir = tmp_path / "async", tmp_path / "async_packed"
+    ok(start(unpacked_dir, base_model, *short))
+    ok(start(packed_dir, base_model, *short, *PACKED))
+    packed, unpacked = _updates(packed_dir), _updates(unpacked_dir)
+    assert [r["step"] for r in packed] == [r["step"] for r in unpacked] == [1, 2]
+    assert packed[0]["train/loss"] == pytest.approx(unpacked[0]["train/loss"], rel=FLOAT32_REL, abs=1e-7)
+    assert packed[0]["train/normaliser"] == unpacked[0]["train/normaliser"]
+    assert packed[0]["perf/padding_frac"] < unpacked[0]["perf/padding_frac"]
