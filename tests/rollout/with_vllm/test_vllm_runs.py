@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,9 +42,14 @@ def vllm_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, vllm_base: Path) -> Path:
-    run_dir = tmp_path_factory.mktemp("vllm_runs") / "full"
-    train(run_dir, vllm_base, *VLLM)
-    return run_dir
+    """The staged run, made once for every pytest-xdist worker (the resume test compares against it)."""
+    with built_once(tmp_path_factory, "vllm_uninterrupted") as shared:
+        run_dir, done = shared / "full", shared / "done"
+        if not done.is_file():
+            shutil.rmtree(run_dir, ignore_errors=True)  # a worker's failed attempt
+            train(run_dir, vllm_base, *VLLM)
+            done.touch()
+        return run_dir
 
 
 def _first_update_gaps(run_dir: Path) -> dict[int, float]:
