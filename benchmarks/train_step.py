@@ -22,6 +22,8 @@ active for both sides (it adds the same small per-op cost to each). Last line:
 On a machine other jobs share, measure with ``--threads 1``: with two threads on two busy cores every
 parallel region waits for a descheduled thread, which times the number of torch ops rather than the
 update (measured: 12 s per update at load average 18 against 0.23 s idle, at the default shape).
+With one thread the script also prints each side's median CPU time of the calling thread per update
+and their ratio, which time spent descheduled does not inflate.
 """
 
 from __future__ import annotations
@@ -106,20 +108,25 @@ def hf_config(args: argparse.Namespace) -> dict:
 
 def time_alternating(
     steps: dict[str, Callable[[], None]], warmup: int, updates: int, device: torch.device
-) -> dict[str, float]:
-    """Median seconds per update of each step function, run in alternation after ``warmup`` rounds."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall seconds and median CPU seconds of the calling thread per update of each step
+    function, run in alternation after ``warmup`` rounds. The thread's CPU time is the whole update's
+    only with one torch thread on CPU (``--threads 1``), where it also ignores time spent descheduled."""
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     for round_index in range(warmup + updates):
         for name, step in steps.items():
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if round_index >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.thread_time() - start_cpu)
+    median = statistics.median
+    return {name: median(v) for name, v in wall.items()}, {name: median(v) for name, v in cpu.items()}
 
 
 def plain_step_fn(
@@ -202,10 +209,13 @@ def main() -> None:
         "plain": plain_step_fn(args, config, batch, device, dtype),
         "megatron": megatron_step_fn(args, config, batch, dtype),
     }
-    seconds = time_alternating(steps, args.warmup, args.updates, device)
+    seconds, cpu_seconds = time_alternating(steps, args.warmup, args.updates, device)
     plain, megatron = seconds["plain"], seconds["megatron"]
     for name, value in seconds.items():
         print(f"{name:9s} {value * 1e3:9.1f} ms/update  {tokens / value:10.0f} tokens/s")
+    if device.type == "cpu" and torch.get_num_threads() == 1:  # robust to other jobs on the cores
+        cpu = {name: f"{value * 1e3:.1f} ms" for name, value in cpu_seconds.items()}
+        print(f"thread CPU per update: {cpu}, overhead {cpu_seconds['megatron'] / cpu_seconds['plain']:.3f}")
     print(f"megatron_overhead={megatron / plain:.3f}")
 
 
