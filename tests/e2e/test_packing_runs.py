@@ -66,14 +66,14 @@ def test_packed_replay_run_scores_and_updates_as_unpacked(
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_packed_async_run_makes_the_unpacked_first_update(tmp_path: Path, base_model: Path) -> None:
-    """A trainer and a rollout worker, two updates each way: the first update trains on the worker's
-    first groups from the initial weights in both runs, so packing leaves its loss unchanged."""
-    short = ["stages.num_stages=1", "stages.train_groups=8", "eval.benchmarks.0.limit=8"]
+    """A trainer and a rollout worker, one update each way: it trains on the worker's first groups from
+    the initial weights in both runs, so packing leaves its loss unchanged."""
+    short = ["stages.num_stages=1", "stages.train_groups=4", "eval.benchmarks.0.limit=4"]
     unpacked_dir, packed_dir = tmp_path / "async", tmp_path / "async_packed"
     ok(start(unpacked_dir, base_model, *short))
     ok(start(packed_dir, base_model, *short, *PACKED))
     packed, unpacked = _updates(packed_dir), _updates(unpacked_dir)
-    assert [r["step"] for r in packed] == [r["step"] for r in unpacked] == [1, 2]
+    assert [r["step"] for r in packed] == [r["step"] for r in unpacked] == [1]
     assert packed[0]["train/loss"] == pytest.approx(unpacked[0]["train/loss"], rel=FLOAT32_REL, abs=1e-7)
     assert packed[0]["train/normaliser"] == unpacked[0]["train/normaliser"]
     assert packed[0]["perf/padding_frac"] < unpacked[0]["perf/padding_frac"]
