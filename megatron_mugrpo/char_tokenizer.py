@@ -6,13 +6,15 @@ that ``AutoTokenizer.from_pretrained`` loads back. It sits on the bottom floor (
 package) because the tasks, the environments' demo, the tiny models and the warm start all read it.
 
     tokenizer = build_char_tokenizer("runs/demo/tokenizer")   # AutoTokenizer-loadable
+    tokenizer = load_tokenizer_dir("runs/demo/base_model")     # any model directory's, this one kept as built
 """
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -51,3 +53,26 @@ def build_char_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokeniz
     if out_dir is not None:
         tokenizer.save_pretrained(str(out_dir))
     return tokenizer
+
+
+def load_tokenizer_dir(path: str | Path) -> Any:
+    """A Hugging Face directory's tokenizer: ``AutoTokenizer``'s, except the character tokenizer above, which
+    is read back as the fast tokenizer it was written as.
+
+    transformers 5 chooses the tokenizer class from config.json's ``model_type``, and a built tiny model's
+    directory says qwen2: ``Qwen2Tokenizer`` then replaces the pre-tokenizer and drops every space
+    ('Ab Cd' → 'AbCd'). The arithmetic tasks have no spaces; text tasks (qa prompts, retrieved documents,
+    search queries) do, and a model warm-started on the built tokenizer would be run on another one."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if _holds_char_tokenizer(Path(path)):
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _holds_char_tokenizer(path: Path) -> bool:
+    try:
+        vocab = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return vocab == char_vocab()

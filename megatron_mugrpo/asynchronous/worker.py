@@ -217,9 +217,9 @@ class Worker:
 
     def read_prompts(self, hf_dir: str | Path) -> None:
         """The tokenizer of ``hf_dir`` (the base model's, which every publication copies) and the prompts."""
-        from transformers import AutoTokenizer
+        from megatron_mugrpo.char_tokenizer import load_tokenizer_dir
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+        self.tokenizer = load_tokenizer_dir(hf_dir)  # the demos' character tokenizer kept as built (spaces)
         self.prompts = load_prompts(self.cfg.data, self.tokenizer, self.cfg.rollout.max_prompt_tokens)
 
     def _build_engine(self, path: str) -> RolloutEngine:

@@ -140,15 +140,13 @@ def load_tokenizer(cfg: RunConfig) -> Any:
     The demo's is written and read back exactly as the built base model's is (``warmstart``), so it
     is the same tokenizer, available before the warm start has run.
     """
-    from transformers import AutoTokenizer
+    from megatron_mugrpo.char_tokenizer import build_char_tokenizer, load_tokenizer_dir
 
     if cfg.model.hf_dir:
-        return AutoTokenizer.from_pretrained(str(cfg.model.hf_dir))
-    from megatron_mugrpo.char_tokenizer import build_char_tokenizer
-
+        return load_tokenizer_dir(cfg.model.hf_dir)  # the demos' character tokenizer kept as built
     with tempfile.TemporaryDirectory() as tmp:
         build_char_tokenizer(tmp)
-        return AutoTokenizer.from_pretrained(tmp)
+        return load_tokenizer_dir(tmp)
 
 
 def _set_up(

@@ -54,3 +54,19 @@ def test_a_trace_example_puts_labels_on_policy_tokens_only(setup):
     assert ids[obs] == list(observation) and set(labels[obs]) == {IGNORE}
     assert tokenizer.decode([t for t in labels if t != IGNORE], skip_special_tokens=True) == search + answer
     assert labels[-1] == ids[-1] == tokenizer.eos_token_id
+
+
+def test_a_model_directory_gives_back_the_character_tokenizer_it_was_built_with(tmp_path):
+    """A built tiny model's directory (config.json says qwen2) reads its tokenizer back as built: with its
+    spaces (transformers 5's AutoTokenizer would pick Qwen2Tokenizer, which drops them)."""
+    import json as _json
+
+    from megatron_mugrpo.char_tokenizer import load_tokenizer_dir
+
+    built = build_char_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(_json.dumps({"model_type": "qwen2"}))
+    loaded = load_tokenizer_dir(tmp_path)
+    text = "In which city was Ada Quill born?"
+    assert loaded(text)["input_ids"] == built(text)["input_ids"]
+    assert loaded.decode(loaded(text, add_special_tokens=False)["input_ids"]) == text
+    assert (loaded.eos_token_id, loaded.pad_token_id, loaded.padding_side) == (built.eos_token_id, 0, "left")
