@@ -16,7 +16,12 @@ while it waits), with a phrase saying what it is doing. Another process watches 
 Both delays are timed on the watcher's own clock, so the clocks of different nodes never matter.
 Only changes seen after the watcher started count: a stale file left by an earlier launch of the
 same run directory never passes for a live process, and its 'done' or 'failed' status never for
-this launch's.
+this launch's. One record that was there before the watcher started does count: one that *echoes*
+the watcher's own nonce. A worker echoes the nonce of the trainer record it read last (``Peer(...,
+echo=heartbeat.echo)``), written at once, and reads the trainer's record again after it finds the
+trainer's first publication. The trainer publishes only after it started watching, so a worker that
+wrote its last record just before the trainer looked, and died right after, is still timed out by
+``timeout_s`` rather than waited for as one that never started (``startup_s``).
 
     with Heartbeat(beat_dir / "worker_000.json"):           # in the worker
         advance("generating batch 3")                        # its main loop, as it works or polls
@@ -66,6 +71,8 @@ class Beat:
     """Steps of the process's main loop (``Heartbeat.advance``); the heartbeat thread never moves it."""
     doing: str = ""
     """What the main loop is doing (its last ``advance``), e.g. 'generating batch 12'."""
+    echo: str = ""
+    """The nonce of the other side's record this process read last (``Heartbeat.echo``); '' if none."""
 
 
 def read_beat(path: Path) -> Beat | None:
@@ -80,7 +87,7 @@ class Heartbeat:
         self.path, self.interval_s = path, interval_s
         self._nonce, self._count = uuid.uuid4().hex, 0
         self._status, self._message = RUNNING, ""
-        self._progress, self._doing = 0, doing
+        self._progress, self._doing, self._echo = 0, doing, ""
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -91,6 +98,18 @@ class Heartbeat:
             self._progress += steps
             if doing is not None:
                 self._doing = doing
+
+    def echo(self, nonce: str) -> None:
+        """Say in this process's record that it read a record with ``nonce`` (the watcher's own, when
+        that watcher is of this launch); a new nonce is written at once, not at the next beat."""
+        if nonce != self._echo:
+            with self._lock:
+                self._echo = nonce
+            self._write()
+
+    @property
+    def nonce(self) -> str:
+        return self._nonce
 
     def start(self) -> Heartbeat:
         global _current
@@ -117,6 +136,7 @@ class Heartbeat:
                 socket.gethostname(),
                 self._progress,
                 self._doing,
+                self._echo,
             )
             write_json(self.path, asdict(beat))
 
@@ -153,6 +173,12 @@ def advance(doing: str | None = None, steps: int = 1) -> None:
         beat.advance(doing, steps)
 
 
+def own_nonce() -> str:
+    """The nonce of this process's heartbeat, or '' without one (what a watcher's ``launch`` is)."""
+    beat = _current
+    return beat.nonce if beat is not None else ""
+
+
 def doing() -> str:
     """What this process's main loop said it does last (``advance``), or '' without a heartbeat."""
     beat = _current
@@ -180,18 +206,32 @@ class Peer:
         timeout_s: float,
         startup_s: float,
         progress_timeout_s: float | None = None,
+        launch: str = "",
+        echo: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """``launch``: the watcher's own heartbeat nonce; a record present already that echoes it is
+        this launch's, alive when read. ``echo``: called with the nonce of every record read (the
+        watched side's ``Heartbeat.echo``, so that it can prove it read this launch's record)."""
         self.path, self.name, self.timeout_s, self.startup_s, self._clock = path, name, timeout_s, startup_s, clock
         self.progress_timeout_s = progress_timeout_s
         """None: a live process is never declared hung (only a silent one, dead)."""
-        self._seen = self._stale = read_beat(path)  # what an earlier launch may have left: not a sign of life
+        self._echo = echo
+        self._seen = self._stale = self._read()  # what an earlier launch may have left: not a sign of life
         self._changed_at = self._progressed_at = clock()
         self.live: Beat | None = None
         """The latest record written since this watcher started (None: nothing yet)."""
+        if launch and self._stale is not None and self._stale.echo == launch:
+            self.live, self._stale = self._stale, None  # written during this launch, after reading its record
+
+    def _read(self) -> Beat | None:
+        beat = read_beat(self.path)
+        if beat is not None and self._echo is not None:
+            self._echo(beat.nonce)
+        return beat
 
     def poll(self) -> Beat | None:
-        beat = read_beat(self.path)
+        beat = self._read()
         if beat is not None and beat != self._seen:
             now, live = self._clock(), self.live
             if live is None or (beat.nonce, beat.progress) != (live.nonce, live.progress):

@@ -257,7 +257,7 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
     problem = partial_rollout_problem(cfg.async_, cfg.rollout.engine)
     if problem:
         raise ConfigError(problem)
-    with Heartbeat(paths.worker_heartbeat(role.worker_index)):  # a failure reaches the trainer with its message
+    with Heartbeat(paths.worker_heartbeat(role.worker_index)) as heartbeat:  # a failure reaches the trainer
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # a "Loading weights" bar at every weight pick-up is noise
@@ -267,6 +267,7 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
             timeout_s=timeouts.worker_timeout_s,
             startup_s=timeouts.startup_timeout_s,
             progress_timeout_s=timeouts.progress_timeout_s,
+            echo=heartbeat.echo,  # the trainer's nonce in this worker's record: proof it is of this launch
         )
         worker = Worker(
             cfg=cfg,
@@ -414,5 +415,6 @@ def _wait(worker: Worker, ready: Callable[[], T | None], doing: str) -> tuple[T,
             return None
         value = ready()
         if value is not None:
+            worker.trainer.check()  # read (and echo) the trainer's record written before what was found
             return value, time.perf_counter() - started
         time.sleep(POLL_S)

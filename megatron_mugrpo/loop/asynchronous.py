@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron_mugrpo.asynchronous.config import AsyncConfig, partial_rollout_problem
 from megatron_mugrpo.asynchronous.files import AsyncPaths
-from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError, advance
+from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError, advance, own_nonce
 from megatron_mugrpo.asynchronous.publish import Publication, publication_digests, publish_policy, send_policy
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.asynchronous.transport import Sender, host_group
@@ -144,6 +144,7 @@ class Feed:
                     timeout_s=cfg.worker_timeout_s,
                     startup_s=cfg.startup_timeout_s,
                     progress_timeout_s=cfg.progress_timeout_s,
+                    launch=own_nonce(),  # a worker record echoing it was written after this launch began
                 )
                 for i in range(role.num_workers)
             ]

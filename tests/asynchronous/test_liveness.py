@@ -82,6 +82,36 @@ def test_an_earlier_launchs_file_is_not_a_live_process(tmp_path: Path) -> None:
         watcher.check()
 
 
+def test_a_record_echoing_the_watchers_nonce_is_this_launchs_even_if_written_before_it_looked(
+    tmp_path: Path,
+) -> None:
+    """The race CI hit: a worker's last record was written just before the trainer started watching,
+    and the worker died before its next beat. Without the echo the trainer took it for an earlier
+    launch's file and waited startup_s (900 s) instead of timeout_s."""
+    trainer_path, worker_path, clock = tmp_path / "trainer.json", tmp_path / "worker_000.json", Clock()
+    trainer = Heartbeat(trainer_path, interval_s=1e6).start()
+    worker = Heartbeat(worker_path, interval_s=1e6).start()
+    count = read_beat(worker_path).count
+    seen = Peer(trainer_path, "the trainer (rank 0)", timeout_s=5, startup_s=30, echo=worker.echo, clock=clock)
+    echoed = read_beat(worker_path)
+    assert echoed.echo == trainer.nonce and echoed.count == count + 1, "a new nonce is written at once"
+    seen.check()
+    assert read_beat(worker_path).count == count + 1, "the same nonce again is not a new record"
+
+    watcher = Peer(
+        worker_path, "rollout worker 0 (rank 1)", timeout_s=5, startup_s=30, launch=trainer.nonce, clock=clock
+    )
+    assert watcher.poll() is not None, "echoes this launch's nonce: alive when read"
+    clock.now = 6.0
+    with pytest.raises(RankFailedError, match=r"rollout worker 0 \(rank 1\) has sent no heartbeat for 6 s"):
+        watcher.check()
+
+    other_launch = Peer(
+        worker_path, "rollout worker 0 (rank 1)", timeout_s=5, startup_s=30, launch="0" * 32, clock=clock
+    )
+    assert other_launch.poll() is None, "echoes another launch's nonce: a stale file, as before"
+
+
 def test_a_peer_that_beats_without_progress_hangs(tmp_path: Path) -> None:
     path, clock = tmp_path / "worker_000.json", Clock()
     peer = Peer(path, "rollout worker 0 (rank 1)", timeout_s=10, startup_s=60, progress_timeout_s=30, clock=clock)

@@ -255,7 +255,15 @@ def test_a_dead_worker_stops_the_trainer_with_its_name(tmp_path: Path, base_mode
     """Ranks launched by hand (as on separate nodes): the worker dies, the trainer says so and exits."""
     run_dir, port = tmp_path / "dead", str(_free_port())
     cmd = train_argv(
-        CONFIG, run_dir, [f"model.hf_dir={base_model}", *SMALL, "async.worker_timeout_s=20", "eval.benchmarks=[]"]
+        CONFIG,
+        run_dir,
+        [
+            f"model.hf_dir={base_model}",
+            *SMALL,
+            "async.worker_timeout_s=20",
+            "async.startup_timeout_s=120",
+            "eval.benchmarks=[]",
+        ],
     )
     ranks = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     worker = subprocess.Popen(
