@@ -12,8 +12,6 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 CROSS_CUTTING_DIRS = {"e2e": "end-to-end runs of the mugrpo CLI, across packages"}
-AWAITING_MOVE = {"plan"}
-"""Subpackages whose top-level tests (tests/test_plan*.py) are still to move into tests/<pkg>/."""
 
 
 def package_dirs() -> set[str]:
@@ -29,7 +27,7 @@ def test_every_test_directory_mirrors_a_package_directory() -> None:
 
 
 def test_a_subpackages_tests_are_not_at_the_top_level() -> None:
-    packages = package_dirs() - AWAITING_MOVE
+    packages = package_dirs()
     misplaced = sorted(
         p.name for p in TESTS.glob("test_*.py") if p.stem.removeprefix("test_").split("_")[0] in packages
     )

@@ -8,7 +8,7 @@ holds, in the order megatron-core registers them.
 
 The tensor list mirrors ``training.model.build_gpt_model`` with megatron-core's local layer spec
 (TP-split QKV / projection / MLP, replicated norms, the vocabulary padded to 128 × TP, experts split
-over EP and ETP); ``tests/test_plan_exact.py`` checks it tensor for tensor against models built on CPU.
+over EP and ETP); ``tests/plan/test_plan_exact.py`` checks it tensor for tensor against models built on CPU.
 """
 
 from __future__ import annotations

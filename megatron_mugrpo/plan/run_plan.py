@@ -14,7 +14,7 @@ with a warning and the run goes on (the launch validates the run itself). ``gene
 and ``eval`` replay one phase of a run and write neither file.
 
 When training ends rank 0 writes ``RUN_DIR/memory.json`` (``write_measured``): the bytes its weights,
-gradients and optimizer state take, counted by storage as ``tests/test_plan_exact.py`` counts them
+gradients and optimizer state take, counted by storage as ``tests/plan/test_plan_exact.py`` counts them
 (Adam's moments exist only after the first update), and its peak: on a GPU the caching allocator's
 ``max_memory_allocated`` (the trainer's tensors: comparable with the plan's trainer peak); on a CPU the
 process's peak resident set, which also holds Python, the libraries, the data and the transformers

@@ -30,7 +30,7 @@ from megatron_mugrpo.plan.planner import Hardware, make_plan
 from megatron_mugrpo.plan.run_plan import cpu_device, gpu_for_device, write_run_plan
 from megatron_mugrpo.report import write_report
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize(

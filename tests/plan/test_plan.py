@@ -1,7 +1,7 @@
 """`mugrpo plan`: hand-computed memory and time arithmetic, every paper config fitting the GPUs its comment
 names, suggestions that make a run fit, and the command's table, JSON and errors.
 
-The byte-exact comparison with what the trainer allocates is tests/test_plan_exact.py.
+The byte-exact comparison with what the trainer allocates is tests/plan/test_plan_exact.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron_mugrpo.plan.models import KNOWN_MODELS, ModelShape, RankLayout, Te
 from megatron_mugrpo.plan.planner import GIB, Hardware, make_plan
 from megatron_mugrpo.plan.timing import async_balance, decode_step_s
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QWEN7B = ModelShape.from_hf(KNOWN_MODELS["Qwen2.5-Math-7B"])
 MOE30B = ModelShape.from_hf(KNOWN_MODELS["Qwen3-30B-A3B"])
 

@@ -26,7 +26,7 @@ from megatron_mugrpo.plan.models import ModelShape, RankLayout, rank_tensors
 from megatron_mugrpo.plan.run_plan import allocated_static_bytes
 from megatron_mugrpo.warmstart import TinyModelConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
 DENSE = TinyModelConfig()  # configs/demo_cpu.yaml's model.tiny (the defaults), checked below
 MOE = TinyModelConfig(arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)

@@ -20,7 +20,7 @@ from megatron_mugrpo.plan.inputs import tiny_hf_fields
 from megatron_mugrpo.plan.memory import ActivationInputs, activation_bytes
 from megatron_mugrpo.plan.models import ModelShape, RankLayout
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOLERANCE = 0.25
 
 
