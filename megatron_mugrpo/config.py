@@ -130,6 +130,7 @@ class RunConfig:
             allocation=self.rollout.allocation,
             mode=self.mode,
             routing_replay=self.moe.routing_replay,
+            partial_rollout=self.async_.partial_rollout,
             max_prompt_tokens=self.rollout.max_prompt_tokens,
             positions=None if self.model.hf_dir else self.model.tiny.max_position_embeddings,
         )

@@ -13,6 +13,14 @@ dispatches by role). Its loop, one queue shard per turn::
       stream (this worker is w) and every engine call is seeded from (stages.seed, w, b, round)
     → normalise advantages per group, tag every group with the policy version, append the shard
 
+With env.enabled the worker holds the run's environment for its whole life (``envs.episodes.stage_env``:
+without env.search.url the loopback search server starts once its tokenizer is known and stops when it
+ends), every prompt gets G multi-turn trajectories (policy mask, turns, environment seconds; the queue
+shard carries them as the rollout store does), and each shard's record carries the batch's environment
+counts (``EnvTally``), which the trainer logs with the update that admits it. A batch whose trajectories
+fail beyond env.max_error_frac stops the worker with an ``EnvError`` naming the environment and its last
+error, before its shard is written; the trainer reads it from the worker's failed heartbeat.
+
 With async.partial_rollout the engine also applies a staged publication between two decode steps
 (``Worker.between_steps``, handed to it as an ``engine.Interrupt``): the batch's in-flight sequences go
 on under the new weights, every token records the version that sampled it (``partial.group_versions``)
@@ -35,6 +43,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -50,6 +59,7 @@ from megatron_mugrpo.asynchronous.partial import group_versions
 from megatron_mugrpo.asynchronous.publish import Publication, Staging, Subscription, engine_digest, published_names
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.asynchronous.transport import Received
+from megatron_mugrpo.envs.episodes import EnvTally, StageEnv, stage_env
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rewards.registry import RewardFn, RewardSet
@@ -96,6 +106,8 @@ class WorkerConfig(Protocol):
     stages: Any
     moe: Any
     """``moe.routing_replay=rollout``: the engine records each response's routes, which the queue carries."""
+    env: Any
+    """``env.enabled``: multi-turn trajectories against the environment the worker holds (``Worker.env``)."""
     seed: int
 
 
@@ -125,6 +137,9 @@ class Worker:
     switch_s: float = 0.0
     """Seconds spent applying publications between two decode steps (async.partial_rollout) since the
     last batch was written."""
+    env: StageEnv | None = None
+    """The environment of multi-turn rollouts (env.enabled), held from set-up to the worker's end; its
+    tally counts the current batch only (``generate_batch`` restarts it)."""
 
     @property
     def index(self) -> int:
@@ -277,12 +292,14 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
             subscription=Subscription(paths.weights),
             record_routes=cfg.moe.routing_replay == "rollout",
         )
+        held = ExitStack()  # the environment: closed after the engine, whatever ends the worker
         try:
             worker.warm_up()
             first = _wait(worker, worker.first_weights, "waiting for the trainer's first publication")
             if first is None:
                 return  # the trainer finished before this worker got weights: nothing left to do
             _setup(worker)
+            worker.env = held.enter_context(stage_env(cfg.env, worker.tokenizer))
             if cfg.async_.publish == "memory":
                 worker.start_staging()
             if cfg.async_.partial_rollout:
@@ -297,6 +314,7 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
                 worker.reward_fn.close()
             if worker.engine is not None:
                 shutdown_engine(worker.engine)
+            held.close()
 
 
 def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
@@ -323,15 +341,17 @@ def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:
         groups = generate_batch(worker, batch)
         advance(f"writing batch {batch}")
         switch_s, worker.switch_s = worker.switch_s, 0.0
+        generate_s = time.perf_counter() - started - switch_s
         worker.queue.append(
             batch,
             groups,
             idle_s=idle_s + waited[1] + paused_s,
             paused_s=paused_s,
             load_s=load_s + paused_load_s + switch_s,
-            generate_s=time.perf_counter() - started - switch_s,
+            generate_s=generate_s,
             publication=worker.holds.name,  # the newest weights of the batch (partial rollouts: its last tokens')
             weights_digest=worker.digest,
+            env=worker.env.tally.counts(generate_s) if worker.env is not None else None,
         )
         batch, idle_s = batch + 1, 0.0
 
@@ -373,6 +393,8 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
     def responses(finished: int) -> None:  # the engine's progress: this worker's main loop moves
         advance(steps=finished)
 
+    if worker.env is not None:
+        worker.env.tally = EnvTally()  # the shard's record carries this batch's counts only
     groups = generate_groups(
         engine=worker.engine,
         records=records,
@@ -382,6 +404,7 @@ def generate_batch(worker: Worker, batch: int) -> list[RolloutGroup]:
         seeds=(cfg.stages.seed, worker.index, batch),
         vocab_size=worker.queue.vocab_size,
         progress=responses,
+        env=worker.env,  # multi-turn trajectories; raises EnvError past env.max_error_frac, before the append
     )
     for group in groups:
         group.policy_version = publication.version

@@ -94,16 +94,19 @@ def run_env_problem(
     allocation: str,
     mode: str,
     routing_replay: str,
+    partial_rollout: bool = False,
     max_prompt_tokens: int = 0,
     positions: int | None = None,
 ) -> str | None:
     """Why a run cannot roll out against the environment ``settings`` describes, or None (also when it is off).
 
     The search environment's episodes are scored by the qa reward (the answer tag, the end reasons); the
-    transformers engine is the one that decodes trajectories; VIGOR's rounds, the asynchronous loop and
-    route recording do not carry trajectories yet. A trajectory needs room after its prompt
-    (``max_prompt_tokens``) within ``env.max_total_tokens``, and that within the model's ``positions``
-    (max_position_embeddings, when known before the model is loaded: the locally built tiny model)."""
+    transformers engine is the one that decodes trajectories; VIGOR's rounds, async.partial_rollout
+    (``partial_rollout``: weights switched between two decode steps) and route recording do not carry
+    trajectories yet; the asynchronous loop does (its workers hold the environment). A trajectory needs
+    room after its prompt (``max_prompt_tokens``) within ``env.max_total_tokens``, and that within the
+    model's ``positions`` (max_position_embeddings, when known before the model is loaded: the locally
+    built tiny model)."""
     if not settings.enabled:
         return None
     if reward_kind != "qa":
@@ -121,8 +124,12 @@ def run_env_problem(
             f"env.enabled works with rollout.allocation=fixed only (got {allocation!r}); VIGOR's rounds sample "
             "single-turn responses"
         )
-    if mode != "staged":
-        return f"env.enabled works in mode=staged only (got {mode!r}); the async queue does not carry trajectories yet"
+    if mode == "async" and partial_rollout:
+        return (
+            "env.enabled cannot be combined with async.partial_rollout=true: multi-turn trajectories are decoded "
+            "without the engine's between-step weight switch, so no token would record its policy version; set "
+            "async.partial_rollout=false"
+        )
     if routing_replay != "none":
         return f"env.enabled cannot record MoE routes yet; set moe.routing_replay=none (got {routing_replay!r})"
     options = getattr(settings, settings.kind)

@@ -25,6 +25,7 @@ from megatron_mugrpo.asynchronous.liveness import Peer, RankFailedError, advance
 from megatron_mugrpo.asynchronous.publish import Publication, publication_digests, publish_policy, send_policy
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.asynchronous.transport import Sender, host_group
+from megatron_mugrpo.envs.episodes import env_metrics
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.evaluation import AVG_KEY
 from megatron_mugrpo.faults import crash_point
@@ -241,7 +242,9 @@ class Feed:
     # ------------------------------------------------------------------------------ metrics
 
     def update_metrics(self, taken: Taken, started: float) -> dict[str, float]:
-        """Lag, drops, queue and idle figures of the update that just ended (rank 0 has them all)."""
+        """Lag, drops, queue and idle figures of the update that just ended (rank 0 has them all); with
+        env.enabled the env metrics (``envs.episodes.ENV_METRICS``) of the shards it admitted, like the
+        workers' idle figures."""
         total = time.perf_counter() - started
         metrics = {
             "perf/trainer_idle_ratio": self.wait_s / total if total > 0 else 0.0,
@@ -267,6 +270,7 @@ class Feed:
             busy = sum(r.generate_s + r.load_s for r in self.admitted)
             idle = sum(r.idle_s for r in self.admitted)
             metrics["perf/rollout_idle_ratio"] = idle / (idle + busy) if idle + busy > 0 else 0.0
+            metrics |= env_metrics([r.env for r in self.admitted if r.env is not None])
             self.admitted = []
         return metrics
 

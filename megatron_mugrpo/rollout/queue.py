@@ -4,13 +4,16 @@ the trainer in arrival order through a cursor that the checkpoints carry.
 Layout of the queue directory (``RUN_DIR/rollouts/queue``)::
 
     w000_b0000012.arrow    batch 12 of worker 0: its prompt groups, one row each (the rollout store's
-                           SCHEMA, as an Arrow IPC file; with async.partial_rollout one more column,
-                           every token's policy version: VERSIONED_SCHEMA)
+                           shard format, ``shards.shard_schema``, as an Arrow IPC file: with env.enabled
+                           the trajectory columns, policy mask, turns and environment seconds; with
+                           async.partial_rollout one more column, every token's policy version:
+                           VERSIONS_FIELD)
     w000_b0000012.routes.arrow   only under moe.routing_replay=rollout: every response's routes, the
                            rollout store's routes format (``rollout.routes.write_routes``: one row per
                            group, the engine's dtype), checksummed in the record
     w000_b0000012.json     the shard's record, written last: checksum, groups, behaviour policy version,
-                           summable statistics, and the worker's idle / weight-load / generation seconds
+                           summable statistics, the worker's idle / weight-load / generation seconds, and
+                           with env.enabled the batch's environment counts (``envs.episodes.EnvTally``)
     cursor.json            the trainer's progress: groups consumed so far (the workers' queue bound)
 
 A worker validates a batch with the rollout store's checks (routes included: all responses carry them
@@ -58,13 +61,13 @@ from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rollout.manifest import shard_stats
 from megatron_mugrpo.rollout.routes import RoutesInfo, group_routes, routes_schema, shard_routes, write_routes
 from megatron_mugrpo.rollout.shards import (
-    SCHEMA,
     StoreError,
     groups_to_table,
+    holds_trajectories,
     map_shard,
     row_to_group,
+    shard_schema,
     validate_group,
-    write_shard,
     write_table,
 )
 
@@ -74,8 +77,14 @@ SHARD_SUFFIX, RECORD_SUFFIX = ".arrow", ".json"
 ROUTES_SUFFIX = ".routes.arrow"
 _NAME = re.compile(r"^w(\d{3,})_b(\d{7,})$")
 VERSIONS_FIELD = pa.field("token_versions", pa.list_(pa.list_(pa.int64())))
-VERSIONED_SCHEMA = SCHEMA.append(VERSIONS_FIELD)
-"""A queue shard whose tokens carry their policy versions ([response][token]; async.partial_rollout)."""
+"""Every token's policy version, [response][token] (async.partial_rollout)."""
+
+
+def queue_schema(*, trajectories: bool, token_versions: bool) -> pa.Schema:
+    """The columns of a queue shard: the rollout store's (``shards.shard_schema``: the trajectory columns
+    with env.enabled), then every token's policy version with async.partial_rollout."""
+    schema = shard_schema(trajectories=trajectories)
+    return schema.append(VERSIONS_FIELD) if token_versions else schema
 
 
 def shard_name(worker: int, batch: int) -> str:
@@ -113,16 +122,25 @@ class ShardRecord:
     weights_digest: str = ""
     """``publish.weights_digest`` of the weights the worker had loaded (async.verify_weights), else ''."""
     token_versions: bool = False
-    """The shard stores every token's policy version (VERSIONED_SCHEMA; async.partial_rollout)."""
+    """The shard stores every token's policy version (VERSIONS_FIELD; async.partial_rollout)."""
+    trajectories: bool = False
+    """The shard's responses are multi-turn trajectories (env.enabled): it has the trajectory columns
+    (``shards.TRAJECTORY_FIELDS``)."""
+    env: dict[str, float] | None = None
+    """With env.enabled, the batch's environment counts (``envs.episodes.EnvTally.counts``: trajectories,
+    turns, tool calls, environment seconds, failed trajectories, tokens by writer, decoding seconds),
+    which the trainer turns into the ``rollout/`` env metrics of the update that admits the shard."""
     routes: RoutesInfo | None = None
     """The shard's routes file (``ROUTES_SUFFIX``), when the engine recorded routes (moe.routing_replay=rollout)."""
     format: str = FORMAT
 
     def to_json(self) -> dict[str, Any]:
-        """The record; without a ``routes`` key when there are none (records of dense runs are unchanged)."""
+        """The record; without ``routes`` / ``trajectories`` / ``env`` keys when there are none (records of
+        dense single-turn runs are unchanged)."""
         data = dataclasses.asdict(self)
-        if self.routes is None:
-            del data["routes"]
+        for key, default in (("routes", None), ("trajectories", False), ("env", None)):
+            if data[key] == default:
+                del data[key]
         return data
 
 
@@ -249,7 +267,7 @@ def _record(values: dict[str, Any], path: Path) -> ShardRecord:
 def read_shard(queue_dir: Path, record: ShardRecord) -> list[RolloutGroup]:
     """The groups of a recorded shard, after checking its checksum."""
     path = queue_dir / (record.name + SHARD_SUFFIX)
-    schema = VERSIONED_SCHEMA if record.token_versions else SCHEMA
+    schema = queue_schema(trajectories=record.trajectories, token_versions=record.token_versions)
     try:
         table = map_shard(path, groups=record.groups, checksum=record.checksum, schema=schema)
     except StoreError as exc:
@@ -285,10 +303,14 @@ def _attach_routes(queue_dir: Path, record: ShardRecord, groups: list[RolloutGro
         raise StoreError(f"rollout queue: {exc}; the queue directory was modified or damaged") from exc
 
 
-def _write_versioned_shard(path: Path, groups: Sequence[RolloutGroup]) -> durable.Checksum:
-    """``shards.write_shard`` plus the tokens' versions (VERSIONED_SCHEMA), as durably."""
-    versions = pa.array([[s.versions for s in g.samples] for g in groups], type=VERSIONS_FIELD.type)
-    return write_table(path, groups_to_table(groups).append_column(VERSIONS_FIELD, versions))
+def _write_queue_shard(path: Path, groups: Sequence[RolloutGroup], *, token_versions: bool) -> durable.Checksum:
+    """The groups as the rollout store writes a shard (``shards.groups_to_table``: trajectory columns
+    included), plus the tokens' versions when ``token_versions`` (``queue_schema``), as durably."""
+    table = groups_to_table(groups)
+    if token_versions:
+        versions = pa.array([[s.versions for s in g.samples] for g in groups], type=VERSIONS_FIELD.type)
+        table = table.append_column(VERSIONS_FIELD, versions)
+    return write_table(path, table)
 
 
 def consumed_groups(queue_dir: Path) -> int:
@@ -345,13 +367,17 @@ class QueueWriter:
         for group in groups:
             validate_group(group, self.vocab_size)
         tagged = _check_token_versions(groups, f"worker {self.worker} batch {batch}")
+        try:
+            trajectories = holds_trajectories(groups)
+        except StoreError as exc:
+            raise StoreError(f"worker {self.worker} batch {batch}: {exc}") from exc
         versions = {g.policy_version for g in groups}
         if len(versions) != 1 and not tagged:
             raise StoreError(f"worker {self.worker} batch {batch} mixes policy versions {sorted(versions)}")
         routes = shard_routes(groups, where=f"worker {self.worker} batch {batch}")  # checked before writing
         name = shard_name(self.worker, batch)
         path = self.queue_dir / (name + SHARD_SUFFIX)
-        checksum = _write_versioned_shard(path, groups) if tagged else write_shard(path, groups)
+        checksum = _write_queue_shard(path, groups, token_versions=tagged)
         routes_info = write_routes(self.queue_dir / (name + ROUTES_SUFFIX), routes) if routes else None
         info = ShardRecord(
             name=name,
@@ -363,6 +389,7 @@ class QueueWriter:
             policy_version=min(versions),
             stats=shard_stats(groups),
             token_versions=tagged,
+            trajectories=trajectories,
             routes=routes_info,
             **record,
         )
