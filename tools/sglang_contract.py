@@ -17,7 +17,9 @@ JSON snapshot of what ``megatron_mugrpo.rollout.sglang_engine`` relies on:
   whether weight updates need a begin/end session, whether log-probs are taken after the temperature,
   the environment variable that turns that off, whether per-request seeds need deterministic mode, the
   temperature below which SGLang decodes greedily, whether ``Engine.shutdown`` kills every child of
-  its caller, and whether a ModelOpt FP8 model can be reloaded in place.
+  its caller, whether a ModelOpt FP8 model can be reloaded in place, and what multi-turn trajectories rely
+  on (output-only log-probs by default, the radix cache keeping finished requests and bounded by
+  ``logprob_start_len``, ``meta_info['cached_tokens']``, how EOS and the length cap finish a request).
 
 The test suite builds a stand-in ``sglang`` module from the checked-in snapshots of the oldest and
 newest supported versions (``tests/rollout/sglang_api/``) and runs the engine's whole life cycle
@@ -108,6 +110,44 @@ PROBES: dict[str, Probe] = {
         r"layer\.weight = Parameter\(quantized_weight\.t\(\)",
         "ModelOpt FP8 layers replace their weight by a transposed parameter without a weight loader after "
         "the first load: a ModelOpt FP8 model cannot be reloaded in place",
+    ),
+    # What multi-turn trajectories rely on (``SGLangEngine.generate_trajectories``): each turn is a request over
+    # the whole token prefix, with output log-probs only, so the radix cache can serve the earlier turns.
+    "output_logprobs_only_by_default": Probe(
+        ("sglang/srt/managers/scheduler.py",),
+        r"if recv_req\.return_logprob and recv_req\.token_ids_logprob is None:[\s\S]{0,300}?"
+        r"req\.logprob_start_len = len\(req\.origin_input_ids\)",
+        "return_logprob without logprob_start_len returns the output tokens' log-probs only (none of the prompt's)",
+    ),
+    "prefix_match_bounded_by_logprob_start": Probe(
+        ("sglang/srt/managers/schedule_batch.py",),
+        r"if self\.return_logprob and self\.logprob_start_len >= 0:\s*"
+        r"max_prefix_len = min\(max_prefix_len, self\.logprob_start_len\)",
+        "the radix-cache prefix match stops at logprob_start_len (and at the input's last token): asking for "
+        "the prompt's log-probs would recompute it",
+    ),
+    "finished_requests_cached": Probe(
+        ("sglang/srt/mem_cache/",),
+        r"req\.origin_input_ids \+ req\.output_ids",
+        "a finished request's input and output tokens go into the radix cache (the next turn's prefix hits them)",
+    ),
+    "cached_tokens_reported": Probe(
+        ("sglang/srt/managers/tokenizer_manager.py",),
+        r"\"cached_tokens\": recv_obj\.cached_tokens\[i\]",
+        "meta_info['cached_tokens'] counts the prompt tokens served from the radix cache",
+    ),
+    "eos_finish_names_token": Probe(
+        ("sglang/srt/managers/schedule_batch.py",),
+        r"class FINISH_MATCHED_TOKEN\b[\s\S]{0,300}?\"type\": \"stop\",[^\n]*\n\s*\"matched\": self\.matched",
+        "a request ended by an EOS / stop token finishes as {'type': 'stop', 'matched': <token id>} (a stop "
+        "string as {'type': 'stop', 'matched': <str>})",
+    ),
+    "eos_at_cap_finishes_as_length": Probe(
+        ("sglang/srt/managers/schedule_batch.py",),
+        r"if len\(self\.output_ids\) >= self\.sampling_params\.max_new_tokens:\s*"
+        r"self\.finished_reason = FINISH_LENGTH\([\s\S]{0,400}?new_accepted_tokens = self\.output_ids",
+        "the length cap is checked before EOS: an EOS sampled as the last allowed token finishes as 'length' "
+        "(later versions check EOS first and say 'stop')",
     ),
     "modelopt_fp8_exact_algo": Probe(
         ("sglang/srt/layers/quantization/modelopt_quant.py",),

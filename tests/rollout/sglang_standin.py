@@ -18,12 +18,21 @@ source says instead: the stand-in's ``Engine``
 * honours a request's ``sampling_seed`` only in deterministic mode, decodes greedily with T = 1
   log-probs below the snapshot's greedy temperature, and answers with SGLang's output shape:
   ``{"text", "output_ids", "meta_info": {"output_token_logprobs": [(logprob, id, None)], "finish_reason",
-  ...}}``;
+  "cached_tokens", ...}}``;
+* finishes a request the way the snapshot's scheduler does: at an EOS id of config.json or
+  generation_config.json (``{"type": "stop", "matched": id}``) or at ``max_new_tokens`` (``length``), the
+  two in the snapshot's order (``eos_at_cap_finishes_as_length``); it has no tokenizer, so a request with
+  stop strings is refused rather than answered as if SGLang ignored them;
+* keeps a radix cache of finished requests (input and output tokens whose keys and values were computed)
+  and reports each request's hit in ``meta_info["cached_tokens"]``: at most the input's length - 1, and no
+  further than ``logprob_start_len`` when the prompt's log-probs are asked for (the snapshot's flags);
+  weight updates and ``flush_cache`` empty it;
 * kills every child process of the caller in ``shutdown()`` (when ``kill_children``), as SGLang does.
 
-Its "model" is a fixed random logit vector per weight version: enough to exercise shapes, seeds and
-the temperature, and nothing more. It is a test of our calls, never an engine in the main path, and
-it does not replace a GPU run.
+Its "model" is a random bigram table per weight version (the logits of the next token depend on the
+previous one only): enough to exercise shapes, seeds, the temperature and which context a request
+carried (``bigram_logprobs`` recomputes a sequence's log-probs teacher-forced), and nothing more. It is
+a test of our calls, never an engine in the main path, and it does not replace a GPU run.
 """
 
 from __future__ import annotations
@@ -100,7 +109,7 @@ class _Behaviour:
         config = json.loads((Path(server_args["model_path"]) / "config.json").read_text())
         self.server_args = server_args
         self.vocab_size = int(config["vocab_size"])
-        self.eos = int(config.get("eos_token_id", 0))
+        self.eos_ids = _eos_ids(Path(server_args["model_path"]), config)
         self.quantized = (Path(server_args["model_path"]) / "hf_quant_config.json").is_file()
         self.index = len(self.recorder.engines)
         self.recorder.engines.append(self)
@@ -109,6 +118,8 @@ class _Behaviour:
         self.dead = False
         self.version = 0
         self.requests = 0
+        self.radix: list[tuple[int, ...]] = []
+        """Token sequences whose keys and values the cache holds (finished requests)."""
 
     # ------------------------------------------------------------------------------- weights
 
@@ -152,6 +163,8 @@ class _Behaviour:
         if self.recorder.fail_bucket == update:
             return answer(False, "Failed to update weights: shape mismatch")
         self.version += 1
+        if flush_cache:
+            self.radix.clear()
         return answer(True, "Success")
 
     def update_weights_from_disk(self, model_path: str, load_format: Any = None):
@@ -159,14 +172,18 @@ class _Behaviour:
             self.dead = True  # the rollback reloads the same path, fails again, and the scheduler dies
             raise RuntimeError("scheduler died during update_weights_from_disk; SGLang kills the process tree")
         self.version += 1
+        self.radix.clear()
         return self._answer("update_weights_from_disk", True, "Succeeded to update model weights.")
 
     def flush_cache(self) -> Any:
+        if not self.recorder.fail_flush:
+            self.radix.clear()
         return self._answer("flush_cache", not self.recorder.fail_flush, "flush refused: requests pending")
 
     def release_memory_occupation(self, tags: Any = None) -> Any:
         assert not self.session_open, "release_memory_occupation during a weight-update session"
         self.released = True
+        self.radix.clear()
         return self._answer("release_memory_occupation", True, "")
 
     def resume_memory_occupation(self, tags: Any = None) -> Any:
@@ -193,6 +210,8 @@ class _Behaviour:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(rows)
         if len(params) != len(rows):
             raise ValueError(f"{len(params)} sampling_params for {len(rows)} requests")
+        start = kwargs.get("logprob_start_len")
+        self.logprob_start_len = -1 if start is None else start  # this call's; read by _one
         outputs = [self._one(ids, p, bool(kwargs.get("return_logprob"))) for ids, p in zip(rows, params)]
         return outputs[0] if single else outputs
 
@@ -200,6 +219,9 @@ class _Behaviour:
         unknown = sorted(set(params) - set(self.snapshot["sampling_params"]))
         if unknown:
             raise TypeError(f"SamplingParams.__init__() got unexpected keyword arguments {unknown}")
+        if params.get("stop") or params.get("stop_regex"):
+            raise NotImplementedError("the stand-in has no tokenizer and cannot match stop strings")
+        cached = self._prefix_hit(ids, return_logprob, self.logprob_start_len)
         temperature, top_k = float(params.get("temperature", 1.0)), int(params.get("top_k", -1))
         if 0 <= temperature < self.snapshot["flags"]["greedy_temperature_below"]:
             temperature, top_k = 1.0, 1
@@ -209,31 +231,83 @@ class _Behaviour:
             seed = (self.server_args.get("random_seed") or 0) * 1_000_003 + self.requests  # batch dependent
         self.requests += 1
         generator = torch.Generator().manual_seed(int(seed))
-        logits = torch.randn(self.vocab_size, generator=torch.Generator().manual_seed(self.version))
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
-        tokens, pairs = [], []
-        for _ in range(int(params.get("max_new_tokens", 16))):
+        table = torch.log_softmax(bigram_logits(self.vocab_size, self.version) / temperature, dim=-1)
+        cap = int(params.get("max_new_tokens", 128))
+        tokens, pairs, reason = [], [], None
+        previous = ids[-1]
+        while reason is None:
+            logprobs = table[previous]
             token = (
                 int(logprobs.argmax()) if top_k == 1 else int(torch.multinomial(logprobs.exp(), 1, generator=generator))
             )
             tokens.append(token)
             pairs.append((float(logprobs[token]), token, None))
-            if token == self.eos:
-                break
-        reason = (
-            {"type": "stop", "matched": self.eos}
-            if tokens[-1] == self.eos
-            else {"type": "length", "length": len(tokens)}
-        )
+            reason = self._finish(tokens, cap, ignore_eos=bool(params.get("ignore_eos")))
+            previous = token
+        if self.snapshot["flags"]["finished_requests_cached"]:
+            self.radix.append(tuple(ids) + tuple(tokens[:-1]))  # the last token was sampled, never fed
         meta = {
             "id": f"req{self.requests}",
             "finish_reason": reason,
             "prompt_tokens": len(ids),
             "completion_tokens": len(tokens),
         }
+        if self.snapshot["flags"]["cached_tokens_reported"]:
+            meta["cached_tokens"] = cached
         if return_logprob:
             meta["output_token_logprobs"] = pairs
         return {"text": "", "output_ids": tokens, "meta_info": meta}
+
+    def _finish(self, tokens: list[int], cap: int, *, ignore_eos: bool) -> dict[str, Any] | None:
+        """The finish reason after ``tokens`` (None: go on), in the snapshot's order of the two checks."""
+        eos = not ignore_eos and tokens[-1] in self.eos_ids
+        length = len(tokens) >= cap
+        if length and (self.snapshot["flags"]["eos_at_cap_finishes_as_length"] or not eos):
+            return {"type": "length", "length": cap}
+        return {"type": "stop", "matched": tokens[-1]} if eos else None
+
+    def _prefix_hit(self, ids: list[int], return_logprob: bool, start: int) -> int:
+        """Tokens of ``ids`` the radix cache serves: the longest cached prefix, short of the input's last
+        token, and (SGLang's rule) short of ``logprob_start_len`` when the prompt's log-probs are asked for."""
+        limit = len(ids) - 1
+        if return_logprob and start >= 0 and self.snapshot["flags"]["prefix_match_bounded_by_logprob_start"]:
+            limit = min(limit, start)
+        best = 0
+        for cached in self.radix:
+            common = 0
+            for a, b in zip(cached, ids[:limit]):
+                if a != b:
+                    break
+                common += 1
+            best = max(best, common)
+        return best
+
+
+def bigram_logits(vocab_size: int, version: int) -> torch.Tensor:
+    """[V, V] the stand-in's logits of the next token (column) after a token (row), at a weight version."""
+    return torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(version))
+
+
+def bigram_logprobs(context: list[int], tokens: list[int], *, vocab_size: int, version: int, temperature: float):
+    """Teacher-forced log_softmax(logits / T)[token] of each of ``tokens`` after ``context`` + the tokens before it."""
+    table = torch.log_softmax(bigram_logits(vocab_size, version) / temperature, dim=-1)
+    previous = [context[-1], *tokens[:-1]]
+    return [float(table[p, t]) for p, t in zip(previous, tokens)]
+
+
+def _eos_ids(model_dir: Path, config: dict[str, Any]) -> set[int]:
+    """SGLang's EOS ids of a model (``ModelConfig._get_hf_eos_token_id``): config.json's and
+    generation_config.json's ``eos_token_id`` (an int or a list), together."""
+    sources = [config]
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        sources.append(json.loads(generation.read_text()))
+    ids: set[int] = set()
+    for source in sources:
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            ids |= {int(e) for e in (eos if isinstance(eos, list) else [eos])}
+    return ids
 
 
 def _wait_until_dead(processes: list[Any], timeout_s: float = 30.0) -> None:
