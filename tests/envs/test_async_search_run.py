@@ -1,0 +1,154 @@
+"""A multi-turn search run in async mode through the CLI: the search demo's config under torchrun, rank 0
+training and rank 1 a rollout worker that holds the environment (its corpus served on loopback).
+
+The base model's weights are set so that it writes searches (a character Markov chain: attention and MLP
+outputs zeroed, every token's embedding picks its successor's logits): an untrained tiny model never writes
+``<search>…</search>``, and the run must carry observations to show that their tokens are masked out.
+Every trained group is consumed once (the queue cursor, the updates' queue positions), each update's loss
+counts exactly the policy tokens of its groups (``train/response_tokens`` is the sum of their policy masks,
+fewer than their tokens), and the env metrics come with the updates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_mugrpo.envs.fictional import write_task
+from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "demo_search_cpu.yaml"
+MINI_GROUPS, UPDATES = 2, 2
+SEARCH_CHAIN = {"<": {"s": 0.6, "/": 0.4}, "/": {"s": 1.0}, ">": {"A": 1.0}, "A": {"<": 1.0}}
+SEARCH_CHAIN |= {a: {b: 1.0} for a, b in zip("search", "earch>")}
+"""Next-character probabilities of the base model: '<search>A', repeated until a '</search>' closes the turn
+(any other character, e.g. the prompt's or an observation's last, is followed by '<')."""
+
+
+def searching_model(out: Path) -> Path:
+    """A tiny Qwen2 with the character tokenizer whose samples follow ``SEARCH_CHAIN`` (probability ~1e-7 off it)."""
+    from megatron_mugrpo.char_tokenizer import build_char_tokenizer
+    from megatron_mugrpo.warmstart import TinyModelConfig, build_tiny_model
+
+    tokenizer = build_char_tokenizer(out)
+    tiny = TinyModelConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=448,
+        tie_word_embeddings=False,
+    )
+    model = build_tiny_model(tiny, tokenizer, seed=0)
+    vocab, states = tokenizer.get_vocab(), list(SEARCH_CHAIN)
+    with torch.no_grad():
+        embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        embedding.zero_()
+        embedding[:, 0] = 1.0  # state 0: any character outside the chain, followed by '<'
+        head.zero_()
+        head[vocab["<"], 0] = 20.0 / math.sqrt(tiny.hidden_size)  # the final RMSNorm scales a unit vector by √H
+        for state, char in enumerate(states, start=1):
+            embedding[vocab[char]] = 0.0
+            embedding[vocab[char], state] = 1.0
+            for after, p in SEARCH_CHAIN[char].items():
+                head[vocab[after], state] = (20.0 + math.log(p)) / math.sqrt(tiny.hidden_size)
+        for layer in model.model.layers:  # the residual stream keeps the current token's embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_async_search_run_trains_each_group_once_on_its_policy_tokens(tmp_path: Path):
+    data = tmp_path / "data"
+    write_task(data, 0, people=12, cities=4)
+    base, run_dir = searching_model(tmp_path / "base"), tmp_path / "run"
+    overrides = [
+        "mode=async",
+        f"model.hf_dir={base}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"env.search.corpus={data / 'corpus.jsonl'}",  # served on loopback by the worker
+        "env.max_turns=2",
+        "env.max_total_tokens=448",
+        "env.max_observation_tokens=96",
+        "rollout.max_prompt_tokens=320",
+        "rollout.max_new_tokens=40",
+        "rollout.group_size=4",
+        "rollout.cpu_threads=1",
+        "async.batch_groups=2",
+        "async.queue_groups=4",
+        "async.sync_every=1",
+        "async.max_lag=4",  # more than the run's updates: nothing is dropped
+        "stages.num_stages=1",
+        f"stages.train_groups={MINI_GROUPS * UPDATES}",
+        f"stages.mini_groups={MINI_GROUPS}",
+        "parallel.micro_batch_size=8",
+        "checkpoint.every_updates=2",
+        "eval.benchmarks=[]",
+        "logging.progress_bars=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    cmd += ["-m", "megatron_mugrpo.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir), *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MUGRPO_CRASH_AT", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+    updates = [r for r in records(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in updates] == list(range(1, UPDATES + 1))
+    assert [r["rollout/queue_position"] for r in updates] == [MINI_GROUPS * (u + 1) for u in range(UPDATES)]
+    ckpts = run_dir / "checkpoints"
+    meta = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "metadata.json").read_text())
+    cursor = meta["trainer_state"]["queue"]
+    assert cursor["position"] == MINI_GROUPS * UPDATES and cursor["dropped"] == 0
+    assert len(set(cursor["shards"])) == len(cursor["shards"])
+
+    # The groups consumed, in the cursor's order: each once, each a batch of trajectories.
+    queue = run_dir / "rollouts" / "queue"
+    index = RecordIndex(queue)
+    index.refresh()
+    assert all(record.trajectories and record.env is not None for record in index.records.values())
+    consumed = [g for name in cursor["shards"] for g in read_shard(queue, index.records[name])]
+    consumed = consumed[: cursor["position"]]
+    assert len({g.prompt_id for g in consumed}) == len(consumed)
+    samples = [s for g in consumed for s in g.samples]
+    assert all(s.policy_mask is not None and len(s.env_seconds) >= 1 for s in samples)
+    assert sum(s.policy_mask.count(0) for s in samples) > 0, "no trajectory searched: nothing to mask"
+    for s in samples:  # behaviour log-probs exist for policy tokens only
+        assert all(lp == 0.0 for lp, m in zip(s.behaviour_logprobs, s.policy_mask) if not m)
+
+    # Observation tokens give no loss terms: each update counts its groups' policy tokens only.
+    for u, r in enumerate(updates):
+        groups = consumed[u * MINI_GROUPS : (u + 1) * MINI_GROUPS]
+        policy = sum(sum(s.policy_mask) for g in groups for s in g.samples)
+        assert r["train/response_tokens"] == policy
+    assert sum(r["train/response_tokens"] for r in updates) < sum(len(s.response_ids) for s in samples)
+
+    logged = [r for r in updates if "rollout/turns_mean" in r]
+    assert logged and all(r["rollout/turns_mean"] >= 1.0 and r["rollout/env_errors"] == 0.0 for r in logged)
+    assert any(r["rollout/tool_calls_mean"] > 0 and r["rollout/observation_tokens_mean"] > 0 for r in logged)
