@@ -25,24 +25,38 @@ from typing import Any
 
 import matplotlib
 
+from megatron_mugrpo.metric_names import (
+    CLIP_HIGH,
+    CLIP_LOW,
+    KL_BEHAVIOUR_K3,
+    NEG_ADV_LOW_RATIO_FRAC,
+    POST_TRIGGER_SUFFIX_LEN,
+    RATIO_NEG,
+    RATIO_POS,
+    TRAIN_STAGE,
+    TRIGGER_COUNT,
+    TRIGGER_POS_FRAC,
+    VETO_FRAC,
+)
+
 matplotlib.use("Agg")  # files only: never needs a display
 
 import matplotlib.pyplot as plt  # the backend above must be chosen before pyplot loads
 
-STAGE_KEY = "train/stage"
+STAGE_KEY = TRAIN_STAGE
 DRIFT_PANELS = (
-    ("train/ratio_mean_neg_adv", "E[ρ | A<0]"),
-    ("train/ratio_mean_pos_adv", "E[ρ | A>0]"),
-    ("train/clip_frac_low", "low clip fraction"),
-    ("train/clip_frac_high", "high clip fraction"),
-    ("train/nav_vetoed_frac", "NAV veto fraction"),
-    ("train/trigger_count", "trigger tokens (A<0, ρ<τ_c)"),
-    ("train/trigger_pos_frac", "first trigger κ / T"),
-    ("train/post_trigger_suffix_len", "post-trigger suffix (tokens)"),
-    ("train/neg_adv_low_ratio_frac", "A<0 tokens with ρ < τ_c"),
-    ("train/kl_behaviour_k3", "KL(β ‖ π_θ), k3"),
+    (RATIO_NEG, "E[ρ | A<0]"),
+    (RATIO_POS, "E[ρ | A>0]"),
+    (CLIP_LOW, "low clip fraction"),
+    (CLIP_HIGH, "high clip fraction"),
+    (VETO_FRAC, "NAV veto fraction"),
+    (TRIGGER_COUNT, "trigger tokens (A<0, ρ<τ_c)"),
+    (TRIGGER_POS_FRAC, "first trigger κ / T"),
+    (POST_TRIGGER_SUFFIX_LEN, "post-trigger suffix (tokens)"),
+    (NEG_ADV_LOW_RATIO_FRAC, "A<0 tokens with ρ < τ_c"),
+    (KL_BEHAVIOUR_K3, "KL(β ‖ π_θ), k3"),
 )
-"""(metric, panel title); the metrics are documented in algorithms/diagnostics.py and algorithms/losses.py."""
+"""(metric, panel title); the metrics are documented in algorithms/diagnostics.py and the loss modules."""
 COLUMNS = 5
 PANEL_SIZE = (3.6, 2.8)
 FIGURE_DPI = 110

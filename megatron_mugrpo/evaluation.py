@@ -26,7 +26,7 @@ from typing import Any
 from megatron_mugrpo.algorithms.pass_at_k import pass_at_k
 from megatron_mugrpo.envs.episodes import StageEnv, episode_samples, stage_env
 from megatron_mugrpo.errors import require
-from megatron_mugrpo.metric_names import EVAL_AVG
+from megatron_mugrpo.metric_names import EVAL_AVG, EVAL_PREFIX, PASS_AT_1_SUFFIX
 from megatron_mugrpo.rewards.registry import RewardFn
 from megatron_mugrpo.rollout.engine import RolloutEngine, SamplingParams, derive_seed
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup
@@ -233,13 +233,15 @@ def benchmark_metrics(benchmarks: Sequence[Benchmark], results: Sequence[ChunkRe
             raise RuntimeError(f"evaluation of {bench.config.name!r} returned {len(rewards)} of {len(bench.problems)}")
         name, k = bench.config.name, bench.config.k
         correct = [sum(r >= 1.0 for r in problem) for problem in rewards]
-        metrics[f"eval/{name}/pass@1"] = pass_at_1([[float(r >= 1.0) for r in problem] for problem in rewards])
+        key = EVAL_PREFIX + name  # eval/<benchmark>/<stat>
+        metrics[key + PASS_AT_1_SUFFIX] = pass_at_1([[float(r >= 1.0) for r in problem] for problem in rewards])
         pass_k = bench.config.pass_k or k
         if pass_k > 1:
-            metrics[f"eval/{name}/pass@{pass_k}"] = sum(pass_at_k(k, c, pass_k) for c in correct) / len(correct)
+            metrics[f"{key}/pass@{pass_k}"] = sum(pass_at_k(k, c, pass_k) for c in correct) / len(correct)
         fractions = [f for r in mine for f in r.pass_fractions]
         if fractions:
-            metrics[f"eval/{name}/test_pass_rate"] = sum(fractions) / len(fractions)
-        metrics[f"eval/{name}/response_len_mean"] = sum(lengths) / len(lengths)
-    metrics[AVG_KEY] = sum(metrics[f"eval/{b.config.name}/pass@1"] for b in benchmarks) / len(benchmarks)
+            metrics[f"{key}/test_pass_rate"] = sum(fractions) / len(fractions)
+        metrics[f"{key}/response_len_mean"] = sum(lengths) / len(lengths)
+    pass_at_1s = [metrics[EVAL_PREFIX + b.config.name + PASS_AT_1_SUFFIX] for b in benchmarks]
+    metrics[AVG_KEY] = sum(pass_at_1s) / len(pass_at_1s)
     return metrics

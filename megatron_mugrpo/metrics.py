@@ -41,9 +41,21 @@ from tqdm.auto import tqdm
 
 from megatron_mugrpo import durable
 from megatron_mugrpo.errors import InputError, MissingInputError
-from megatron_mugrpo.metric_names import CLIP_HIGH, CLIP_LOW, EVAL_AVG, LOSS, RATIO_NEG, REWARD, T_TOTAL, VETO_FRAC
+from megatron_mugrpo.metric_names import (
+    CLIP_HIGH,
+    CLIP_LOW,
+    EVAL_AVG,
+    LOSS,
+    METRIC_PREFIXES,
+    PERF_PREFIX,
+    POST_TRIGGER_SUFFIX_LEN,
+    RATIO_NEG,
+    REWARD,
+    T_TOTAL,
+    TRIGGER_POS_FRAC,
+    VETO_FRAC,
+)
 
-METRIC_PREFIXES = ("rollout/", "train/", "perf/", "eval/", "replay/")
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 RESERVED_FIELDS = ("step", "wall_s", "time", "nonfinite", "source")
@@ -257,7 +269,7 @@ class MetricsLogger:
         self.close()
 
 
-UNDEFINED_WHEN_EMPTY = ("train/trigger_pos_frac", "train/post_trigger_suffix_len")
+UNDEFINED_WHEN_EMPTY = (TRIGGER_POS_FRAC, POST_TRIGGER_SUFFIX_LEN)
 """Means over the responses that had a NAV trigger (algorithms/diagnostics.py): most updates have none,
 and their NaN then says "no such response", not a fault. The console does not flag it; the JSONL
 record still lists it under ``nonfinite``."""
@@ -330,7 +342,7 @@ class Timer:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        if not check_metric_name(name).startswith("perf/"):
+        if not check_metric_name(name).startswith(PERF_PREFIX):
             raise ValueError(f"timer name {name!r} must start with 'perf/' (e.g. 'perf/t_rollout_s')")
         self._synchronize()
         start = time.perf_counter()

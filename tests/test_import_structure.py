@@ -38,6 +38,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
         "megatron_mugrpo.datafiles",
         "megatron_mugrpo.commands",
         "megatron_mugrpo.char_tokenizer",
+        "megatron_mugrpo.metric_names",
     ),
     "math": ("megatron_mugrpo.algorithms", "megatron_mugrpo.kernels"),
     "components": (
@@ -50,6 +51,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
         "megatron_mugrpo.evaluation",
         "megatron_mugrpo.metrics",
         "megatron_mugrpo.report",
+        "megatron_mugrpo.drift_plots",
         "megatron_mugrpo.sweep",
         "megatron_mugrpo.plan",
         "megatron_mugrpo.warmstart",

@@ -39,17 +39,25 @@ import torch
 from torch import Tensor
 
 from megatron_mugrpo.algorithms.loss_core import LossStats, token_terms
+from megatron_mugrpo.metric_names import (
+    KL_BEHAVIOUR_K3,
+    NEG_ADV_LOW_RATIO_FRAC,
+    POST_TRIGGER_SUFFIX_LEN,
+    TRIGGER_COUNT,
+    TRIGGER_POS_FRAC,
+    stat_name,
+)
 
 DEFAULT_TRIGGER_THRESHOLD = 1e-4
 """τ_c of the paper (and NAV's default) for losses that have no NAV threshold of their own."""
 
 DRIFT_METRICS = (
-    "trigger_count",
+    stat_name(TRIGGER_COUNT),
     "triggered_responses",
-    "neg_adv_low_ratio_frac",
-    "trigger_pos_frac",
-    "post_trigger_suffix_len",
-    "kl_behaviour_k3",
+    stat_name(NEG_ADV_LOW_RATIO_FRAC),
+    stat_name(TRIGGER_POS_FRAC),
+    stat_name(POST_TRIGGER_SUFFIX_LEN),
+    stat_name(KL_BEHAVIOUR_K3),
 )
 """The names ``drift_stats`` adds (the trainer logs them as ``train/<name>``)."""
 
@@ -117,12 +125,12 @@ def drift_stats(
     k3 = torch.where(mask, log_ratio.exp() - 1.0 - log_ratio, 0.0)
     return LossStats(
         means={
-            "neg_adv_low_ratio_frac": (triggers.sum().to(dtype), negative.sum().to(dtype)),
-            "trigger_pos_frac": (position.sum(), rows),
-            "post_trigger_suffix_len": (suffix.sum(), rows),
-            "kl_behaviour_k3": (k3.sum(), mask.sum().to(dtype)),
+            stat_name(NEG_ADV_LOW_RATIO_FRAC): (triggers.sum().to(dtype), negative.sum().to(dtype)),
+            stat_name(TRIGGER_POS_FRAC): (position.sum(), rows),
+            stat_name(POST_TRIGGER_SUFFIX_LEN): (suffix.sum(), rows),
+            stat_name(KL_BEHAVIOUR_K3): (k3.sum(), mask.sum().to(dtype)),
         },
-        sums={"trigger_count": triggers.sum(), "triggered_responses": triggered.sum()},
+        sums={stat_name(TRIGGER_COUNT): triggers.sum(), "triggered_responses": triggered.sum()},
     )
 
 

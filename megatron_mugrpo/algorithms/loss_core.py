@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from megatron_mugrpo.algorithms.veto import broadcast_advantages
+from megatron_mugrpo.metric_names import CLIP_HIGH, CLIP_LOW, RATIO_NEG, RATIO_POS, stat_name
 
 LOG_RATIO_CLAMP = 20.0
 """|log ρ| is clamped to this before exp: e^20 ≈ 4.9e8 stays finite in float32 (and bf16) where an
@@ -364,8 +365,8 @@ def ratio_stats(terms: TokenTerms) -> LossStats:
     return LossStats(
         means={
             "ratio_mean": mean(rho, mask),
-            "ratio_mean_neg_adv": mean(rho, mask & (adv < 0)),
-            "ratio_mean_pos_adv": mean(rho, mask & (adv > 0)),
+            stat_name(RATIO_NEG): mean(rho, mask & (adv < 0)),
+            stat_name(RATIO_POS): mean(rho, mask & (adv > 0)),
             "log_ratio_sq_mean": mean(lr.square(), mask),
             "logprob_gap_abs_mean": mean(lr.abs(), mask),
             "log_ratio_clamped_frac": mean(terms.clamped.to(lr.dtype), mask),
@@ -379,7 +380,7 @@ def ratio_stats(terms: TokenTerms) -> LossStats:
 def clip_stats(terms: TokenTerms, clipped_low: Tensor, clipped_high: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
     """clip_frac_low / clip_frac_high: fractions of response tokens where a clip bound binds."""
     tokens = terms.mask.sum()
-    return {"clip_frac_low": (clipped_low.sum(), tokens), "clip_frac_high": (clipped_high.sum(), tokens)}
+    return {stat_name(CLIP_LOW): (clipped_low.sum(), tokens), stat_name(CLIP_HIGH): (clipped_high.sum(), tokens)}
 
 
 def with_stats(stats: LossStats, **parts: dict[str, Any]) -> LossStats:

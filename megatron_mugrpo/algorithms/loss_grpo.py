@@ -27,6 +27,7 @@ from megatron_mugrpo.algorithms.loss_core import (
 )
 from megatron_mugrpo.algorithms.veto import VETO_SCOPES, veto_mask
 from megatron_mugrpo.errors import require
+from megatron_mugrpo.metric_names import MASKED_FRAC, VETO_FRAC, stat_name
 
 
 @dataclass(kw_only=True)
@@ -150,7 +151,8 @@ def mu_grpo_loss(
     vetoed = (nav["nav_vetoed_tokens"], terms.mask.sum())
     stats = with_stats(
         ratio_stats(terms),
-        means=clip_stats(terms, clipped_low, clipped_high) | {"nav_vetoed_frac": vetoed, "masked_frac": vetoed},
+        means=clip_stats(terms, clipped_low, clipped_high)
+        | {stat_name(VETO_FRAC): vetoed, stat_name(MASKED_FRAC): vetoed},
         sums=nav,
     )
     return LossOutput(loss_sum, normaliser, stats)

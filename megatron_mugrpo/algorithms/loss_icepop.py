@@ -60,6 +60,7 @@ from megatron_mugrpo.algorithms.loss_core import (
     with_stats,
 )
 from megatron_mugrpo.errors import require
+from megatron_mugrpo.metric_names import MASKED_FRAC, stat_name
 
 
 @dataclass(kw_only=True)
@@ -129,7 +130,7 @@ def _band_means(below: Tensor, above: Tensor, tokens: Tensor) -> dict[str, tuple
         "icepop_masked_low_frac": (below.sum(), tokens),
         "icepop_masked_high_frac": (above.sum(), tokens),
         "icepop_masked_frac": (masked.sum(), tokens),
-        "masked_frac": (masked.sum(), tokens),
+        stat_name(MASKED_FRAC): (masked.sum(), tokens),
     }
 
 

@@ -25,6 +25,7 @@ from megatron_mugrpo.algorithms.loss_core import (
 )
 from megatron_mugrpo.algorithms.veto import broadcast_advantages
 from megatron_mugrpo.errors import require
+from megatron_mugrpo.metric_names import MASKED_FRAC, stat_name
 
 
 @dataclass(kw_only=True)
@@ -196,7 +197,7 @@ def m2po_loss(
     loss_sum, normaliser = aggregate(terms.ratio * terms.advantages, terms.mask & ~masked, terms.mask, aggregation)
     with torch.no_grad():
         means = _m2_stats(terms, terms.log_ratio.detach().square(), ~masked)
-        means["m2_masked_frac"] = means["masked_frac"] = (masked.sum(), terms.mask.sum())
+        means["m2_masked_frac"] = means[stat_name(MASKED_FRAC)] = (masked.sum(), terms.mask.sum())
     stats = with_stats(ratio_stats(terms), means=means, sums={"m2_masked_tokens": masked.sum()})
     return LossOutput(loss_sum, normaliser, stats)
 

@@ -33,6 +33,7 @@ from megatron_mugrpo.algorithms.loss_core import (
     with_stats,
 )
 from megatron_mugrpo.errors import require
+from megatron_mugrpo.metric_names import MASKED_FRAC, stat_name
 
 
 @dataclass(kw_only=True)
@@ -97,7 +98,7 @@ def opsm_loss(
         masked = (dropped.sum(), tokens)
         means = clip_stats(terms, clipped_low & ~dropped, clipped_high & ~dropped) | {
             "opsm_masked_frac": masked,
-            "masked_frac": masked,
+            stat_name(MASKED_FRAC): masked,
             "opsm_divergence_neg_adv": (torch.where(negative, divergence, 0.0).sum(), negative.sum()),
         }
         sums = {"opsm_masked_responses": dropped.any(-1).sum()}

@@ -51,6 +51,7 @@ from torch import Tensor
 
 from megatron_mugrpo.algorithms.advantages import CORRECT_REWARD, INCORRECT_REWARD
 from megatron_mugrpo.errors import require
+from megatron_mugrpo.metric_names import REPLAY_AGE, REPLAY_DRIFT, REPLAY_HEADROOM, REPLAY_HEADROOM_REJECTED, stat_name
 from megatron_mugrpo.records import RolloutGroup
 
 GroupKey = tuple[int, int]
@@ -520,12 +521,12 @@ def selection_metrics(selection: Selection, buffer: ReplayBuffer, policy_version
         "scored": float(len(scored)),
         "accepted": float(len(selection.accepted)),
         "acceptance_rate": len(selection.accepted) / considered if considered else math.nan,
-        "headroom_mean": mean(selection.accepted, "headroom"),
-        "headroom_mean_rejected": mean(selection.rejected, "headroom"),
-        "drift_mean": mean(scored, "drift"),
+        stat_name(REPLAY_HEADROOM): mean(selection.accepted, "headroom"),
+        stat_name(REPLAY_HEADROOM_REJECTED): mean(selection.rejected, "headroom"),
+        stat_name(REPLAY_DRIFT): mean(scored, "drift"),
         "drift_mean_accepted": mean(selection.accepted, "drift"),
         "drift_mean_rejected": mean(selection.rejected, "drift"),
-        "age_mean": sum(ages) / len(ages) if ages else math.nan,
+        stat_name(REPLAY_AGE): sum(ages) / len(ages) if ages else math.nan,
     }
 
 

@@ -68,6 +68,13 @@ from torch import Tensor
 
 from megatron_mugrpo.algorithms.losses import LossOutput, LossStats, policy_loss
 from megatron_mugrpo.errors import InputError, require
+from megatron_mugrpo.metric_names import (
+    MISMATCH_KL,
+    MISMATCH_LOGPROB_ABS_MAX,
+    MISMATCH_LOGPROB_ABS_MEAN,
+    MISMATCH_TOKENS,
+    stat_name,
+)
 
 LOG_WEIGHT_CLAMP = 20.0
 """|log w| is clamped to this before exp, as the losses clamp |log ρ| (losses.LOG_RATIO_CLAMP): e^20
@@ -387,16 +394,16 @@ def mismatch_metrics(behaviour_logprobs: Tensor, reference_logprobs: Tensor, res
     if not mask.any():
         nan = float("nan")
         return {
-            "mismatch_kl": nan,
-            "mismatch_logprob_abs_mean": nan,
-            "mismatch_logprob_abs_max": nan,
-            "mismatch_tokens": 0.0,
+            stat_name(MISMATCH_KL): nan,
+            stat_name(MISMATCH_LOGPROB_ABS_MEAN): nan,
+            stat_name(MISMATCH_LOGPROB_ABS_MAX): nan,
+            stat_name(MISMATCH_TOKENS): 0.0,
         }
     log_r = mismatch_log_ratio(reference_logprobs.double(), behaviour_logprobs.double(), mask)[mask]
     k3 = log_r.exp() - 1.0 - log_r
     return {
-        "mismatch_kl": float(k3.mean()),
-        "mismatch_logprob_abs_mean": float(log_r.abs().mean()),
-        "mismatch_logprob_abs_max": float(log_r.abs().max()),
-        "mismatch_tokens": float(mask.sum()),
+        stat_name(MISMATCH_KL): float(k3.mean()),
+        stat_name(MISMATCH_LOGPROB_ABS_MEAN): float(log_r.abs().mean()),
+        stat_name(MISMATCH_LOGPROB_ABS_MAX): float(log_r.abs().max()),
+        stat_name(MISMATCH_TOKENS): float(mask.sum()),
     }

@@ -19,6 +19,7 @@ from megatron_mugrpo.evaluation import AVG_KEY, evaluate
 from megatron_mugrpo.loop import hdr, preemption
 from megatron_mugrpo.loop.engines import release_engine, sync_engine
 from megatron_mugrpo.loop.run import Run
+from megatron_mugrpo.metric_names import LOGPROB_GAP_MAX, STAGE_OVERHEAD_PREFIX, T_EVAL, T_OPTIMIZE, T_ROLLOUT, T_TOTAL
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.rollout.placement import engine_threads
@@ -28,10 +29,10 @@ from megatron_mugrpo.training.train_step import train_step
 
 log = logging.getLogger(__name__)
 
-GAP_KEY = "train/rollout_logprob_abs_diff_max"
+GAP_KEY = LOGPROB_GAP_MAX
 BEST_FILE = "best.json"
 """RUN_DIR/best.json: the best eval/avg_pass@1 so far, its update and its checkpoint (kept from pruning)."""
-TIMER_KEYS = ("perf/t_rollout_s", "perf/t_optimize_s", "perf/t_eval_s")
+TIMER_KEYS = (T_ROLLOUT, T_OPTIMIZE, T_EVAL)
 
 
 def train_on_groups(run: Run, groups: list[RolloutGroup]) -> tuple[dict[str, float], float]:
@@ -103,7 +104,7 @@ def run_evaluation(run: Run) -> dict[str, float]:
     if not run.inputs.benchmarks:
         return {}
     advance(f"evaluating after update {run.state.global_update}")
-    with run.telemetry.timer("perf/t_eval_s"):
+    with run.telemetry.timer(T_EVAL):
         synced = sync_engine(run)
         with engine_threads(run.placement.cpu_threads):
             metrics = evaluate(
@@ -168,10 +169,10 @@ def summary(run: Run) -> dict[str, float]:
         "acc_before": _or_nan(run.state.acc_before),
         "acc_after": _or_nan(run.state.acc_last),
         "best_acc": _or_nan(run.state.best.avg_pass_at_1 if run.state.best else None),
-        "t_rollout_s": phases["perf/t_rollout_s"],
-        "t_optimize_s": phases["perf/t_optimize_s"],
-        "t_eval_s": phases["perf/t_eval_s"],
-        "t_total_s": phases["perf/t_total_s"],
+        "t_rollout_s": phases[T_ROLLOUT],
+        "t_optimize_s": phases[T_OPTIMIZE],
+        "t_eval_s": phases[T_EVAL],
+        "t_total_s": phases[T_TOTAL],
         "updates": float(run.state.global_update),
         "train_tokens": run.state.train_tokens,
     }
@@ -180,8 +181,8 @@ def summary(run: Run) -> dict[str, float]:
 def timers(run: Run) -> dict[str, float]:
     """Phase times and the run's wall clock, accumulated across resumes."""
     phases = {k: run.telemetry.extra_timers.get(k, 0.0) + run.telemetry.timer.total(k) for k in TIMER_KEYS}
-    total = run.telemetry.extra_timers.get("perf/t_total_s", 0.0) + (time.monotonic() - run.telemetry.started)
-    return phases | {"perf/t_total_s": total}
+    total = run.telemetry.extra_timers.get(T_TOTAL, 0.0) + (time.monotonic() - run.telemetry.started)
+    return phases | {T_TOTAL: total}
 
 
 @contextmanager
@@ -192,7 +193,7 @@ def overhead_part(parts: dict[str, float], name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        key = f"perf/stage_overhead_{name}_s"
+        key = f"{STAGE_OVERHEAD_PREFIX}{name}_s"
         parts[key] = parts.get(key, 0.0) + time.perf_counter() - started
 
 

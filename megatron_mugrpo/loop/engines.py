@@ -19,6 +19,7 @@ import torch
 from megatron_mugrpo.asynchronous.liveness import doing
 from megatron_mugrpo.conversion.live import NamedTensors, export_policy
 from megatron_mugrpo.loop.run import Run, RunError
+from megatron_mugrpo.metric_names import WEIGHT_SYNC_GB_PER_S, WEIGHT_SYNC_S
 from megatron_mugrpo.rollout.engine import RolloutEngine, build_engine_from_config
 from megatron_mugrpo.rollout.prompts import stage_prompts
 from megatron_mugrpo.rollout.quantization import behaviour_quantizer, load_behaviour_policy
@@ -45,7 +46,7 @@ def sync_engine(run: Run) -> dict[str, float]:
     if counted is None:
         return {}
     seconds = time.perf_counter() - started
-    return {"perf/weight_sync_s": seconds, "perf/weight_sync_gb_per_s": counted / 1e9 / max(seconds, 1e-9)}
+    return {WEIGHT_SYNC_S: seconds, WEIGHT_SYNC_GB_PER_S: counted / 1e9 / max(seconds, 1e-9)}
 
 
 def _load_engine(run: Run, tensors: NamedTensors) -> int:

@@ -63,6 +63,7 @@ from megatron_mugrpo.algorithms.replay import (
     select_groups,
     selection_metrics,
 )
+from megatron_mugrpo.metric_names import REPLAY_PREFIX, REPLAY_RECHECK_S, REPLAY_SELECT_S
 from megatron_mugrpo.records import RolloutGroup, collate
 from megatron_mugrpo.rollout.routes import RoutesInfo, group_routes, routes_schema, shard_routes, write_routes
 from megatron_mugrpo.rollout.shards import (
@@ -97,7 +98,7 @@ STATE_FILE = "state.json"
 GROUPS_FILE = "groups.parquet"
 ROUTES_FILE = "routes.arrow"
 """The copies' routes (mixture-of-experts runs with routing replay); absent when they carry none."""
-METRIC_PREFIX = "replay/"
+METRIC_PREFIX = REPLAY_PREFIX
 CANDIDATE_READ_GROUPS = 1024
 """Groups of D_k read at a time when collecting candidates (bounds memory on large stages)."""
 
@@ -196,7 +197,7 @@ def plan_stage(run: ReplayRun, state: ReplayState, stage: int, updates: int) -> 
     metrics = {
         METRIC_PREFIX + k: v for k, v in selection_metrics(selection, state.buffer, run.state.global_update).items()
     }
-    metrics["perf/replay_select_s"] = time.perf_counter() - started
+    metrics[REPLAY_SELECT_S] = time.perf_counter() - started
     # Logged at the stage's first update: a resume from an earlier checkpoint drops and redoes it with that update.
     run.telemetry.logger.log(metrics, step=run.state.global_update + 1)
     return StagePlan(stage=stage, accepted=selection.accepted, accepted_at=run.state.global_update)
@@ -230,7 +231,7 @@ def recheck_slot(run: ReplayRun, positions: Sequence[int]) -> list[int]:
         METRIC_PREFIX + "recheck_skipped": float(len(keys) - len(kept)),
         METRIC_PREFIX + "recheck_drift_mean": sum(s.drift for s in scores) / len(scores),
         METRIC_PREFIX + "recheck_age": float(now - state.plan.accepted_at),
-        "perf/replay_recheck_s": time.perf_counter() - started,
+        REPLAY_RECHECK_S: time.perf_counter() - started,
     }
     run.telemetry.logger.log(metrics, step=now + 1)  # the update these groups would have joined
     return kept

@@ -34,6 +34,19 @@ from megatron_mugrpo.loop.data import StageData
 from megatron_mugrpo.loop.engines import behaviour_policy, release_engine, restart_metrics, sync_engine
 from megatron_mugrpo.loop.export import export_final
 from megatron_mugrpo.loop.run import Run
+from megatron_mugrpo.metric_names import (
+    PERF_PREFIX,
+    ROLLOUT_SAMPLING_S,
+    STAGE,
+    STAGE_OVERHEAD,
+    STAGE_OVERHEAD_OTHER,
+    STAGE_OVERHEAD_PREFIX,
+    T_OPTIMIZE,
+    T_ROLLOUT,
+    TRAIN_STAGE,
+    TRAIN_TOKENS_PER_S,
+    UPDATE_S,
+)
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.rewards.registry import reward_record
 from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity, stage_store_metrics
@@ -57,7 +70,7 @@ def train(run: Run) -> dict[str, float]:
     for stage in range(state.stage, cfg.stages.num_stages):
         stop_if_preempted(run, checkpointed=stage_start_checkpointed(run, stage))  # a signal since the last update
         advance(f"in stage {stage}'s rollout phase")  # what a lost-rank report says this rank was doing
-        with run.telemetry.timer("perf/t_rollout_s"):
+        with run.telemetry.timer(T_ROLLOUT):
             store = rollout_phase(run, stage)  # sync weights → generate D_k → store → release engine
         crash_point(f"rollout:{stage}")
         if run.state.update_in_stage == 0:
@@ -73,7 +86,7 @@ def optimize_stage(run: Run, stage: int, store: RolloutStore | None = None) -> N
     if run.state.stage != stage:  # `mugrpo optimize` of another stage than the checkpoint's cursor
         run.state = run.state.at_stage(stage)
     mu = run.cfg.stages.updates_per_stage
-    with run.telemetry.timer("perf/t_optimize_s"):
+    with run.telemetry.timer(T_OPTIMIZE):
         run.trainer.checkpoints.poll()  # the stage-end checkpoint, written in the background during generation
         data = stage_data(run, stage, store)  # D_k, log π_old, and the buffered groups HDR accepts (if enabled)
         agreement = StageRoutingAgreement(from_first_update=run.state.update_in_stage == 0)  # MoE only
@@ -136,7 +149,7 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
         release_engine(run)  # free every engine's memory for the optimizer phase (where that frees any)
     with overhead_part(parts, "store_open"):
         store = RolloutStore.open(run.rollout_dir(stage), verify=False)  # rank 0 verified every shard
-    perf = {k: v for k, v in metrics.items() if k.startswith("perf/") or k in ENV_METRICS}
+    perf = {k: v for k, v in metrics.items() if k.startswith(PERF_PREFIX) or k in ENV_METRICS}
     run.telemetry.logger.log(
         perf | stage_overhead(parts | perf, time.perf_counter() - started), step=run.state.global_update
     )
@@ -162,11 +175,11 @@ def stage_overhead(parts: dict[str, float], seconds: float) -> dict[str, float]:
     """The stage boundary: ``seconds`` of the rollout phase less its sampling (``perf/rollout_sampling_s``),
     split into the measured parts and ``other``, the rest (prompt selection, advantages, progress bar).
     Rank 0's figures; other ranks have no sampling time of their own to subtract, and log nothing."""
-    overhead = seconds - parts.get("perf/rollout_sampling_s", 0.0)
-    measured = {k: v for k, v in parts.items() if k.startswith("perf/stage_overhead_")}
+    overhead = seconds - parts.get(ROLLOUT_SAMPLING_S, 0.0)
+    measured = {k: v for k, v in parts.items() if k.startswith(STAGE_OVERHEAD_PREFIX)}
     return measured | {
-        "perf/stage_overhead_other_s": max(0.0, overhead - sum(measured.values())),
-        "perf/stage_overhead_s": overhead,
+        STAGE_OVERHEAD_OTHER: max(0.0, overhead - sum(measured.values())),
+        STAGE_OVERHEAD: overhead,
     }
 
 
@@ -208,9 +221,9 @@ def optimizer_update(run: Run, data: StageData, stage: int, update: int) -> dict
     run.state.data_cursor = (update + 1) * cfg.stages.mini_groups
     seconds = time.perf_counter() - started
     return metrics | {
-        "train/stage": float(stage),
-        "perf/update_s": seconds,
-        "perf/train_tokens_per_s": tokens / max(seconds, 1e-9),
+        TRAIN_STAGE: float(stage),
+        UPDATE_S: seconds,
+        TRAIN_TOKENS_PER_S: tokens / max(seconds, 1e-9),
     }
 
 
@@ -241,4 +254,4 @@ def stage_reference(run: Run, store: RolloutStore) -> OldLogprobs | None:
 
 def store_summary(run: Run, store: RolloutStore, stage: int) -> dict[str, float]:
     """The stage's rollout metrics (from the store's manifest, so a resumed run reports the same)."""
-    return stage_store_metrics(store.store_dir) | {"rollout/stage": float(stage)} | timers(run)
+    return stage_store_metrics(store.store_dir) | {STAGE: float(stage)} | timers(run)

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from megatron_mugrpo.errors import InputError, require, with_registry_sections
+from megatron_mugrpo.metric_names import REWARD, ROLLOUT_PREFIX, stat_name
 
 
 class RewardError(InputError, RuntimeError):
@@ -168,12 +169,12 @@ def reason_counts(results: Sequence[tuple[float, str]], known: Sequence[str] = (
 
 
 def reward_metrics(
-    results: Sequence[tuple[float, str]], prefix: str = "rollout/", known: Sequence[str] = ()
+    results: Sequence[tuple[float, str]], prefix: str = ROLLOUT_PREFIX, known: Sequence[str] = ()
 ) -> dict[str, float]:
     """``{prefix}reason_<reason>`` counts, ``{prefix}reward_mean``, ``{prefix}test_pass_rate`` when the
     scores carry pass fractions and ``{prefix}answer_f1`` when they carry F1 (qa)."""
     metrics = {f"{prefix}reason_{reason}": float(n) for reason, n in reason_counts(results, known).items()}
-    metrics[f"{prefix}reward_mean"] = sum(r for r, _ in results) / len(results) if results else 0.0
+    metrics[f"{prefix}{stat_name(REWARD)}"] = sum(r for r, _ in results) / len(results) if results else 0.0
     fractions = [f for f in (getattr(s, "pass_fraction", None) for s in results) if f is not None]
     if fractions:
         metrics[f"{prefix}test_pass_rate"] = sum(fractions) / len(fractions)

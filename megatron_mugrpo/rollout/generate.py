@@ -44,6 +44,18 @@ from megatron_mugrpo.algorithms.allocation import (
 from megatron_mugrpo.envs.episodes import StageEnv, env_metrics, episode_samples, stage_env
 from megatron_mugrpo.envs.registry import env_record
 from megatron_mugrpo.errors import MissingInputError
+from megatron_mugrpo.metric_names import (
+    ROLLOUT_ENGINES,
+    ROLLOUT_SAMPLING_S,
+    ROLLOUT_SHARDS_MAX_PER_ENGINE,
+    ROLLOUT_SHARDS_RESUMED,
+    ROLLOUT_SHARDS_WRITTEN,
+    ROLLOUT_TIME_S,
+    ROLLOUT_TOKENS,
+    ROLLOUT_TOKENS_PER_S,
+    STAGE_OVERHEAD_REWARD,
+    STAGE_OVERHEAD_STORE_WRITE,
+)
 from megatron_mugrpo.records import RolloutGroup, RolloutSample
 from megatron_mugrpo.rewards.registry import RewardFn
 from megatron_mugrpo.rollout.config import RolloutConfig
@@ -237,9 +249,9 @@ def generate_planned(
         )
         | env_metrics([t for _, _, t in counts if t is not None])
         | {
-            "perf/rollout_sampling_s": seconds.sampling,
-            "perf/stage_overhead_reward_s": seconds.reward,
-            "perf/stage_overhead_store_write_s": seconds.store_write,
+            ROLLOUT_SAMPLING_S: seconds.sampling,
+            STAGE_OVERHEAD_REWARD: seconds.reward,
+            STAGE_OVERHEAD_STORE_WRITE: seconds.store_write,
         }
     )
 
@@ -440,13 +452,13 @@ def _stage_metrics(
     manifest: StoreManifest, *, tokens: int, seconds: float, resumed: int, engines: int, per_engine: list[int]
 ) -> dict[str, float]:
     metrics = store_metrics(manifest)
-    metrics["perf/rollout_tokens"] = float(tokens)
-    metrics["perf/rollout_time_s"] = seconds
-    metrics["perf/rollout_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
-    metrics["perf/rollout_shards_resumed"] = float(resumed)
-    metrics["perf/rollout_shards_written"] = float(manifest.num_shards - resumed)
-    metrics["perf/rollout_engines"] = float(engines)
-    metrics["perf/rollout_shards_max_per_engine"] = float(max(per_engine, default=0))
+    metrics[ROLLOUT_TOKENS] = float(tokens)
+    metrics[ROLLOUT_TIME_S] = seconds
+    metrics[ROLLOUT_TOKENS_PER_S] = tokens / seconds if seconds > 0 else 0.0
+    metrics[ROLLOUT_SHARDS_RESUMED] = float(resumed)
+    metrics[ROLLOUT_SHARDS_WRITTEN] = float(manifest.num_shards - resumed)
+    metrics[ROLLOUT_ENGINES] = float(engines)
+    metrics[ROLLOUT_SHARDS_MAX_PER_ENGINE] = float(max(per_engine, default=0))
     return metrics
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mugrpo import durable
+from megatron_mugrpo.metric_names import REWARD, ROLLOUT_PREFIX, stat_name
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rollout.routes import RoutesInfo
 from megatron_mugrpo.rollout.shards import StoreError
@@ -235,7 +236,7 @@ def shard_stats(groups: Sequence[RolloutGroup]) -> dict[str, float]:
     return stats
 
 
-def store_metrics(manifest: StoreManifest, prefix: str = "rollout/") -> dict[str, float]:
+def store_metrics(manifest: StoreManifest, prefix: str = ROLLOUT_PREFIX) -> dict[str, float]:
     """Rollout metrics of a store, from the per-shard sums in its manifest."""
     total: dict[str, float] = {}
     for info in manifest.shards:
@@ -246,7 +247,7 @@ def store_metrics(manifest: StoreManifest, prefix: str = "rollout/") -> dict[str
         f"{prefix}groups": total.get("groups", 0.0),
         f"{prefix}responses": total.get("responses", 0.0),
         f"{prefix}group_size_mean": total.get("responses", 0.0) / groups,
-        f"{prefix}reward_mean": total.get("reward_sum", 0.0) / responses,
+        f"{prefix}{stat_name(REWARD)}": total.get("reward_sum", 0.0) / responses,
         f"{prefix}response_len_mean": total.get("response_tokens", 0.0) / responses,
         f"{prefix}finish_length_frac": total.get("finish_length", 0.0) / responses,
         f"{prefix}solve_all_frac": total.get("solve_all", 0.0) / groups,

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.metric_names import ENGINE_RESTARTS
 from megatron_mugrpo.rollout.engine import (
     Generation,
     ProgressCallback,
@@ -69,7 +70,7 @@ POLLS_PER_TIMEOUT = 10
 """Looks per ``progress_timeout_s``: a hang is seen at most a tenth of the timeout late."""
 SHUTDOWN_WAIT_S = 60.0
 """Longest wait for a failed engine's shutdown (at most progress_timeout_s); a dead server's may never return."""
-RESTARTS_METRIC = "perf/rollout_engine_restarts"
+RESTARTS_METRIC = ENGINE_RESTARTS
 """Engine restarts of a stage's rollout phase, over every engine host (rank 0's record)."""
 
 

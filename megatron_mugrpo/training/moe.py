@@ -45,7 +45,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_mugrpo.errors import InputError, require
-from megatron_mugrpo.metric_names import MOE_AUX_LOSS, MOE_LOAD_MAX, MOE_LOAD_MIN, ROUTING_AGREEMENT
+from megatron_mugrpo.metric_names import (
+    MOE_AUX_LOSS,
+    MOE_LOAD_MAX,
+    MOE_LOAD_MIN,
+    MOE_Z_LOSS,
+    ROUTING_AGREEMENT,
+    moe_layer_load_key,
+)
 from megatron_mugrpo.training.routing_replay import reset_routing_agreement, routing_agreement
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
@@ -62,7 +69,7 @@ ROUTING_REPLAY_MODES = ("none", "rollout")
 """``moe.routing_replay``: 'none' routes every forward freshly; 'rollout' replays the rollout engine's routes."""
 _LOAD_ATTR = "_mugrpo_tokens_per_expert"
 """Router attribute holding this update's routed-token counts per expert (set by the forward hook)."""
-_TRACKER_NAMES = {"load_balancing_loss": MOE_AUX_LOSS, "z_loss": "train/moe_z_loss"}
+_TRACKER_NAMES = {"load_balancing_loss": MOE_AUX_LOSS, "z_loss": MOE_Z_LOSS}
 
 
 class MoeConfigError(InputError, ValueError):
@@ -284,7 +291,7 @@ def _sequence_parallel_group(config: Any, groups: Any) -> Any:
 
 def load_layer_key(bound: str, layer: int) -> str:
     """``train/moe_load_{min,max}_layer_NN``: the load bound of one MoE layer (0-based global index)."""
-    return f"train/moe_load_{bound}_layer_{layer:02d}"
+    return moe_layer_load_key(bound, layer)
 
 
 def _load_metrics(model_chunks: list[torch.nn.Module], groups: Any, config: Any) -> dict[str, float]:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mugrpo.errors import InputError
+from megatron_mugrpo.metric_names import ROUTING_AGREEMENT, ROUTING_AGREEMENT_FIRST, ROUTING_AGREEMENT_STAGE_MEAN
 
 
 def _routers(model_chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -321,11 +322,11 @@ class StageRoutingAgreement:
         self.values: list[float] = []
 
     def add(self, metrics: dict[str, float]) -> None:
-        if "train/routing_agreement" in metrics:
-            self.values.append(float(metrics["train/routing_agreement"]))
+        if ROUTING_AGREEMENT in metrics:
+            self.values.append(float(metrics[ROUTING_AGREEMENT]))
 
     def summary(self) -> dict[str, float]:
         if not self.values:
             return {}
-        first = {"train/routing_agreement_first": self.values[0]} if self.from_first_update else {}
-        return first | {"train/routing_agreement_stage_mean": sum(self.values) / len(self.values)}
+        first = {ROUTING_AGREEMENT_FIRST: self.values[0]} if self.from_first_update else {}
+        return first | {ROUTING_AGREEMENT_STAGE_MEAN: sum(self.values) / len(self.values)}

@@ -39,6 +39,13 @@ import torch
 from megatron_mugrpo.algorithms.rollout_correction import RolloutCorrectionConfig, mismatch_metrics
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
+from megatron_mugrpo.metric_names import (
+    MISMATCH_KL,
+    MISMATCH_LOGPROB_ABS_MAX,
+    MISMATCH_LOGPROB_ABS_MEAN,
+    MISMATCH_TOKENS,
+    ROLLOUT_PREFIX,
+)
 from megatron_mugrpo.records import RolloutGroup, TrainBatch, collate
 from megatron_mugrpo.rollout.manifest import OldLogprobsListing
 from megatron_mugrpo.rollout.shards import StoreError
@@ -173,7 +180,7 @@ def group_mismatch_metrics(groups: list[RolloutGroup], reference: GroupLogprobs)
     policy = [m for g in groups for s in g.samples for m in (s.policy_mask or [1] * len(s.response_ids))]
     b, p = torch.tensor([behaviour], dtype=torch.float64), torch.tensor([trainer], dtype=torch.float64)
     metrics = mismatch_metrics(b, p, torch.tensor([policy], dtype=torch.bool))
-    return {f"rollout/{name}": value for name, value in metrics.items()}
+    return {f"{ROLLOUT_PREFIX}{name}": value for name, value in metrics.items()}
 
 
 class MismatchSums:
@@ -184,21 +191,21 @@ class MismatchSums:
 
     def add(self, groups: list[RolloutGroup], reference: GroupLogprobs) -> None:
         chunk = group_mismatch_metrics(groups, reference)
-        tokens = chunk["rollout/mismatch_tokens"]
+        tokens = chunk[MISMATCH_TOKENS]
         if tokens:
-            self.kl += chunk["rollout/mismatch_kl"] * tokens
-            self.abs += chunk["rollout/mismatch_logprob_abs_mean"] * tokens
-            self.max = max(self.max, chunk["rollout/mismatch_logprob_abs_max"])
+            self.kl += chunk[MISMATCH_KL] * tokens
+            self.abs += chunk[MISMATCH_LOGPROB_ABS_MEAN] * tokens
+            self.max = max(self.max, chunk[MISMATCH_LOGPROB_ABS_MAX])
             self.tokens += tokens
 
     def metrics(self) -> dict[str, float]:
         if not self.tokens:
             return group_mismatch_metrics([], [])
         return {
-            "rollout/mismatch_kl": self.kl / self.tokens,
-            "rollout/mismatch_logprob_abs_mean": self.abs / self.tokens,
-            "rollout/mismatch_logprob_abs_max": self.max,
-            "rollout/mismatch_tokens": self.tokens,
+            MISMATCH_KL: self.kl / self.tokens,
+            MISMATCH_LOGPROB_ABS_MEAN: self.abs / self.tokens,
+            MISMATCH_LOGPROB_ABS_MAX: self.max,
+            MISMATCH_TOKENS: self.tokens,
         }
 
 

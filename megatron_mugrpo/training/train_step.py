@@ -54,6 +54,19 @@ from megatron_mugrpo.algorithms.rollout_correction import (
 )
 from megatron_mugrpo.kernels.config import DEFAULT_LOGITS_BUDGET_MIB
 from megatron_mugrpo.kernels.policy import choose_logprob_path
+from megatron_mugrpo.metric_names import (
+    DP_TOKEN_IMBALANCE,
+    GRAD_NORM,
+    LOGPROB_GAP_MAX,
+    LOGPROB_GAP_MEAN,
+    LOSS,
+    LR,
+    NORMALISER,
+    PADDING_FRAC,
+    RESPONSE_TOKENS,
+    TRAIN_PREFIX,
+    UPDATE_SUCCESSFUL,
+)
 from megatron_mugrpo.records import TrainBatch
 from megatron_mugrpo.training.batching import (
     MicroBatchPlan,
@@ -181,8 +194,8 @@ def plan_metrics(plans: list[list[MicroBatchPlan]], batch: TrainBatch) -> dict[s
     """``perf/dp_token_imbalance`` (the most-loaded DP rank's computed tokens over the mean) and
     ``perf/padding_frac`` (share of the computed tokens that are padding)."""
     return {
-        "perf/dp_token_imbalance": token_imbalance(plans),
-        "perf/padding_frac": padding_fraction(plans, row_lengths(batch.response_mask)),
+        DP_TOKEN_IMBALANCE: token_imbalance(plans),
+        PADDING_FRAC: padding_fraction(plans, row_lengths(batch.response_mask)),
     }
 
 
@@ -410,14 +423,14 @@ def _summarise(records: list[dict[str, Any]]) -> dict[str, float]:
     normaliser = sum(r["normaliser"] for r in records)
     tokens = sum(r["response_tokens"] for r in records)
     summary = {
-        "train/loss": sum(r["loss_sum"] for r in records) / normaliser if normaliser > 0 else 0.0,
-        "train/normaliser": normaliser,
-        "train/response_tokens": tokens,
-        "train/rollout_logprob_abs_diff_mean": sum(r["gap_sum"] for r in records) / max(tokens, 1.0),
-        "train/rollout_logprob_abs_diff_max": max((r["gap_max"] for r in records), default=0.0),
+        LOSS: sum(r["loss_sum"] for r in records) / normaliser if normaliser > 0 else 0.0,
+        NORMALISER: normaliser,
+        RESPONSE_TOKENS: tokens,
+        LOGPROB_GAP_MEAN: sum(r["gap_sum"] for r in records) / max(tokens, 1.0),
+        LOGPROB_GAP_MAX: max((r["gap_max"] for r in records), default=0.0),
     }
     loss_metrics = LossStats.merge([r["stats"] for r in records]).finish()
-    summary.update({f"train/{name}": value for name, value in loss_metrics.items()})
+    summary.update({f"{TRAIN_PREFIX}{name}": value for name, value in loss_metrics.items()})
     return summary
 
 
@@ -510,9 +523,9 @@ def train_step(
     update_successful, grad_norm, _ = policy.optimizer.step()
     policy.scheduler.step(increment=1)
     metrics = _summarise(_gather_records(records, groups))
-    metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-    metrics["train/lr"] = current_lr(policy.optimizer)
-    metrics["train/update_successful"] = float(bool(update_successful))
+    metrics[GRAD_NORM] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics[LR] = current_lr(policy.optimizer)
+    metrics[UPDATE_SUCCESSFUL] = float(bool(update_successful))
     metrics.update(plan_metrics(plans, batch))
     if moe:
         metrics.update(moe_step_metrics(policy.model_chunks, groups, len(micro_batches)))
