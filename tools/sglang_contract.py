@@ -149,6 +149,12 @@ PROBES: dict[str, Probe] = {
         "the length cap is checked before EOS: an EOS sampled as the last allowed token finishes as 'length' "
         "(later versions check EOS first and say 'stop')",
     ),
+    "request_below_context_length": Probe(
+        ("sglang/srt/managers/tokenizer_manager.py",),
+        r"\(max_new_tokens \+ input_token_num\) >= _max_req_len",
+        "a request whose input + max_new_tokens reaches the context length is refused (later versions refuse "
+        "only beyond it)",
+    ),
     "modelopt_fp8_exact_algo": Probe(
         ("sglang/srt/layers/quantization/modelopt_quant.py",),
         r"quant_method != \"FP8\"",

@@ -82,8 +82,8 @@ class _EnvSettings(EnvLimits):
 EnvConfig = with_registry_sections(_EnvSettings, env_options())
 """The ``env`` section: the settings above plus one options section per registered environment."""
 
-MULTI_TURN_ENGINES = ("transformers", "vllm")
-"""Rollout engines that decode trajectories (``generate_trajectories``); SGLang's multi-turn path is not built."""
+MULTI_TURN_ENGINES = ("transformers", "vllm", "sglang")
+"""Rollout engines that decode trajectories (``generate_trajectories``)."""
 
 
 def run_env_problem(
@@ -101,7 +101,7 @@ def run_env_problem(
     """Why a run cannot roll out against the environment ``settings`` describes, or None (also when it is off).
 
     The search environment's episodes are scored by the qa reward (the answer tag, the end reasons); the
-    transformers engine is the one that decodes trajectories; VIGOR's rounds, async.partial_rollout
+    engines of ``MULTI_TURN_ENGINES`` decode trajectories; VIGOR's rounds, async.partial_rollout
     (``partial_rollout``: weights switched between two decode steps) and route recording do not carry
     trajectories yet; the asynchronous loop does (its workers hold the environment). A trajectory needs
     room after its prompt (``max_prompt_tokens``) within ``env.max_total_tokens``, and that within the

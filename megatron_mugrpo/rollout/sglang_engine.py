@@ -43,6 +43,23 @@ index), so a stage's data do not depend on how many engines made it or how reque
 (reproducible on one machine and SGLang version, at SGLang's speed cost of that mode). Without it
 SGLang ignores per-request seeds, and a stage sampled twice differs (only the transformers engine on
 CPU is bitwise reproducible by default).
+
+Multi-turn trajectories (``generate_trajectories``, ``env.enabled``): token in, token out, as the vLLM
+engine does it. Each turn is one ``generate(input_ids=prompt + trajectory so far)`` request (ids, never
+re-encoded), with ``return_logprob`` and no ``logprob_start_len``, so SGLang returns the output tokens'
+log-probs only and its radix cache serves the earlier turns (a finished request's tokens stay cached;
+asking for the prompt's log-probs would stop the prefix match there). Each turn has its own
+``sampling_seed`` (deterministic mode) from (call seed, prompt, turn). No stop strings are sent: SGLang
+matches them on its own detokenised text, not on the ``decode`` the environment reads, so every sampled
+turn is replayed token by token through the transformers engine's rules (stop string, turn cap, EOS,
+token budget) and cut where one ends it; what SGLang sampled past the cut is dropped (it changes none of
+the kept tokens' log-probs), at the price of decoding it. EOS is the model's ``eos_token_id`` (config.json
+and generation_config.json, as SGLang reads it) or the token SGLang's ``finish_reason`` says it stopped at:
+0.5.10 checks the length cap before EOS (an EOS sampled as the last allowed token finishes as 'length'),
+0.5.23 EOS first, so the finish reason alone does not say whether a turn ended on EOS. Each request fits
+SGLang's context length: ``env.max_total_tokens`` must stay below ``max_position_embeddings`` (0.5.10
+refuses a request that reaches it). ``tests/rollout/test_sglang_multiturn.py`` checks all of this against
+the snapshots' stand-in.
 """
 
 from __future__ import annotations
@@ -52,15 +69,18 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from megatron_mugrpo.envs.base import ENV_ERROR, EnvLimits, Episode, StepResult, guarded_step
+from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, stop_hit
 from megatron_mugrpo.errors import InputError, MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
@@ -194,6 +214,8 @@ class SGLangEngine:
         if not torch.cuda.is_available():
             raise RuntimeError("the SGLang engine needs a CUDA GPU; use rollout.engine=transformers on CPU")
         self.vocab_size = _hf_vocab_size(hf_dir)
+        self.eos_token_ids = _hf_eos_ids(hf_dir)
+        self.context_length = server_kwargs.get("context_length") or _hf_positions(hf_dir)
         self.quantized = (Path(hf_dir) / QUANT_CONFIG_FILE).is_file()
         if deterministic:
             server_kwargs["enable_deterministic_inference"] = True
@@ -275,11 +297,7 @@ class SGLangEngine:
     ) -> list[list[Generation]]:
         """Sample ``n`` (or ``n[i]``) responses per prompt; rows are expanded here (one request per
         response) so that SGLang's radix cache shares each prompt's prefix."""
-        if not self._weights_valid:
-            raise RuntimeError(
-                "the SGLang engine holds no valid weights (released, or a weight load failed): "
-                "load weights (load_hf_dir / load_weights) first"
-            )
+        self._check_weights()
         counts = responses_per_prompt(n, len(prompts))
         check_prompt_ids(prompts, self.vocab_size)
         rows = [(i, k) for i, c in enumerate(counts) for k in range(c)]
@@ -306,6 +324,13 @@ class SGLangEngine:
         )
         return result
 
+    def _check_weights(self) -> None:
+        if not self._weights_valid:
+            raise RuntimeError(
+                "the SGLang engine holds no valid weights (released, or a weight load failed): "
+                "load weights (load_hf_dir / load_weights) first"
+            )
+
     def _sampling(self, params: SamplingParams, rows: list[tuple[int, int]]) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang sampling parameters: one dict for the call, or (deterministic) one per response with its
         own seed from (call seed, prompt, response index)."""
@@ -319,6 +344,72 @@ class SGLangEngine:
         if not self._deterministic:
             return sampling
         return [sampling | {"sampling_seed": derive_seed(params.seed, i, k)} for i, k in rows]
+
+    # --------------------------------------------------------------- multi-turn
+
+    def generate_trajectories(
+        self,
+        prompts: list[list[int]],
+        episodes: list[Episode],
+        params: SamplingParams,
+        *,
+        limits: EnvLimits,
+        decode: Callable[[list[int]], str],
+        stop_strings: Sequence[str] = (),
+    ) -> list[Trajectory]:
+        """One multi-turn trajectory per prompt, with ``episodes[i]`` as prompt i's environment, token in, token
+        out (the module docstring): per round, one request per live trajectory over its ids so far, each
+        sampled turn replayed through the transformers engine's rules, the environment called on the turns
+        that ended (``guarded_step``, those of one round at once)."""
+        if len(episodes) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(episodes)} episodes; give one episode per prompt")
+        if self._routes is not None:
+            raise ValueError("multi-turn rollouts do not record MoE routes yet; set moe.routing_replay=none")
+        self._check_weights()
+        check_prompt_ids(prompts, self.vocab_size)
+        require(
+            self.context_length is None or limits.max_total_tokens < self.context_length,
+            f"env.max_total_tokens={limits.max_total_tokens} must be below the SGLang model's context length "
+            f"{self.context_length} (SGLang refuses a request whose input + max_new_tokens reaches it); lower it",
+        )
+        rows = [
+            TrajectoryBuilder(prompt_length=len(p), episode=e, limits=limits, max_turn_tokens=params.max_new_tokens)
+            for p, e in zip(prompts, episodes)
+        ]
+        eos = set(self.eos_token_ids)
+        live = list(range(len(rows)))
+        while live:
+            turns = self._sample_turns(prompts, rows, live, params)
+            ended = [rows[i] for i, turn in zip(live, turns) if replay_turn(rows[i], turn, eos, decode, stop_strings)]
+            for row, result in zip(ended, env_steps(ended, decode, self.vocab_size)):
+                row.apply(result)
+            live = [i for i in live if not rows[i].done]
+        return [row.build() for row in rows]
+
+    def _sample_turns(
+        self, prompts: list[list[int]], rows: list[TrajectoryBuilder], live: list[int], params: SamplingParams
+    ) -> list[tuple[Generation, bool]]:
+        """One turn for each live row over its prompt and trajectory so far: at most the turn cap and the
+        tokens left in the budget (``guarded_step`` leaves at least one). Returns (turn, SGLang stopped at
+        its last token) pairs."""
+        sampling = []
+        for i in live:
+            row = rows[i]
+            cap = min(params.max_new_tokens, row.limits.max_total_tokens - row.total_tokens)
+            turn = self._sampling(replace(params, max_new_tokens=max(1, cap)), [(i, len(row.turns))])
+            sampling.append(turn[0] if isinstance(turn, list) else turn)
+        turns = []
+        for start in range(0, len(live), REQUEST_CHUNK):
+            chunk = live[start : start + REQUEST_CHUNK]
+            outputs = self._engine.generate(
+                input_ids=[prompts[i] + rows[i].token_ids for i in chunk],
+                sampling_params=sampling[start : start + REQUEST_CHUNK],
+                return_logprob=True,
+            )
+            if len(outputs) != len(chunk):
+                raise RuntimeError(f"SGLang answered {len(outputs)} outputs for {len(chunk)} requests")
+            turns += [turn_from_output(output, self.vocab_size) for output in outputs]
+        return turns
 
     def release(self) -> None:
         """Free the weights' and KV cache's GPU memory; load weights again before generating.
@@ -384,6 +475,74 @@ def generation_from_output(output: dict[str, Any]) -> Generation:
     )
 
 
+def turn_from_output(output: dict[str, Any], vocab_size: int) -> tuple[Generation, bool]:
+    """One multi-turn request's output: (the sampled turn, whether SGLang stopped at its last token).
+
+    The request sends no stop strings, so a 'stop' finish must name the token id it matched, the last one
+    sampled (``{'type': 'stop', 'matched': id}``); anything else (a string, SGLang's 'NaN happened') is an
+    SGLangContractError, and so is a token id outside the model's vocabulary."""
+    gen = generation_from_output(output)
+    bad = [t for t in gen.response_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise SGLangContractError(f"SGLang sampled token id {bad[0]} outside the model's vocabulary ({vocab_size} ids)")
+    if gen.finish_reason != "stop":
+        return gen, False
+    matched = output["meta_info"]["finish_reason"].get("matched")
+    if isinstance(matched, bool) or not isinstance(matched, int) or not gen.response_ids:
+        raise SGLangContractError(
+            f"SGLang stopped a turn at {matched!r}, not at a token id: this engine sends no stop strings, so a "
+            "turn may end only at EOS or its max_new_tokens"
+        )
+    if matched != gen.response_ids[-1]:
+        raise SGLangContractError(f"SGLang stopped at token {matched} but its last token is {gen.response_ids[-1]}")
+    return gen, True
+
+
+def replay_turn(
+    row: TrajectoryBuilder,
+    turn: tuple[Generation, bool],
+    eos: set[int],
+    decode: Callable[[list[int]], str],
+    stop_strings: Sequence[str],
+) -> bool:
+    """Feed a sampled turn to ``row`` token by token through the transformers engine's rules (EOS: a token of
+    ``eos``, or the one SGLang stopped at); True when the turn goes to the environment. The tokens after the
+    one that ended the turn or the trajectory are dropped."""
+    gen, stopped_last = turn
+    last = len(gen.response_ids) - 1
+    for k, (token, logprob) in enumerate(zip(gen.response_ids, gen.logprobs)):
+        row.add_sampled(token, logprob)
+        stopped = bool(stop_strings) and stop_hit(decode(row.turn_ids()), stop_strings)
+        if row.turn_over(eos=token in eos or (k == last and stopped_last), stopped=stopped):
+            return True
+        if row.done:
+            return False
+    raise SGLangContractError(
+        f"SGLang ended a turn after {len(gen.response_ids)} tokens ({gen.finish_reason}), before its max_new_tokens "
+        "or EOS"
+    )
+
+
+def env_steps(rows: list[TrajectoryBuilder], decode: Callable[[list[int]], str], vocab_size: int) -> list[StepResult]:
+    """The environment's answers to the turns that just ended, at once (each bounded by its timeout); an
+    observation id the model cannot embed is the environment's error (as in the other engines)."""
+
+    def call(row: TrajectoryBuilder) -> StepResult:
+        result = guarded_step(
+            row.episode, row.turn(decode), row.limits, turn_index=len(row.turns), total_tokens=row.total_tokens
+        )
+        bad = [t for t in result.observation_ids if t >= vocab_size]
+        if bad:
+            message = f"observation id {bad[0]} is outside the model's vocabulary ({vocab_size} ids)"
+            return StepResult(done=True, reason=ENV_ERROR, seconds=result.seconds, info={"error": message})
+        return result
+
+    if len(rows) <= 1:
+        return [call(row) for row in rows]
+    with ThreadPoolExecutor(max_workers=len(rows), thread_name_prefix="env-step") as pool:
+        return list(pool.map(call, rows))
+
+
 def _check_ok(result: Any, what: str) -> None:
     """Raise when an SGLang call reports failure, or answers in a shape this engine does not know.
 
@@ -417,6 +576,34 @@ def _check_ok(result: Any, what: str) -> None:
 def _shown(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:120]}{'...' if len(text) > 120 else ''}"
+
+
+def _hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise MissingInputError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+    return json.loads(path.read_text())
+
+
+def _hf_eos_ids(hf_dir: str | Path) -> list[int]:
+    """The model's EOS ids as SGLang reads them (``ModelConfig._get_hf_eos_token_id``): config.json's and
+    generation_config.json's ``eos_token_id`` (an int or a list), together."""
+    sources = [_hf_config(hf_dir)]
+    generation = Path(hf_dir) / "generation_config.json"
+    if generation.is_file():
+        sources.append(json.loads(generation.read_text()))
+    ids: set[int] = set()
+    for source in sources:
+        eos = source.get("eos_token_id", source.get("text_config", {}).get("eos_token_id"))
+        if eos is not None:
+            ids |= {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    return sorted(ids)
+
+
+def _hf_positions(hf_dir: str | Path) -> int | None:
+    config = _hf_config(hf_dir)
+    positions = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    return int(positions) if positions else None
 
 
 def _hf_vocab_size(hf_dir: str | Path) -> int:

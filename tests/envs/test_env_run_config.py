@@ -39,10 +39,14 @@ def test_a_qa_run_with_a_corpus_accepts_the_env_section(qa_overrides):
     assert cfg.env.enabled and cfg.env.max_turns == 3 and cfg.env.search.topk == 2
 
 
+def test_the_sglang_engine_rolls_out_trajectories(qa_overrides):
+    cfg = load_config("configs/demo_cpu.yaml", [*qa_overrides, "rollout.engine=sglang"])
+    assert cfg.env.enabled and cfg.rollout.engine == "sglang"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["rollout.engine=sglang"], r"rollout\.engine='sglang' cannot decode multi-turn"),
         (["rollout.allocation=vigor"], r"rollout\.allocation=fixed only"),
         (["env.search.corpus="], r"env\.search\.url .* or env\.search\.corpus"),
         (["env.max_turns=0"], r"env\.max_turns=0 must be >= 1"),

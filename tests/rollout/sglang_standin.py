@@ -23,6 +23,8 @@ source says instead: the stand-in's ``Engine``
   generation_config.json (``{"type": "stop", "matched": id}``) or at ``max_new_tokens`` (``length``), the
   two in the snapshot's order (``eos_at_cap_finishes_as_length``); it has no tokenizer, so a request with
   stop strings is refused rather than answered as if SGLang ignored them;
+* refuses a request whose input + ``max_new_tokens`` does not fit the context length (config.json's
+  ``max_position_embeddings`` or the ``context_length`` server argument), as the snapshot's version does;
 * keeps a radix cache of finished requests (input and output tokens whose keys and values were computed)
   and reports each request's hit in ``meta_info["cached_tokens"]``: at most the input's length - 1, and no
   further than ``logprob_start_len`` when the prompt's log-probs are asked for (the snapshot's flags);
@@ -82,6 +84,8 @@ class Recorder:
         self.engines: list[Any] = []
         self.calls: list[tuple[int, str, dict[str, Any]]] = []
         """(engine index, method, bound arguments without self) in call order."""
+        self.answers: list[Any] = []
+        """What each call in ``calls`` returned (None while it ran, or when it raised)."""
         self.fail_bucket: int | None = None
         """Index of the tensor update (0-based, over the module's life) that answers failure."""
         self.tensor_updates = 0
@@ -110,6 +114,7 @@ class _Behaviour:
         self.server_args = server_args
         self.vocab_size = int(config["vocab_size"])
         self.eos_ids = _eos_ids(Path(server_args["model_path"]), config)
+        self.context_len = server_args.get("context_length") or config.get("max_position_embeddings")
         self.quantized = (Path(server_args["model_path"]) / "hf_quant_config.json").is_file()
         self.index = len(self.recorder.engines)
         self.recorder.engines.append(self)
@@ -221,6 +226,8 @@ class _Behaviour:
             raise TypeError(f"SamplingParams.__init__() got unexpected keyword arguments {unknown}")
         if params.get("stop") or params.get("stop_regex"):
             raise NotImplementedError("the stand-in has no tokenizer and cannot match stop strings")
+        cap = int(params.get("max_new_tokens", 128))
+        self._check_length(len(ids), cap)
         cached = self._prefix_hit(ids, return_logprob, self.logprob_start_len)
         temperature, top_k = float(params.get("temperature", 1.0)), int(params.get("top_k", -1))
         if 0 <= temperature < self.snapshot["flags"]["greedy_temperature_below"]:
@@ -232,7 +239,6 @@ class _Behaviour:
         self.requests += 1
         generator = torch.Generator().manual_seed(int(seed))
         table = torch.log_softmax(bigram_logits(self.vocab_size, self.version) / temperature, dim=-1)
-        cap = int(params.get("max_new_tokens", 128))
         tokens, pairs, reason = [], [], None
         previous = ids[-1]
         while reason is None:
@@ -265,6 +271,18 @@ class _Behaviour:
         if length and (self.snapshot["flags"]["eos_at_cap_finishes_as_length"] or not eos):
             return {"type": "length", "length": cap}
         return {"type": "stop", "matched": tokens[-1]} if eos else None
+
+    def _check_length(self, input_len: int, cap: int) -> None:
+        """SGLang's tokenizer manager refuses a request that does not fit the context length (at it, or only
+        beyond it, by the snapshot's ``request_below_context_length``)."""
+        if self.context_len is None:
+            return
+        total, limit = input_len + cap, int(self.context_len)
+        if total > limit or (total == limit and self.snapshot["flags"]["request_below_context_length"]):
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {limit} tokens. You "
+                f"requested a total of {total} tokens"
+            )
 
     def _prefix_hit(self, ids: list[int], return_logprob: bool, start: int) -> int:
         """Tokens of ``ids`` the radix cache serves: the longest cached prefix, short of the input's last
@@ -362,10 +380,13 @@ def _bound(name: str, signature: inspect.Signature, behaviour: Any) -> Any:
         if self.dead and name != "shutdown":
             raise RuntimeError(f"{name} on an engine that was shut down")
         arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+        call = len(self.recorder.calls)
         self.recorder.calls.append((self.index, name, arguments))
+        self.recorder.answers.append(None)
         if behaviour is None:
             raise NotImplementedError(f"the stand-in does not model Engine.{name}")
-        return behaviour(self, *args, **kwargs)
+        answer = self.recorder.answers[call] = behaviour(self, *args, **kwargs)
+        return answer
 
     method.__name__ = name
     return method
