@@ -6,7 +6,8 @@ outputs zeroed, every token's embedding picks its successor's logits): an untrai
 ``<search>…</search>``, and the run must carry observations to show that their tokens are masked out.
 Every trained group is consumed once (the queue cursor, the updates' queue positions), each update's loss
 counts exactly the policy tokens of its groups (``train/response_tokens`` is the sum of their policy masks,
-fewer than their tokens), and the env metrics come with the updates.
+fewer than their tokens), the env metrics come with the updates, and the trainer evaluates held-out
+questions as trajectories too.
 """
 
 from __future__ import annotations
@@ -107,7 +108,10 @@ def test_an_async_search_run_trains_each_group_once_on_its_policy_tokens(tmp_pat
         f"stages.mini_groups={MINI_GROUPS}",
         "parallel.micro_batch_size=8",
         "checkpoint.every_updates=2",
-        "eval.benchmarks=[]",
+        f"eval.benchmarks.0.path={data / 'test.jsonl'}",  # held-out questions, as trajectories on the trainer
+        "eval.benchmarks.0.limit=2",
+        "eval.benchmarks.0.k=1",
+        "eval.max_new_tokens=40",
         "logging.progress_bars=false",
         "logging.tensorboard=false",
         "logging.report=false",
@@ -152,3 +156,5 @@ def test_an_async_search_run_trains_each_group_once_on_its_policy_tokens(tmp_pat
     logged = [r for r in updates if "rollout/turns_mean" in r]
     assert logged and all(r["rollout/turns_mean"] >= 1.0 and r["rollout/env_errors"] == 0.0 for r in logged)
     assert any(r["rollout/tool_calls_mean"] > 0 and r["rollout/observation_tokens_mean"] > 0 for r in logged)
+    evals = [r for r in records(run_dir) if "eval/search/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, UPDATES]  # before training and at the stage's end
