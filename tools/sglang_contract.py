@@ -149,6 +149,12 @@ PROBES: dict[str, Probe] = {
         "the length cap is checked before EOS: an EOS sampled as the last allowed token finishes as 'length' "
         "(later versions check EOS first and say 'stop')",
     ),
+    "deterministic_may_disable_radix_cache": Probe(
+        ("sglang/srt/server_args.py", "sglang/srt/arg_groups/"),
+        r"radix cache is not compatible with \{[a-z_.]+\} attention backend for deterministic inference",
+        "deterministic inference turns the radix cache off with attention backends that do not support both "
+        "(each multi-turn turn then prefills its whole prefix)",
+    ),
     "request_below_context_length": Probe(
         ("sglang/srt/managers/tokenizer_manager.py",),
         r"\(max_new_tokens \+ input_token_num\) >= _max_req_len",

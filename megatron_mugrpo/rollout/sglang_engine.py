@@ -48,8 +48,9 @@ Multi-turn trajectories (``generate_trajectories``, ``env.enabled``): token in, 
 engine does it. Each turn is one ``generate(input_ids=prompt + trajectory so far)`` request (ids, never
 re-encoded), with ``return_logprob`` and no ``logprob_start_len``, so SGLang returns the output tokens'
 log-probs only and its radix cache serves the earlier turns (a finished request's tokens stay cached;
-asking for the prompt's log-probs would stop the prefix match there). Each turn has its own
-``sampling_seed`` (deterministic mode) from (call seed, prompt, turn). No stop strings are sent: SGLang
+asking for the prompt's log-probs would stop the prefix match there; deterministic mode turns the cache
+off for attention backends that cannot run both). Each turn has its own ``sampling_seed``
+(deterministic mode) from (call seed, prompt, turn). No stop strings are sent: SGLang
 matches them on its own detokenised text, not on the ``decode`` the environment reads, so every sampled
 turn is replayed token by token through the transformers engine's rules (stop string, turn cap, EOS,
 token budget) and cut where one ends it; what SGLang sampled past the cut is dropped (it changes none of
