@@ -182,6 +182,41 @@ def test_the_context_length_bounds_the_token_budget(sglang, tmp_path):
     assert _rollout(engine, [Episode(0)], max_total_tokens=19)
 
 
+def test_the_standin_finishes_and_refuses_by_the_snapshot(sglang, tmp_path):
+    """The stand-in keeps its version's rules: an EOS at the cap is 'length' in 0.5.10 and 'stop' in 0.5.23; a
+    request reaching the context length is refused by 0.5.10 only."""
+    SGLangEngine(_model_dir(tmp_path / "m", eos=list(range(VOCAB)), positions=8))  # every token is EOS
+    standin, flags = sglang.recorder.engines[0], load_snapshot(sglang.__version__)["flags"]
+    out = standin.generate(input_ids=[[3, 4]], sampling_params={"max_new_tokens": 1}, return_logprob=True)[0]
+    finish = out["meta_info"]["finish_reason"]
+    assert finish["type"] == ("length" if flags["eos_at_cap_finishes_as_length"] else "stop")
+    out = standin.generate(input_ids=[[3, 4]], sampling_params={"max_new_tokens": 3}, return_logprob=True)[0]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop" and len(out["output_ids"]) == 1
+    reaching = {"input_ids": [[3, 4, 5, 6]], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}
+    if flags["request_below_context_length"]:
+        with pytest.raises(ValueError, match="maximum context length of 8"):
+            standin.generate(**reaching)
+    else:
+        assert standin.generate(**reaching)
+
+
+def test_an_eos_at_the_cap_ends_the_trajectory_in_both_versions(sglang, tmp_path):
+    """Every token is EOS and a turn holds one token: 0.5.10 answers 'length', 0.5.23 'stop'; both trajectories
+    end at their first token with reason 'stop', without an environment call."""
+    engine = SGLangEngine(_model_dir(tmp_path / "m", eos=list(range(VOCAB))))
+    episodes = [Episode(seed) for seed in range(2)]
+    trajectories = engine.generate_trajectories(
+        PROMPTS[:2],
+        episodes,
+        SamplingParams(max_new_tokens=1, temperature=0.8, seed=3),
+        limits=EnvLimits(max_total_tokens=48),
+        decode=decode,
+        stop_strings=("|",),
+    )
+    assert [(len(t.token_ids), t.end_reason, t.turns) for t in trajectories] == [(1, "stop", [(0, 1)])] * 2
+    assert not any(e.turns for e in episodes)
+
+
 # ------------------------------------------------------------------------ one turn's output, by hand
 
 
