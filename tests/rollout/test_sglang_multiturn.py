@@ -18,7 +18,8 @@ import pytest
 import torch
 from sglang_standin import bigram_logprobs, build_module, load_snapshot, snapshot_versions
 
-from megatron_mugrpo.envs.base import EnvLimits, StepResult
+from megatron_mugrpo.envs.base import EnvLimits, Problem, StepResult
+from megatron_mugrpo.envs.episodes import run_episodes
 from megatron_mugrpo.envs.registry import EnvConfig, run_env_problem
 from megatron_mugrpo.envs.search import SearchOptions
 from megatron_mugrpo.envs.trajectory import TrajectoryBuilder
@@ -26,6 +27,7 @@ from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.rollout import sglang_engine
 from megatron_mugrpo.rollout.engine import SamplingParams
 from megatron_mugrpo.rollout.sglang_engine import SGLangContractError, SGLangEngine, replay_turn, turn_from_output
+from megatron_mugrpo.rollout.watchdog import WatchedEngine
 
 VERSIONS = snapshot_versions()
 VOCAB, EOS, POSITIONS = 32, 1, 64
@@ -215,6 +217,58 @@ def test_an_eos_at_the_cap_ends_the_trajectory_in_both_versions(sglang, tmp_path
     )
     assert [(len(t.token_ids), t.end_reason, t.turns) for t in trajectories] == [(1, "stop", [(0, 1)])] * 2
     assert not any(e.turns for e in episodes)
+
+
+class BadEnvironment:
+    """Problem 'raise': the episode's second call raises; 'vocab': its first observation holds an id the model
+    cannot embed; anything else answers at once."""
+
+    stop_strings = ("|",)
+
+    def start(self, problem):
+        return BadEpisode(problem.prompt)
+
+    def close(self):
+        pass
+
+
+class BadEpisode:
+    def __init__(self, kind):
+        self.kind, self.calls = kind, 0
+
+    def step(self, turn):
+        self.calls += 1
+        if self.kind == "raise" and self.calls == 2:
+            raise ConnectionError("retriever down")
+        if self.kind == "vocab":
+            return StepResult(observation_ids=(3, VOCAB + 5), done=False)
+        if self.kind == "answer":
+            return StepResult(done=True, reason="answered")
+        return StepResult(observation_ids=(4, 5), done=False)
+
+
+def test_failing_environments_end_their_trajectories_through_the_watched_engine(sglang, tmp_path):
+    """What a stage runs: run_episodes over the watchdog's engine (multi-turn goes to SGLang's own method); an
+    environment that raises or writes an id outside the vocabulary ends that trajectory with env_error. The
+    model has no EOS, so only the environment ends a trajectory."""
+    engine = SGLangEngine(_model_dir(tmp_path / "m", eos=[]))
+    watched = WatchedEngine(engine, rebuild=None, progress_timeout_s=60, max_restarts=0, label="sglang")
+    kinds = ["raise", "vocab", "answer"]
+    groups = run_episodes(
+        watched,
+        BadEnvironment(),
+        [Problem(prompt=k, answer="") for k in kinds],
+        PROMPTS[:3],
+        n=2,
+        params=SamplingParams(max_new_tokens=30, temperature=0.8, seed=3),  # no turn reaches its cap
+        limits=EnvLimits(max_total_tokens=60),
+        decode=decode,
+    )
+    errors = [[(t.end_reason, t.error, len(t.turns)) for t in group] for group in groups]
+    assert errors[0] == [("env_error", "ConnectionError: retriever down", 2)] * 2
+    assert errors[1] == [("env_error", f"observation id {VOCAB + 5} is outside the model's vocabulary (32 ids)", 1)] * 2
+    assert errors[2] == [("answered", None, 1)] * 2
+    assert all(VOCAB + 5 not in t.token_ids for group in groups for t in group)
 
 
 # ------------------------------------------------------------------------ one turn's output, by hand
