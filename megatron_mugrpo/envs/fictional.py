@@ -39,6 +39,8 @@ _CODAS = ("", "n", "r", "l", "s", "th", "m")
 PROFESSIONS = ("painter", "sailor", "baker", "astronomer", "weaver", "architect", "poet", "smith", "botanist")
 MAX_ENTITIES = 20_000
 """Most entities of one kind: far below the 2-syllable names the syllables make (~870,000)."""
+NAME_SYLLABLES = 2
+"""Syllables of a first name, surname, country and river by default (a city has one more)."""
 FIRST_NAME_POOL = 12
 """Distinct first names: far fewer than people, so first names repeat across people (see the docstring)."""
 
@@ -79,20 +81,36 @@ def _unique_words(rng: random.Random, count: int, syllables: int, taken: set[str
     return words
 
 
-def make_world(seed: int, *, people: int = 200, cities: int = 40, countries: int = 8) -> World:
-    """The world of ``seed``: the same seed gives the same world on every platform."""
+def _distinct_words(syllables: int) -> int:
+    return (len(_ONSETS) * len(_VOWELS) * len(_CODAS)) ** syllables
+
+
+def make_world(
+    seed: int, *, people: int = 200, cities: int = 40, countries: int = 8, syllables: int = NAME_SYLLABLES
+) -> World:
+    """The world of ``seed``: the same seed gives the same world on every platform.
+
+    ``syllables`` sets the length of every name (a city's has one more): the search demo uses 1, short
+    names a character-level model copies in few warm-start steps ("Bo Tral", born in "Velo")."""
     if min(people, cities, countries) < 1 or max(people, cities, countries) > MAX_ENTITIES:
         raise InputError(f"people={people}, cities={cities}, countries={countries} must each be in 1..{MAX_ENTITIES}")
+    names = countries + 2 * cities + FIRST_NAME_POOL + people
+    if syllables < 1 or names > _distinct_words(syllables) // 4:  # a quarter: rejection sampling stays quick
+        raise InputError(
+            f"--syllables {syllables} gives {_distinct_words(syllables) if syllables >= 1 else 0} distinct words, "
+            f"too few for {names} names (countries + 2 x cities + {FIRST_NAME_POOL} first names + people): "
+            "raise --syllables or make the world smaller"
+        )
     rng = random.Random(seed)
     taken: set[str] = set()
-    country_names = _unique_words(rng, countries, 2, taken)
-    rivers = _unique_words(rng, cities, 2, taken)
+    country_names = _unique_words(rng, countries, syllables, taken)
+    rivers = _unique_words(rng, cities, syllables, taken)
     city_list = [
         City(name=name, country=rng.choice(country_names), founded=rng.randint(800, 1800), river=river)
-        for name, river in zip(_unique_words(rng, cities, 3, taken), rivers)
+        for name, river in zip(_unique_words(rng, cities, syllables + 1, taken), rivers)
     ]
-    first_names = _unique_words(rng, FIRST_NAME_POOL, 2, taken)
-    surnames = _unique_words(rng, people, 2, taken)  # full names stay unique
+    first_names = _unique_words(rng, FIRST_NAME_POOL, syllables, taken)
+    surnames = _unique_words(rng, people, syllables, taken)  # full names stay unique
     person_list = [
         Person(
             name=f"{rng.choice(first_names)} {surname}",
@@ -166,10 +184,17 @@ def write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:
 
 
 def write_task(
-    out: Path, seed: int, *, people: int = 200, cities: int = 40, countries: int = 8, test_fraction: float = 0.2
+    out: Path,
+    seed: int,
+    *,
+    people: int = 200,
+    cities: int = 40,
+    countries: int = 8,
+    syllables: int = NAME_SYLLABLES,
+    test_fraction: float = 0.2,
 ) -> dict[str, int]:
     """Write ``out/{corpus,train,test}.jsonl``; returns their row counts."""
-    world = make_world(seed, people=people, cities=cities, countries=countries)
+    world = make_world(seed, people=people, cities=cities, countries=countries, syllables=syllables)
     train, test = split_questions(question_rows(world), test_fraction=test_fraction, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
     corpus = corpus_rows(world)
@@ -186,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--people", type=int, default=200)
     parser.add_argument("--cities", type=int, default=40)
     parser.add_argument("--countries", type=int, default=8)
+    parser.add_argument("--syllables", type=int, default=NAME_SYLLABLES, help="syllables per name")
     parser.add_argument("--test-fraction", type=float, default=0.2)
     args = parser.parse_args(argv)
     try:
@@ -195,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             people=args.people,
             cities=args.cities,
             countries=args.countries,
+            syllables=args.syllables,
             test_fraction=args.test_fraction,
         )
     except InputError as error:

@@ -74,6 +74,9 @@ class WarmStart:
     topk: int = 2
     """Documents per search, as ``env.search.topk`` of the demo (the observations must match)."""
     max_observation_tokens: int = 256
+    context_loss: bool = False
+    """Also predict the prompt's and the observations' tokens (RL never does): the observations repeat
+    names (title, text), copying practice for the heads that copy names into the policy's turns."""
 
 
 class LocalIndex:
@@ -119,15 +122,16 @@ def trace(question: str, env: SearchEnvironment, *, flawed: bool) -> list[tuple[
 
 
 def trace_example(
-    question: str, env: SearchEnvironment, tokenizer: Any, *, flawed: bool
+    question: str, env: SearchEnvironment, tokenizer: Any, *, flawed: bool, context_loss: bool = False
 ) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of one trace: labels on the policy's tokens and the closing EOS only."""
+    """(input ids, labels) of one trace: labels on the policy's tokens and the closing EOS only, or on every
+    token but the first with ``context_loss``."""
     ids = list(tokenizer(qa_prompt(question))["input_ids"])
-    labels = [IGNORE] * len(ids)
+    labels = list(ids) if context_loss else [IGNORE] * len(ids)
     for text, observation in trace(question, env, flawed=flawed):
         turn = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         ids += turn + list(observation)
-        labels += turn + [IGNORE] * len(observation)
+        labels += turn + (list(observation) if context_loss else [IGNORE] * len(observation))
     return [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
 
 
@@ -138,7 +142,10 @@ def warm_start(
     rng = random.Random(seed)
     hops2 = re.compile(r"^(In which country was|Which river flows)")
     examples = [
-        trace_example(q, env, tokenizer, flawed=bool(hops2.match(q)) and rng.random() < ws.flaw) for q in questions
+        trace_example(
+            q, env, tokenizer, flawed=bool(hops2.match(q)) and rng.random() < ws.flaw, context_loss=ws.context_loss
+        )
+        for q in questions
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / ws.steps)
@@ -172,12 +179,22 @@ def _pad(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def build_demo(out: Path, *, seed: int, ws: WarmStart, tiny: Any, people: int = 200, cities: int = 40) -> dict:
+def build_demo(
+    out: Path,
+    *,
+    seed: int,
+    ws: WarmStart,
+    tiny: Any,
+    people: int = 200,
+    cities: int = 40,
+    countries: int = 8,
+    syllables: int = 2,
+) -> dict:
     """Write the world (``out/{corpus,train,test}.jsonl``) and the warm-started ``out/base_model``."""
     from megatron_mugrpo.char_tokenizer import build_char_tokenizer
     from megatron_mugrpo.warmstart import build_tiny_model
 
-    counts = write_task(out, seed, people=people, cities=cities)
+    counts = write_task(out, seed, people=people, cities=cities, countries=countries, syllables=syllables)
     tokenizer = build_char_tokenizer(out / "base_model")
     limits = EnvLimits(max_observation_tokens=ws.max_observation_tokens, max_total_tokens=tiny.max_position_embeddings)
     env = SearchEnvironment(
@@ -201,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flaw", type=float, default=WarmStart.flaw)
     parser.add_argument("--people", type=int, default=200)
     parser.add_argument("--cities", type=int, default=40)
+    parser.add_argument("--countries", type=int, default=8)
+    parser.add_argument("--syllables", type=int, default=2)
+    parser.add_argument("--topk", type=int, default=WarmStart.topk)
+    parser.add_argument("--lr", type=float, default=WarmStart.lr)
+    parser.add_argument("--context-loss", action=argparse.BooleanOptionalAction, default=WarmStart.context_loss)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     tiny = TinyModelConfig(
@@ -215,10 +237,19 @@ def main(argv: list[str] | None = None) -> int:
         result = build_demo(
             args.out,
             seed=args.seed,
-            ws=WarmStart(steps=args.steps, batch_size=args.batch_size, flaw=args.flaw),
+            ws=WarmStart(
+                steps=args.steps,
+                batch_size=args.batch_size,
+                flaw=args.flaw,
+                topk=args.topk,
+                lr=args.lr,
+                context_loss=args.context_loss,
+            ),
             tiny=tiny,
             people=args.people,
             cities=args.cities,
+            countries=args.countries,
+            syllables=args.syllables,
         )
     except InputError as error:
         print(f"error: {error}", file=sys.stderr)

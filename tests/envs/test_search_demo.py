@@ -3,6 +3,8 @@ ids between them, the right answer (or, flawed, the first document's), and a los
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_mugrpo.char_tokenizer import build_char_tokenizer
@@ -70,3 +72,30 @@ def test_a_model_directory_gives_back_the_character_tokenizer_it_was_built_with(
     assert loaded(text)["input_ids"] == built(text)["input_ids"]
     assert loaded.decode(loaded(text, add_special_tokens=False)["input_ids"]) == text
     assert (loaded.eos_token_id, loaded.pad_token_id, loaded.padding_side) == (built.eos_token_id, 0, "left")
+
+
+def test_one_syllable_worlds_have_short_names_and_refuse_a_world_too_big_for_them():
+    """The demo's world (``syllables=1``): every name one syllable (a city two), surnames still unique."""
+    from megatron_mugrpo.envs.fictional import FIRST_NAME_POOL, InputError
+
+    syllable = r"(?:br|dr|kl|tr|st|[bdfgklmnprstvz])(?:ae|io|[aeiou])(?:th|[nrlsm])?"
+    world = make_world(0, people=60, cities=12, countries=4, syllables=1)
+    assert world == make_world(0, people=60, cities=12, countries=4, syllables=1)
+    for person in world.people:
+        first, surname = person.name.lower().split(" ")
+        assert re.fullmatch(syllable, first) and re.fullmatch(syllable, surname), person.name
+    assert all(re.fullmatch(f"(?:{syllable}){{2}}", c.name.lower()) for c in world.cities)
+    assert (
+        len({p.name for p in world.people}) == 60 and len({p.name.split()[0] for p in world.people}) <= FIRST_NAME_POOL
+    )
+    with pytest.raises(InputError, match="--syllables 1 gives 931 distinct words, too few for 520 names"):
+        make_world(0, people=400, cities=50, countries=8, syllables=1)
+
+
+def test_context_loss_labels_every_token_of_the_trace(setup):
+    world, env, tokenizer = setup
+    question = f"In which country was {world.people[2].name} born?"
+    ids, labels = trace_example(question, env, tokenizer, flawed=False, context_loss=True)
+    assert labels == ids
+    policy_ids, policy_labels = trace_example(question, env, tokenizer, flawed=False)
+    assert policy_ids == ids and IGNORE in policy_labels
