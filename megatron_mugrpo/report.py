@@ -123,7 +123,7 @@ IDLE_KEYS = (TRAINER_IDLE_RATIO, ROLLOUT_IDLE_RATIO)
 MOE_PANELS = (MOE_LOAD_MIN, MOE_LOAD_MAX, ROUTING_AGREEMENT, MOE_AUX_LOSS)
 """Mixture-of-experts panels: the model's expert-load bounds, routing agreement with the engine, aux loss."""
 LAYER_LOAD = re.compile(MOE_LAYER_LOAD_PATTERN)
-"""Per-layer expert-load bounds (``training.moe.load_layer_key``)."""
+"""Per-layer expert-load bounds (``metric_names.moe_layer_load_key``, which ``training.moe`` writes)."""
 LAYER_LEGEND_MAX = 8
 """Up to this many layers get a legend entry each; more are told apart by colour (early: dark)."""
 FIGURE_DPI = 120

@@ -81,9 +81,7 @@ D = "train/ratio mean, see above"
 def test_no_module_spells_a_metric_name_outside_metric_names() -> None:
     spelled = {_relative(p): names for p in _package_files() if (names := spelled_metric_names(p.read_text()))}
     unexplained = {path: names for path, names in spelled.items() if path not in AWAITING_CONVERSION}
-    assert unexplained == {}, (
-        "import these names' constants from megatron_mugrpo/metric_names.py (add any new one there)"
-    )
+    assert unexplained == {}, f"{unexplained}: import their constants from metric_names.py (add any new one there)"
     stale = sorted(set(AWAITING_CONVERSION) - set(spelled))
     assert stale == [], f"{stale} spell no metric name any more: drop them from AWAITING_CONVERSION"
 
