@@ -272,7 +272,10 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
     problem = partial_rollout_problem(cfg.async_, cfg.rollout.engine)
     if problem:
         raise ConfigError(problem)
-    with Heartbeat(paths.worker_heartbeat(role.worker_index)) as heartbeat:  # a failure reaches the trainer
+    with (
+        Heartbeat(paths.worker_heartbeat(role.worker_index)) as heartbeat,  # a failure reaches the trainer
+        ExitStack() as held,  # the environment (env.enabled): closed last, even if the engine's shutdown fails
+    ):
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # a "Loading weights" bar at every weight pick-up is noise
@@ -292,7 +295,6 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
             subscription=Subscription(paths.weights),
             record_routes=cfg.moe.routing_replay == "rollout",
         )
-        held = ExitStack()  # the environment: closed after the engine, whatever ends the worker
         try:
             worker.warm_up()
             first = _wait(worker, worker.first_weights, "waiting for the trainer's first publication")
@@ -314,7 +316,6 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
                 worker.reward_fn.close()
             if worker.engine is not None:
                 shutdown_engine(worker.engine)
-            held.close()
 
 
 def worker_loop(worker: Worker, idle_s: float = 0.0) -> None:

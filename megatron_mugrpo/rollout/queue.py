@@ -128,7 +128,8 @@ class ShardRecord:
     (``shards.TRAJECTORY_FIELDS``)."""
     env: dict[str, float] | None = None
     """With env.enabled, the batch's environment counts (``envs.episodes.EnvTally.counts``: trajectories,
-    turns, tool calls, environment seconds, failed trajectories, tokens by writer, decoding seconds),
+    turns, tool calls, environment seconds, failed trajectories, tokens by writer, and as ``sampling_s`` the
+    batch's ``generate_s``: decoding, environment calls and scoring),
     which the trainer turns into the ``rollout/`` env metrics of the update that admits the shard."""
     routes: RoutesInfo | None = None
     """The shard's routes file (``ROUTES_SUFFIX``), when the engine recorded routes (moe.routing_replay=rollout)."""
