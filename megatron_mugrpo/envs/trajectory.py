@@ -20,6 +20,7 @@ through ``guarded_step`` and appends the observation it returns. End reasons:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from megatron_mugrpo.envs.base import (
@@ -31,6 +32,7 @@ from megatron_mugrpo.envs.base import (
     Episode,
     StepResult,
     Turn,
+    guarded_step,
 )
 
 STOP = "stop"
@@ -187,3 +189,50 @@ def check_error_budget(trajectories: Sequence[Trajectory], max_error_frac: float
             f"{len(failed)} of {len(trajectories)} trajectories failed in environment {env_name!r}, more than "
             f"env.max_error_frac={max_error_frac}; last: {last.end_reason}: {last.error}"
         )
+
+
+def replay_sampled(
+    row: TrajectoryBuilder,
+    response_ids: Sequence[int],
+    logprobs: Sequence[float],
+    *,
+    eos: set[int],
+    decode: Callable[[list[int]], str],
+    stop_strings: Sequence[str],
+    eos_at_last: bool = False,
+) -> bool | None:
+    """Feed a turn an engine sampled in one request (vLLM, SGLang: they know no stop strings of ours) to
+    ``row`` token by token, through the rules the transformers engine applies as it decodes (EOS: a token
+    of ``eos``, or the last one when ``eos_at_last``; a stop string; the turn cap; the budget). True: the
+    turn goes to the environment; False: the trajectory ended. What was sampled past the end is dropped
+    (it does not change the kept tokens' log-probs). None: the tokens ran out before the turn ended, which
+    the engine's own contract forbids (it raises its contract error)."""
+    last = len(response_ids) - 1
+    for k, (token, logprob) in enumerate(zip(response_ids, logprobs)):
+        row.add_sampled(token, logprob)
+        stopped = bool(stop_strings) and stop_hit(decode(row.turn_ids()), stop_strings)
+        if row.turn_over(eos=token in eos or (eos_at_last and k == last), stopped=stopped):
+            return True
+        if row.done:
+            return False
+    return None
+
+
+def env_steps(rows: list[TrajectoryBuilder], decode: Callable[[list[int]], str], vocab_size: int) -> list[StepResult]:
+    """The environment's answers to the turns that just ended, called at once (each bounded by its
+    timeout, ``guarded_step``). An observation id the model cannot embed is the environment's error."""
+
+    def call(row: TrajectoryBuilder) -> StepResult:
+        result = guarded_step(
+            row.episode, row.turn(decode), row.limits, turn_index=len(row.turns), total_tokens=row.total_tokens
+        )
+        bad = [t for t in result.observation_ids if t >= vocab_size]
+        if bad:
+            message = f"observation id {bad[0]} is outside the model's vocabulary ({vocab_size} ids)"
+            return StepResult(done=True, reason=ENV_ERROR, seconds=result.seconds, info={"error": message})
+        return result
+
+    if len(rows) <= 1:
+        return [call(row) for row in rows]
+    with ThreadPoolExecutor(max_workers=len(rows), thread_name_prefix="env-step") as pool:
+        return list(pool.map(call, rows))

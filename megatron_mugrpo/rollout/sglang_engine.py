@@ -71,7 +71,6 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -80,8 +79,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_mugrpo.envs.base import ENV_ERROR, EnvLimits, Episode, StepResult, guarded_step
-from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, stop_hit
+from megatron_mugrpo.envs.base import EnvLimits, Episode
+from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, env_steps, replay_sampled
 from megatron_mugrpo.errors import InputError, MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
@@ -506,42 +505,18 @@ def replay_turn(
     decode: Callable[[list[int]], str],
     stop_strings: Sequence[str],
 ) -> bool:
-    """Feed a sampled turn to ``row`` token by token through the transformers engine's rules (EOS: a token of
-    ``eos``, or the one SGLang stopped at); True when the turn goes to the environment. The tokens after the
-    one that ended the turn or the trajectory are dropped."""
+    """Feed a sampled turn to ``row`` (``envs.trajectory.replay_sampled``; EOS: a token of ``eos``, or the
+    one SGLang stopped at); True when the turn goes to the environment."""
     gen, stopped_last = turn
-    last = len(gen.response_ids) - 1
-    for k, (token, logprob) in enumerate(zip(gen.response_ids, gen.logprobs)):
-        row.add_sampled(token, logprob)
-        stopped = bool(stop_strings) and stop_hit(decode(row.turn_ids()), stop_strings)
-        if row.turn_over(eos=token in eos or (k == last and stopped_last), stopped=stopped):
-            return True
-        if row.done:
-            return False
-    raise SGLangContractError(
-        f"SGLang ended a turn after {len(gen.response_ids)} tokens ({gen.finish_reason}), before its max_new_tokens "
-        "or EOS"
+    to_env = replay_sampled(
+        row, gen.response_ids, gen.logprobs, eos=eos, decode=decode, stop_strings=stop_strings, eos_at_last=stopped_last
     )
-
-
-def env_steps(rows: list[TrajectoryBuilder], decode: Callable[[list[int]], str], vocab_size: int) -> list[StepResult]:
-    """The environment's answers to the turns that just ended, at once (each bounded by its timeout); an
-    observation id the model cannot embed is the environment's error (as in the other engines)."""
-
-    def call(row: TrajectoryBuilder) -> StepResult:
-        result = guarded_step(
-            row.episode, row.turn(decode), row.limits, turn_index=len(row.turns), total_tokens=row.total_tokens
+    if to_env is None:
+        raise SGLangContractError(
+            f"SGLang ended a turn after {len(gen.response_ids)} tokens ({gen.finish_reason}), before its "
+            "max_new_tokens or EOS"
         )
-        bad = [t for t in result.observation_ids if t >= vocab_size]
-        if bad:
-            message = f"observation id {bad[0]} is outside the model's vocabulary ({vocab_size} ids)"
-            return StepResult(done=True, reason=ENV_ERROR, seconds=result.seconds, info={"error": message})
-        return result
-
-    if len(rows) <= 1:
-        return [call(row) for row in rows]
-    with ThreadPoolExecutor(max_workers=len(rows), thread_name_prefix="env-step") as pool:
-        return list(pool.map(call, rows))
+    return to_env
 
 
 def _check_ok(result: Any, what: str) -> None:

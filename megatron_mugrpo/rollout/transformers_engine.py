@@ -41,15 +41,14 @@ import gc
 import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_mugrpo.envs.base import ENV_ERROR, EnvLimits, Episode, StepResult, guarded_step
-from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, stop_hit
+from megatron_mugrpo.envs.base import EnvLimits, Episode
+from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, env_steps, stop_hit
 from megatron_mugrpo.errors import MissingInputError, require
 from megatron_mugrpo.faults import engine_fault
 from megatron_mugrpo.rollout.engine import (
@@ -526,29 +525,10 @@ class TransformersEngine:
             stopped = bool(stop_strings) and stop_hit(decode(row.turn_ids()), stop_strings)
             if row.turn_over(eos=token in eos, stopped=stopped):
                 ended.append(row)
-        observations = {id(row): row.apply(result) for row, result in zip(ended, self._env_steps(ended, decode))}
+        observations = {
+            id(row): row.apply(result) for row, result in zip(ended, env_steps(ended, decode, self.vocab_size))
+        }
         return [[] if row.done else [token, *observations.get(id(row), [])] for row, token in zip(rows, tokens)]
-
-    def _env_steps(self, rows: list[TrajectoryBuilder], decode: Callable[[list[int]], str]) -> list[StepResult]:
-        """The environment's answers to the turns that just ended, called at once (each bounded by its
-        timeout). An observation id the model cannot embed is the environment's error."""
-        if not rows:
-            return []
-
-        def call(row: TrajectoryBuilder) -> StepResult:
-            result = guarded_step(
-                row.episode, row.turn(decode), row.limits, turn_index=len(row.turns), total_tokens=row.total_tokens
-            )
-            bad = [t for t in result.observation_ids if t >= self.vocab_size]
-            if bad:
-                message = f"observation id {bad[0]} is outside the model's vocabulary ({self.vocab_size} ids)"
-                return StepResult(done=True, reason=ENV_ERROR, seconds=result.seconds, info={"error": message})
-            return result
-
-        if len(rows) == 1:
-            return [call(rows[0])]
-        with ThreadPoolExecutor(max_workers=len(rows), thread_name_prefix="env-step") as pool:
-            return list(pool.map(call, rows))
 
     def teacher_forced_logprobs(
         self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperature: float

@@ -56,7 +56,6 @@ import os
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -65,8 +64,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_mugrpo.envs.base import ENV_ERROR, EnvLimits, Episode, StepResult, guarded_step
-from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, stop_hit
+from megatron_mugrpo.envs.base import EnvLimits, Episode
+from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, env_steps, replay_sampled
 from megatron_mugrpo.errors import InputError, MissingInputError, require
 from megatron_mugrpo.rollout.engine import (
     Generation,
@@ -400,16 +399,15 @@ class VLLMEngine:
     def _replay_turn(
         self, row: TrajectoryBuilder, turn: Generation, decode: Callable[[list[int]], str], stop_strings: Sequence[str]
     ) -> bool:
-        """Feed a sampled turn to ``row`` token by token; True when the turn goes to the environment."""
+        """Feed a sampled turn to ``row`` (``envs.trajectory.replay_sampled``); True when the turn goes to the
+        environment."""
         eos = set(self.eos_token_ids)
-        for token, logprob in zip(turn.response_ids, turn.logprobs):
-            row.add_sampled(token, logprob)
-            stopped = bool(stop_strings) and stop_hit(decode(row.turn_ids()), stop_strings)
-            if row.turn_over(eos=token in eos, stopped=stopped):
-                return True
-            if row.done:
-                return False
-        raise VLLMContractError(f"vLLM ended a turn after {len(turn.response_ids)} tokens, before its cap or EOS")
+        to_env = replay_sampled(
+            row, turn.response_ids, turn.logprobs, eos=eos, decode=decode, stop_strings=stop_strings
+        )
+        if to_env is None:
+            raise VLLMContractError(f"vLLM ended a turn after {len(turn.response_ids)} tokens, before its cap or EOS")
+        return to_env
 
     # ------------------------------------------------------------------ memory
 
@@ -501,26 +499,6 @@ def _end_reload(worker: Any, loaded: list[str]) -> list[str]:
         if isinstance(method, UnquantizedEmbeddingMethod):
             method.process_weights_after_loading(module)
     return sorted({name for name, _ in model.named_parameters()} - set(loaded))
-
-
-def env_steps(rows: list[TrajectoryBuilder], decode: Callable[[list[int]], str], vocab_size: int) -> list[StepResult]:
-    """The environment's answers to the turns that just ended, at once (each bounded by its timeout); an
-    observation id the model cannot embed is the environment's error (as in the transformers engine)."""
-
-    def call(row: TrajectoryBuilder) -> StepResult:
-        result = guarded_step(
-            row.episode, row.turn(decode), row.limits, turn_index=len(row.turns), total_tokens=row.total_tokens
-        )
-        bad = [t for t in result.observation_ids if t >= vocab_size]
-        if bad:
-            message = f"observation id {bad[0]} is outside the model's vocabulary ({vocab_size} ids)"
-            return StepResult(done=True, reason=ENV_ERROR, seconds=result.seconds, info={"error": message})
-        return result
-
-    if len(rows) <= 1:
-        return [call(row) for row in rows]
-    with ThreadPoolExecutor(max_workers=len(rows), thread_name_prefix="env-step") as pool:
-        return list(pool.map(call, rows))
 
 
 # ------------------------------------------------------------------ outputs
