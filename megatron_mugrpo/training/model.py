@@ -47,6 +47,7 @@ from megatron_mugrpo.training.moe import (
 )
 from megatron_mugrpo.training.parallel import ParallelGroups
 from megatron_mugrpo.training.routing_replay import install_routing_hooks
+from megatron_mugrpo.training.sdpa_attention import with_sdpa_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe")
 _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
@@ -271,7 +272,8 @@ def layer_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
         return moe_block_spec(config, vp_stage)
     if have_transformer_engine():
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    # The local spec's attention through one SDPA call (training.sdpa_attention), via its core_attention slot.
+    return with_sdpa_attention(get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm"))
 
 
 def moe_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
@@ -289,6 +291,7 @@ def moe_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> An
         config, use_transformer_engine=have_transformer_engine(), normalization="RMSNorm", vp_stage=vp_stage
     )
     for i, spec in enumerate(block.layer_specs):
+        spec = block.layer_specs[i] = with_sdpa_attention(spec)  # local layers only; TE's are kept
         keys = dict(getattr(spec.submodules, "sharded_state_dict_keys_map", None) or {})
         if _is_sparse_spec(spec) and keys.pop("pre_mlp_layernorm.", None) is not None:
             submodules = dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys)
