@@ -141,6 +141,7 @@ def trajectory_sample(trajectory: Trajectory, score: Any) -> RolloutSample:
         policy_mask=list(trajectory.policy_mask),
         turns=list(trajectory.turns),
         env_seconds=list(trajectory.env_seconds),
+        routes=trajectory.routes,  # every position's experts, observations included (moe.routing_replay=rollout)
     )
 
 

@@ -84,6 +84,9 @@ EnvConfig = with_registry_sections(_EnvSettings, env_options())
 
 MULTI_TURN_ENGINES = ("transformers", "vllm", "sglang")
 """Rollout engines that decode trajectories (``generate_trajectories``)."""
+MULTI_TURN_ROUTE_ENGINES = ("transformers",)
+"""Engines that record MoE routes of multi-turn trajectories (prompt, policy and observation tokens) for
+``moe.routing_replay=rollout``: the transformers engine files every forward's routes per row."""
 
 
 def run_env_problem(
@@ -102,8 +105,9 @@ def run_env_problem(
 
     The search environment's episodes are scored by the qa reward (the answer tag, the end reasons); the
     engines of ``MULTI_TURN_ENGINES`` decode trajectories; VIGOR's rounds, async.partial_rollout
-    (``partial_rollout``: weights switched between two decode steps) and route recording do not carry
-    trajectories yet; the asynchronous loop does (its workers hold the environment). A trajectory needs
+    (``partial_rollout``: weights switched between two decode steps) and route recording on engines outside
+    ``MULTI_TURN_ROUTE_ENGINES`` do not carry trajectories yet; the asynchronous loop does (its workers hold
+    the environment). A trajectory needs
     room after its prompt (``max_prompt_tokens``) within ``env.max_total_tokens``, and that within the
     model's ``positions`` (max_position_embeddings, when known before the model is loaded: the locally
     built tiny model)."""
@@ -130,8 +134,13 @@ def run_env_problem(
             "without the engine's between-step weight switch, so no token would record its policy version; set "
             "async.partial_rollout=false"
         )
-    if routing_replay != "none":
-        return f"env.enabled cannot record MoE routes yet; set moe.routing_replay=none (got {routing_replay!r})"
+    if routing_replay != "none" and engine not in MULTI_TURN_ROUTE_ENGINES:
+        return (
+            f"env.enabled with moe.routing_replay={routing_replay!r} needs the routes of every trajectory position, "
+            f"observation tokens included, and rollout.engine={engine!r} records them for single-turn responses "
+            f"only (its multi-turn path sends each turn as one request and keeps no routes across turns); use "
+            f"rollout.engine in {MULTI_TURN_ROUTE_ENGINES} or moe.routing_replay=none"
+        )
     options = getattr(settings, settings.kind)
     if settings.kind == "search" and not (options.url or options.corpus):
         return (

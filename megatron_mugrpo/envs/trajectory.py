@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from megatron_mugrpo.envs.base import (
     ENV_ERROR,
@@ -34,6 +35,9 @@ from megatron_mugrpo.envs.base import (
     Turn,
     guarded_step,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 STOP = "stop"
 """End reason of a trajectory whose policy sampled EOS."""
@@ -59,6 +63,10 @@ class Trajectory:
     """Environment calls that reported a tool call (``info['tool_calls']``)."""
     error: str | None = None
     """The environment's error when the episode ended with env_error / env_timeout."""
+    routes: np.ndarray | None = None
+    """[prompt + len(token_ids) - 1, moe_layers, k] expert ids (``rollout.routes``) of every position the
+    trainer forwards, observation tokens included, when the engine records routes (moe.routing_replay=rollout);
+    None otherwise."""
 
     def aligned_logprobs(self, fill: float = 0.0) -> list[float]:
         """[len(token_ids)]: the behaviour log-probs at policy tokens, ``fill`` at observation tokens."""

@@ -29,6 +29,13 @@ live row feeds one new token, taken as the last position of its row (so an engin
 whole sequence without a KV cache records the same). A forward without a ``step`` before it (e.g. a
 scoring pass) is not recorded.
 
+Multi-turn trajectories (``TransformersEngine.generate_trajectories``) feed chunks instead: after an
+observation a row feeds its last sampled token and the observation's tokens, other rows one token, in one
+left-padded forward. ``step(live, fed=[n_a, ...])`` arms such a forward: row ``live[a]`` feeds its last
+``n_a`` positions, and its routes grow by exactly those (observation tokens included: the trainer forwards
+them too, and their routes shape the keys and values later tokens attend to). A batch records either
+chunk steps or one-token decode steps after its prefill, never both (the two are filed differently).
+
 The routes file of a shard (the rollout store's ``routes_00000.arrow``, the async queue's
 ``.routes.arrow``) is written and read here too: ``shard_routes`` checks a shard's routes before anything
 is written, ``write_routes`` writes them durably and returns the record entry (``RoutesInfo``),
@@ -165,6 +172,10 @@ class RouteRecorder:
         self._hooks = [gate.register_forward_hook(self._capture(i)) for i, gate in enumerate(gates)]
         self._prompt_lengths: list[int] = []
         self._prefill: list[np.ndarray] = []
+        self._chunks: list[list[np.ndarray]] = []
+        """Per row, the routes of each chunk forward it fed (multi-turn), on the host."""
+        self._fed: list[int] | None = None
+        """New tokens per armed row of a chunk forward (None: the prefill or a one-token decode step)."""
         self._decode: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Per decode forward: (live rows [A], routes [A, layers, k]) still on the model's device."""
         self._armed: torch.Tensor | None = None
@@ -181,10 +192,14 @@ class RouteRecorder:
         if any(n < 1 for n in self._prompt_lengths):
             raise RouteRecordingError(f"prompt lengths {self._prompt_lengths[:8]} must be >= 1")
         self._prefill, self._decode, self._dense, self._armed = [], [], None, None
+        self._chunks = [[] for _ in self._prompt_lengths]
 
-    def step(self, live_rows: torch.Tensor | Sequence[int]) -> None:
-        """Arm the next forward: ``live_rows`` [A] are the batch rows (indices into ``begin``'s prompts) it feeds."""
+    def step(self, live_rows: torch.Tensor | Sequence[int], fed: Sequence[int] | None = None) -> None:
+        """Arm the next forward: ``live_rows`` [A] are the batch rows (indices into ``begin``'s prompts) it feeds;
+        ``fed`` [A] (a chunk forward after the prefill, multi-turn): the new tokens each row feeds, the last
+        positions of its left-padded row. None: the prefill, then one token per row."""
         rows = torch.as_tensor(live_rows, dtype=torch.long).reshape(-1)
+        self._check_fed(rows, fed)
         batch = len(self._prompt_lengths)
         if (
             rows.numel() == 0
@@ -197,8 +212,25 @@ class RouteRecorder:
             raise RouteRecordingError(
                 f"the prefill forward must feed all {batch} rows of the batch, got {rows.numel()}"
             )
-        self._armed = rows
+        self._armed, self._fed = rows, None if fed is None else [int(n) for n in fed]
         self._pending = [None] * self.moe_layers
+
+    def _check_fed(self, rows: torch.Tensor, fed: Sequence[int] | None) -> None:
+        """RouteRecordingError unless ``fed`` fits the forward ``step`` arms (see ``step``)."""
+        if fed is None:
+            if any(self._chunks):
+                raise RouteRecordingError(
+                    "a batch that fed chunks (step(rows, fed)) cannot take one-token decode steps"
+                )
+            return
+        if not self._prefill:
+            raise RouteRecordingError("the prefill forward takes no fed counts: it feeds each row's whole prompt")
+        if self._decode:
+            raise RouteRecordingError("a batch that took one-token decode steps cannot feed chunks (step(rows, fed))")
+        if len(fed) != rows.numel() or any(int(n) < 1 for n in fed):
+            raise RouteRecordingError(
+                f"step(rows, fed) needs one count >= 1 per row, got {list(fed)[:8]} for {rows.numel()} rows"
+            )
 
     def _capture(self, layer: int) -> Any:
         def hook(_gate: torch.nn.Module, _inputs: Any, output: Any) -> None:
@@ -236,6 +268,8 @@ class RouteRecorder:
             self._prefill = [host[b, host.shape[1] - n :] for b, n in enumerate(self._prompt_lengths)]
             if any(len(p) != n for p, n in zip(self._prefill, self._prompt_lengths)):
                 raise RouteRecordingError(f"the prefill held {host.shape[1]} positions, shorter than a prompt")
+        elif self._fed is not None:
+            self._file_chunks(rows, stacked)
         else:
             self._decode.append((rows.to(stacked.device), stacked[:, -1]))
         self._dense = None
@@ -247,8 +281,17 @@ class RouteRecorder:
                 f"no routes for row {row}: the batch's prefill recorded {len(self._prefill)} rows"
             )
         if self._dense is None:
-            self._dense, self._fed = self._decode_table()
-        return np.concatenate([self._prefill[row], self._dense[row, : self._fed[row]]])
+            self._dense, self._decoded = self._decode_table()
+        return np.concatenate([self._prefill[row], *self._chunks[row], self._dense[row, : self._decoded[row]]])
+
+    def _file_chunks(self, rows: torch.Tensor, stacked: torch.Tensor) -> None:
+        """File a chunk forward's routes [A, S, layers, k]: row ``rows[a]`` fed its last ``fed[a]`` positions."""
+        fed, self._fed = self._fed, None
+        host, width = stacked.cpu().numpy(), stacked.shape[1]
+        if max(fed) > width:
+            raise RouteRecordingError(f"a chunk forward held {width} positions, fewer than a row fed ({max(fed)})")
+        for a, (row, n) in enumerate(zip(rows.tolist(), fed)):
+            self._chunks[row].append(host[a, width - n :])
 
     def _decode_table(self) -> tuple[np.ndarray, np.ndarray]:
         """Decode routes as [B, steps, layers, k] plus fed tokens per row (rows only ever leave, so a

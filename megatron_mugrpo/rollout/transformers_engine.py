@@ -30,8 +30,11 @@ Multi-turn rollouts (``generate_trajectories``, issue #37): token in, token out.
 ids the policy sampled and the environment's observation ids between its turns (``envs/trajectory.py``),
 with a policy mask and behaviour log-probs for policy tokens only. Rows at different turns share a batch;
 after an observation a row feeds only its new tokens (a left-padded chunk) into the KV cache it keeps,
-so the log-probs equal a teacher-forced forward over prompt + trajectory (tested). Not yet combined
-with partial rollouts or route recording.
+so the log-probs equal a teacher-forced forward over prompt + trajectory (tested). Under
+``record_routes`` every forward's routes are filed per row (``RouteRecorder.step(rows, fed)``): the
+prompt's, each sampled token's and each observation token's, so a trajectory's routes cover every
+position the trainer forwards (equal to a teacher-forced forward's; tested). Not yet combined with
+partial rollouts.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from megatron_mugrpo.rollout.engine import (
     responses_per_prompt,
     validate_generations,
 )
-from megatron_mugrpo.rollout.routes import RoutedGeneration, RouteRecorder
+from megatron_mugrpo.rollout.routes import RoutedGeneration, RouteRecorder, RouteRecordingError
 
 if TYPE_CHECKING:  # transformers is imported when an engine is built, not when the config is loaded
     from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
@@ -438,10 +441,8 @@ class TransformersEngine:
         """
         if len(episodes) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(episodes)} episodes; give one episode per prompt")
-        if self.interrupt is not None or self.recorder is not None or not self.use_cache:
-            raise ValueError(
-                "multi-turn rollouts need the KV cache and support neither partial rollouts nor route recording yet"
-            )
+        if self.interrupt is not None or not self.use_cache:
+            raise ValueError("multi-turn rollouts need the KV cache and do not support partial rollouts yet")
         check_prompt_ids(prompts, self.vocab_size)
         positions = getattr(self._config, "max_position_embeddings", None)
         require(
@@ -458,8 +459,23 @@ class TransformersEngine:
                 for p, e in zip(prompts[start:end], episodes[start:end])
             ]
             self._rollout_batch(prompts[start:end], rows, params.temperature, generator, decode, tuple(stop_strings))
-            trajectories += [row.build() for row in rows]
+            trajectories += [self._built(b, row) for b, row in enumerate(rows)]
         return trajectories
+
+    def _built(self, b: int, row: TrajectoryBuilder) -> Trajectory:
+        """Row ``b``'s trajectory, with its routes when they are recorded: [prompt + trajectory - 1, layers, k],
+        the trainer's input (a trajectory ends with a sampled token, which no forward fed)."""
+        trajectory = row.build()
+        if self.recorder is None:
+            return trajectory
+        routes, expected = self.recorder.routes(b), row.prompt_length + len(trajectory.token_ids) - 1
+        if len(routes) != expected:
+            raise RouteRecordingError(
+                f"trajectory {b} recorded routes for {len(routes)} positions, not {expected} (prompt "
+                f"{row.prompt_length} + trajectory {len(trajectory.token_ids)} - 1): the engine fed a row wrongly"
+            )
+        trajectory.routes = routes
+        return trajectory
 
     @torch.inference_mode()
     def _rollout_batch(
@@ -482,7 +498,12 @@ class TransformersEngine:
         next_pos = step_pos[:, -1] + 1  # [A]: position of each row's next input token
         cache = DynamicCache(config=model.config)
         live, eos = list(range(len(rows))), set(self.eos_token_ids)
+        fed: list[int] | None = None  # tokens each live row feeds in the next forward (None: the prefill)
+        if self.recorder is not None:
+            self.recorder.begin([len(p) for p in prompts])
         while live:
+            if self.recorder is not None:  # every position a row feeds is routed, observation tokens too
+                self.recorder.step(live, fed)
             logits = model(
                 input_ids=step_ids,
                 attention_mask=mask,
@@ -504,6 +525,7 @@ class TransformersEngine:
                 mask, next_pos = mask[index], next_pos[index]
                 live, feeds = [live[a] for a in keep], [feeds[a] for a in keep]
             step_ids, step_mask = left_pad(feeds, self.pad_token_id, self.device)
+            fed = [len(feed) for feed in feeds]
             step_pos = next_pos[:, None] + position_ids_from_mask(step_mask)
             next_pos = next_pos + step_mask.sum(dim=1)
             mask = torch.cat([mask, step_mask], dim=1)
