@@ -198,51 +198,23 @@ def generate_planned(
     of rewards that run tests) and ``perf/*`` metrics of this call (generated tokens over all hosts,
     seconds, shards written and resumed, engines).
     """
-    started, tokens, written, seconds, tally = time.perf_counter(), 0, 0, PhaseSeconds(), None
+    started, seconds, mine = time.perf_counter(), PhaseSeconds(), (0, 0, None)
     if hosts.placement.is_host:
         if engine is None:
             raise ValueError(f"rank {hosts.placement.rank} hosts an engine but generate_planned() got engine=None")
-        writer = ShardWriter(store_dir, plan.manifest)
-        with stage_env(env, tokenizer) as stage:
-            for index in plan.missing:
-                with _adding(seconds, "store_write"):
-                    claimed = writer.claim(index)
-                if not claimed:
-                    continue  # another host took it
-                try:
-                    tokens += _generate_shard(
-                        writer,
-                        index,
-                        engine,
-                        prompts,
-                        tokenizer,
-                        reward_fn,
-                        cfg,
-                        adv_eps,
-                        seed,
-                        progress,
-                        seconds,
-                        stage,
-                    )
-                except BaseException:
-                    writer.release(index)
-                    raise
-                written += 1
-                if on_shard_written is not None:
-                    on_shard_written(index)
-            tally = stage.tally.counts(seconds.sampling) if stage is not None else None
-    counts = hosts.gather((tokens, written, tally))  # rank 0 hears from every rank once all shards are written
+        inputs = _ShardInputs(engine, prompts, tokenizer, reward_fn, cfg, adv_eps, seed, progress, seconds)
+        mine = _write_missing(plan, store_dir, inputs, env=env, on_shard_written=on_shard_written)
+    counts = hosts.gather(mine)  # rank 0 hears from every rank once all shards are written
     with _adding(seconds, "store_write"):
         manifest = seal_store(store_dir) if hosts.placement.rank == 0 and plan.missing else plan.manifest
     hosts.barrier()  # nobody opens the store before it is sealed
     if counts is None:
         return {}
-    elapsed = time.perf_counter() - started
     return (
         _stage_metrics(
             manifest,
             tokens=sum(t for t, _, _ in counts),
-            seconds=elapsed,
+            seconds=time.perf_counter() - started,
             resumed=manifest.num_shards - len(plan.missing),
             engines=hosts.placement.num_engines,
             per_engine=[counts[rank][1] for rank in hosts.placement.host_ranks],
@@ -267,38 +239,71 @@ def _adding(seconds: PhaseSeconds | None, part: str) -> Iterator[None]:
             setattr(seconds, part, getattr(seconds, part) + time.perf_counter() - started)
 
 
-def _generate_shard(
-    writer: ShardWriter,
-    index: int,
-    engine: RolloutEngine,
-    prompts: Sequence[PromptRecord],
-    tokenizer: Decoder,
-    reward_fn: RewardFn,
-    cfg: RolloutConfig,
-    adv_eps: float,
-    seed: int,
-    progress: ProgressCallback | None,
-    seconds: PhaseSeconds,
-    env: StageEnv | None = None,
-) -> int:
+@dataclass(frozen=True)
+class _ShardInputs:
+    """What each shard of a stage is generated from (``generate_planned``'s arguments)."""
+
+    engine: RolloutEngine
+    prompts: Sequence[PromptRecord]
+    tokenizer: Decoder
+    reward_fn: RewardFn
+    cfg: RolloutConfig
+    adv_eps: float
+    seed: int
+    progress: ProgressCallback | None
+    seconds: PhaseSeconds
+
+
+def _write_missing(
+    plan: StorePlan,
+    store_dir: str | Path,
+    inputs: _ShardInputs,
+    *,
+    env: Any,
+    on_shard_written: Callable[[int], None] | None,
+) -> tuple[int, int, Any]:
+    """This host's part of ``generate_planned``: claim and write the plan's missing shards that no other
+    host took, holding the environment (if any) meanwhile. Returns (tokens generated, shards written,
+    the environment's tally or None)."""
+    tokens, written = 0, 0
+    writer = ShardWriter(store_dir, plan.manifest)
+    with stage_env(env, inputs.tokenizer) as stage:
+        for index in plan.missing:
+            with _adding(inputs.seconds, "store_write"):
+                claimed = writer.claim(index)
+            if not claimed:
+                continue  # another host took it
+            try:
+                tokens += _generate_shard(writer, index, inputs, stage)
+            except BaseException:
+                writer.release(index)
+                raise
+            written += 1
+            if on_shard_written is not None:
+                on_shard_written(index)
+        tally = stage.tally.counts(inputs.seconds.sampling) if stage is not None else None
+    return tokens, written, tally
+
+
+def _generate_shard(writer: ShardWriter, index: int, inputs: _ShardInputs, env: StageEnv | None) -> int:
     """Generate, score and write shard ``index``; returns its response tokens."""
     manifest = writer.manifest
     groups = generate_groups(
-        engine=engine,
-        records=[prompts[i] for i in manifest.shard_range(index)],
-        tokenizer=tokenizer,
-        reward_fn=reward_fn,
-        cfg=cfg,
-        seeds=(seed, manifest.stage, index),
+        engine=inputs.engine,
+        records=[inputs.prompts[i] for i in manifest.shard_range(index)],
+        tokenizer=inputs.tokenizer,
+        reward_fn=inputs.reward_fn,
+        cfg=inputs.cfg,
+        seeds=(inputs.seed, manifest.stage, index),
         vocab_size=manifest.vocab_size,
-        progress=progress,
-        seconds=seconds,
+        progress=inputs.progress,
+        seconds=inputs.seconds,
         env=env,
     )
     for group in groups:
         group.stage, group.policy_version = manifest.stage, manifest.policy_version
-    assign_advantages(groups, adv_eps)
-    with _adding(seconds, "store_write"):
+    assign_advantages(groups, inputs.adv_eps)
+    with _adding(inputs.seconds, "store_write"):
         writer.write_shard(index, groups)
     return sum(len(s.response_ids) for g in groups for s in g.samples)
 
