@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 """Where the program lies: /code in the sandbox."""
@@ -92,12 +93,8 @@ def main() -> None:
             break
 
 
-def run_one(spec: dict, index: int, test: object) -> dict:
-    cpu = max(1, int(spec["cpu_s"] + 0.999))
-    output_bytes = spec["output_bytes"]
-    functional = spec["kind"] == "functional"
-    program = os.path.join(HERE, "main.py")
-    scratch = tempfile.mkdtemp(prefix=f"test{index}-")
+def limits_for_test(cpu: int, output_bytes: int) -> Callable[[], None]:
+    """What the test's process sets on itself before it runs the program (``preexec_fn``)."""
 
     def limit() -> None:
         os.setsid()  # the "group" sweep kills the test's session
@@ -111,6 +108,34 @@ def run_one(spec: dict, index: int, test: object) -> dict:
         # by SIGXFSZ instead of filling this runner's memory.
         resource.setrlimit(resource.RLIMIT_FSIZE, (output_bytes + 1, output_bytes + 1))
 
+    return limit
+
+
+def command_for_test(spec: dict, program: str, result_fd: int) -> list[str]:
+    """The interpreter command of one test: the functional driver (the answer through ``result_fd``),
+    the stdin driver with a prelude, or the program alone."""
+    if spec["kind"] == "functional":
+        return [
+            sys.executable,
+            "-I",
+            "-c",
+            FUNCTIONAL_DRIVER,
+            spec["prelude"],
+            program,
+            spec["func_name"],
+            str(result_fd),
+        ]
+    if spec["prelude"]:
+        return [sys.executable, "-I", "-c", STDIN_DRIVER, spec["prelude"], program]
+    return [sys.executable, "-I", program]
+
+
+def run_one(spec: dict, index: int, test: object) -> dict:
+    cpu = max(1, int(spec["cpu_s"] + 0.999))
+    output_bytes = spec["output_bytes"]
+    functional = spec["kind"] == "functional"
+    program = os.path.join(HERE, "main.py")
+    scratch = tempfile.mkdtemp(prefix=f"test{index}-")
     with (
         tempfile.TemporaryFile() as given,
         tempfile.TemporaryFile() as out,
@@ -119,22 +144,14 @@ def run_one(spec: dict, index: int, test: object) -> dict:
     ):
         given.write(json.dumps(test).encode() if functional else str(test).encode())
         given.seek(0)
-        if functional:
-            command = [sys.executable, "-I", "-c", FUNCTIONAL_DRIVER, spec["prelude"], program, spec["func_name"]]
-            command.append(str(result.fileno()))
-        elif spec["prelude"]:
-            command = [sys.executable, "-I", "-c", STDIN_DRIVER, spec["prelude"], program]
-        else:
-            command = [sys.executable, "-I", program]
-        env = dict(os.environ, TMPDIR=scratch)
         test_process = subprocess.Popen(
-            command,
+            command_for_test(spec, program, result.fileno()),
             stdin=given,
             stdout=out,
             stderr=err,
             cwd=scratch,
-            env=env,
-            preexec_fn=limit,
+            env=dict(os.environ, TMPDIR=scratch),
+            preexec_fn=limits_for_test(cpu, output_bytes),
             pass_fds=(result.fileno(),) if functional else (),
         )
         try:
