@@ -294,73 +294,85 @@ def trainer_layout(cfg: Any, layout: RankLayout, hardware: Hardware) -> TrainerL
 
 
 def _trainer_plan(cfg: Any, shape: ModelShape, layout: RankLayout, hardware: Hardware) -> TrainerPlan:
-    par, world = cfg.parallel, trainer_ranks(cfg, hardware.gpus)
+    """The trainer's memory per rank at its fullest pipeline stage (the one whose peak is highest)."""
     tlayout = trainer_layout(cfg, layout, hardware)
-    dp, edp = tlayout.dp, tlayout.edp
-    dtype = DTYPE_BYTES[cfg.model.dtype]
+    seq, tokens, micro_batches = _micro_batching(cfg, tlayout.dp)
+    plans = [
+        _stage_plan(cfg, shape, layout, hardware, stage=stage, seq=seq, tokens=tokens, micro_batches=micro_batches)
+        for stage in range(layout.pp)
+    ]
+    return max(plans, key=lambda plan: plan.peak)  # the first of equal peaks, as a strict > scan keeps
+
+
+def _micro_batching(cfg: Any, dp: int) -> tuple[int, int, int]:
+    """(sequence length, tokens per micro-batch, micro-batches per rank and update): a token budget
+    (parallel.micro_batch_tokens) replaces micro_batch_size rows of the longest sequence."""
+    par = cfg.parallel
     seq = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
-    budget = getattr(par, "micro_batch_tokens", None)  # a token budget replaces micro_batch_size rows
+    budget = getattr(par, "micro_batch_tokens", None)
     tokens = budget or par.micro_batch_size * seq
     rows_per_rank = math.ceil(_rows_per_update(cfg) / dp)
-    micro_batches = (
-        max(1, math.ceil(rows_per_rank * seq / tokens)) if budget else math.ceil(rows_per_rank / par.micro_batch_size)
+    if budget:
+        return seq, tokens, max(1, math.ceil(rows_per_rank * seq / tokens))
+    return seq, tokens, math.ceil(rows_per_rank / par.micro_batch_size)
+
+
+def _stage_plan(
+    cfg: Any,
+    shape: ModelShape,
+    layout: RankLayout,
+    hardware: Hardware,
+    *,
+    stage: int,
+    seq: int,
+    tokens: int,
+    micro_batches: int,
+) -> TrainerPlan:
+    """The trainer's memory per rank on pipeline stage ``stage`` (its most loaded DP rank)."""
+    par, tlayout = cfg.parallel, trainer_layout(cfg, layout, hardware)
+    dp, edp, dtype = tlayout.dp, tlayout.edp, DTYPE_BYTES[cfg.model.dtype]
+    static = max(
+        (
+            static_bytes(shape, tlayout, dtype_bytes=dtype, pp_rank=stage, dp_rank=r, edp_rank=min(r, edp - 1))
+            for r in {0, dp - 1}
+        ),
+        key=lambda s: s.total,
     )
-    best: TrainerPlan | None = None
-    for stage in range(layout.pp):
-        static = max(
-            (
-                static_bytes(shape, tlayout, dtype_bytes=dtype, pp_rank=stage, dp_rank=r, edp_rank=min(r, edp - 1))
-                for r in {0, dp - 1}
-            ),
-            key=lambda s: s.total,
-        )
-        in_flight = min(layout.pp - stage, micro_batches)  # 1F1B: stage s holds up to PP − s micro-batches
-        acts = ActivationInputs(
-            tokens=tokens,
-            seq_len=seq,
-            dtype_bytes=dtype,
-            sequence_parallel=par.sequence_parallel,
-            fused_kernels=True,  # planned for the GPU layer spec (Transformer Engine)
-            in_flight=in_flight,
-        )
-        last = stage == layout.pp - 1
-        logits = (
-            logits_bytes(
-                shape,
-                layout.tp,
-                tokens,
-                fused=cfg.kernels.logprob_impl != "unfused",
-                budget_bytes=cfg.kernels.logits_budget_bytes,
-            )
-            if last
-            else 0
-        )
-        routes = routing_replay_bytes(shape, layout.pp, tokens, in_flight) if cfg.moe.routing_replay != "none" else 0
-        plan = TrainerPlan(
-            ranks=world,
-            tp=layout.tp,
-            pp=layout.pp,
-            dp=dp,
-            ep=layout.ep,
-            etp=layout.etp,
-            edp=edp,
-            distributed_optimizer=par.use_distributed_optimizer,
-            params_per_rank=static.params,
-            weights=static.weights,
-            grads=static.grads,
-            optimizer=static.optimizer,
-            activations=activation_bytes(shape, layout, acts, pp_rank=stage),
-            logits=logits,
-            routing_replay=routes,
-            micro_batch_tokens=tokens,
-            in_flight=in_flight,
-            peak_stage=stage,
-            usable=hardware.gpu.usable_bytes,
-        )
-        if best is None or plan.peak > best.peak:
-            best = plan
-    assert best is not None
-    return best
+    in_flight = min(layout.pp - stage, micro_batches)  # 1F1B: stage s holds up to PP − s micro-batches
+    acts = ActivationInputs(
+        tokens=tokens,
+        seq_len=seq,
+        dtype_bytes=dtype,
+        sequence_parallel=par.sequence_parallel,
+        fused_kernels=True,  # planned for the GPU layer spec (Transformer Engine)
+        in_flight=in_flight,
+    )
+    logits = 0
+    if stage == layout.pp - 1:
+        fused = cfg.kernels.logprob_impl != "unfused"
+        logits = logits_bytes(shape, layout.tp, tokens, fused=fused, budget_bytes=cfg.kernels.logits_budget_bytes)
+    routes = routing_replay_bytes(shape, layout.pp, tokens, in_flight) if cfg.moe.routing_replay != "none" else 0
+    return TrainerPlan(
+        ranks=trainer_ranks(cfg, hardware.gpus),
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=dp,
+        ep=layout.ep,
+        etp=layout.etp,
+        edp=edp,
+        distributed_optimizer=par.use_distributed_optimizer,
+        params_per_rank=static.params,
+        weights=static.weights,
+        grads=static.grads,
+        optimizer=static.optimizer,
+        activations=activation_bytes(shape, layout, acts, pp_rank=stage),
+        logits=logits,
+        routing_replay=routes,
+        micro_batch_tokens=tokens,
+        in_flight=in_flight,
+        peak_stage=stage,
+        usable=hardware.gpu.usable_bytes,
+    )
 
 
 def _engine_plan(cfg: Any, shape: ModelShape, hardware: Hardware, trainer: TrainerPlan) -> EnginePlan:
