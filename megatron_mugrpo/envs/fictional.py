@@ -86,12 +86,19 @@ def _distinct_words(syllables: int) -> int:
 
 
 def make_world(
-    seed: int, *, people: int = 200, cities: int = 40, countries: int = 8, syllables: int = NAME_SYLLABLES
+    seed: int,
+    *,
+    people: int = 200,
+    cities: int = 40,
+    countries: int = 8,
+    syllables: int = NAME_SYLLABLES,
+    first_names: bool = True,
 ) -> World:
     """The world of ``seed``: the same seed gives the same world on every platform.
 
     ``syllables`` sets the length of every name (a city's has one more): the search demo uses 1, short
-    names a character-level model copies in few warm-start steps ("Bo Tral", born in "Velo")."""
+    names a character-level model copies in few warm-start steps ("Bo Tral", born in "Velo"). Without
+    ``first_names`` a person is named by the surname alone ("Tral")."""
     if min(people, cities, countries) < 1 or max(people, cities, countries) > MAX_ENTITIES:
         raise InputError(f"people={people}, cities={cities}, countries={countries} must each be in 1..{MAX_ENTITIES}")
     names = countries + 2 * cities + FIRST_NAME_POOL + people
@@ -109,11 +116,11 @@ def make_world(
         City(name=name, country=rng.choice(country_names), founded=rng.randint(800, 1800), river=river)
         for name, river in zip(_unique_words(rng, cities, syllables + 1, taken), rivers)
     ]
-    first_names = _unique_words(rng, FIRST_NAME_POOL, syllables, taken)
+    first_pool = _unique_words(rng, FIRST_NAME_POOL, syllables, taken)  # drawn either way: the same surnames
     surnames = _unique_words(rng, people, syllables, taken)  # full names stay unique
     person_list = [
         Person(
-            name=f"{rng.choice(first_names)} {surname}",
+            name=f"{rng.choice(first_pool)} {surname}" if first_names else surname,
             profession=rng.choice(PROFESSIONS),
             city=rng.choice(city_list),
             born=rng.randint(1800, 2000),
@@ -191,10 +198,13 @@ def write_task(
     cities: int = 40,
     countries: int = 8,
     syllables: int = NAME_SYLLABLES,
+    first_names: bool = True,
     test_fraction: float = 0.2,
 ) -> dict[str, int]:
     """Write ``out/{corpus,train,test}.jsonl``; returns their row counts."""
-    world = make_world(seed, people=people, cities=cities, countries=countries, syllables=syllables)
+    world = make_world(
+        seed, people=people, cities=cities, countries=countries, syllables=syllables, first_names=first_names
+    )
     train, test = split_questions(question_rows(world), test_fraction=test_fraction, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
     corpus = corpus_rows(world)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from megatron_mugrpo.envs.base import EnvLimits
-from megatron_mugrpo.envs.fictional import write_task
+from megatron_mugrpo.envs.fictional import corpus_rows, make_world, question_rows, write_task
 from megatron_mugrpo.envs.search import (
     ANSWER_CLOSE,
     ANSWER_OPEN,
@@ -44,7 +44,7 @@ from megatron_mugrpo.envs.search import (
     SearchOptions,
     parse_results,
 )
-from megatron_mugrpo.envs.server import Bm25Index, load_corpus
+from megatron_mugrpo.envs.server import Bm25Index, CorpusDocument, load_corpus
 from megatron_mugrpo.errors import InputError
 from megatron_mugrpo.rewards.qa import qa_prompt
 
@@ -57,6 +57,8 @@ _PROFESSION = re.compile(r" is an? (\w+)\.")
 _COUNTRY = re.compile(r"is a city in (\w+)\.")
 _RIVER = re.compile(r"The river (\w+) flows")
 IGNORE = -100
+WARM_SEED = 10_000
+"""Warm-start worlds' seeds start here, far from the demo seeds (0, 1, 2, ...) they must not repeat."""
 LOG_EVERY = 50
 """Warm-start steps between progress lines on stderr."""
 """Label of a token the warm-start loss skips (prompt, observations, padding)."""
@@ -74,6 +76,10 @@ class WarmStart:
     topk: int = 2
     """Documents per search, as ``env.search.topk`` of the demo (the observations must match)."""
     max_observation_tokens: int = 256
+    worlds: int = 0
+    """0: traces of the demo world's training questions; n > 0: traces of every question of n other worlds of
+    the same shape (seeds ``WARM_SEED + 100 * seed + i``, their own indexes), so the base model has never
+    seen the demo's names and has to copy them rather than recall a memorised search."""
     context_loss: bool = False
     """Also predict the prompt's and the observations' tokens (RL never does): the observations repeat
     names (title, text), copying practice for the heads that copy names into the policy's turns."""
@@ -82,8 +88,8 @@ class WarmStart:
 class LocalIndex:
     """``SearchClient``'s ``retrieve`` over an in-process BM25 index (no HTTP: the warm start's searches)."""
 
-    def __init__(self, corpus: Path) -> None:
-        self.index = Bm25Index(load_corpus(corpus))
+    def __init__(self, corpus: Path | list[CorpusDocument]) -> None:
+        self.index = Bm25Index(load_corpus(corpus) if isinstance(corpus, Path) else corpus)
 
     def retrieve(self, queries: Sequence[str], topk: int) -> list[Any]:
         return parse_results({"result": self.index.search(list(queries), topk)}, len(queries))
@@ -136,16 +142,21 @@ def trace_example(
 
 
 def warm_start(
-    model: torch.nn.Module, tokenizer: Any, questions: Sequence[str], env: SearchEnvironment, ws: WarmStart, seed: int
+    model: torch.nn.Module,
+    tokenizer: Any,
+    questions: Sequence[tuple[str, SearchEnvironment]],
+    ws: WarmStart,
+    seed: int,
 ) -> list[float]:
-    """``ws.steps`` AdamW steps on traces of ``questions`` (seeded order and flaws); the loss per step."""
+    """``ws.steps`` AdamW steps on traces of ``questions`` (each with the environment of its world; seeded
+    order and flaws); the loss per step."""
     rng = random.Random(seed)
     hops2 = re.compile(r"^(In which country was|Which river flows)")
     examples = [
         trace_example(
             q, env, tokenizer, flawed=bool(hops2.match(q)) and rng.random() < ws.flaw, context_loss=ws.context_loss
         )
-        for q in questions
+        for q, env in questions
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / ws.steps)
@@ -189,20 +200,35 @@ def build_demo(
     cities: int = 40,
     countries: int = 8,
     syllables: int = 2,
+    first_names: bool = True,
 ) -> dict:
     """Write the world (``out/{corpus,train,test}.jsonl``) and the warm-started ``out/base_model``."""
     from megatron_mugrpo.char_tokenizer import build_char_tokenizer
     from megatron_mugrpo.warmstart import build_tiny_model
 
-    counts = write_task(out, seed, people=people, cities=cities, countries=countries, syllables=syllables)
+    shape = {"people": people, "cities": cities, "countries": countries, "syllables": syllables}
+    shape |= {"first_names": first_names}
+    counts = write_task(out, seed, **shape)
     tokenizer = build_char_tokenizer(out / "base_model")
     limits = EnvLimits(max_observation_tokens=ws.max_observation_tokens, max_total_tokens=tiny.max_position_embeddings)
-    env = SearchEnvironment(
-        tokenizer=tokenizer, limits=limits, options=SearchOptions(topk=ws.topk), client=LocalIndex(out / "corpus.jsonl")
-    )
-    questions = [json.loads(line)["question"] for line in (out / "train.jsonl").read_text().splitlines()]
+
+    def environment(corpus: Path | list[CorpusDocument]) -> SearchEnvironment:
+        return SearchEnvironment(
+            tokenizer=tokenizer, limits=limits, options=SearchOptions(topk=ws.topk), client=LocalIndex(corpus)
+        )
+
+    if ws.worlds == 0:
+        env = environment(out / "corpus.jsonl")
+        rows = (out / "train.jsonl").read_text().splitlines()
+        questions = [(json.loads(line)["question"], env) for line in rows]
+    else:
+        questions = []
+        for i in range(ws.worlds):
+            world = make_world(WARM_SEED + 100 * seed + i, **shape)
+            env = environment([CorpusDocument(**row) for row in corpus_rows(world)])
+            questions += [(str(row["question"]), env) for row in question_rows(world)]
     model = build_tiny_model(tiny, tokenizer, seed=seed)
-    losses = warm_start(model, tokenizer, questions, env, ws, seed)
+    losses = warm_start(model, tokenizer, questions, ws, seed)
     model.save_pretrained(str(out / "base_model"), safe_serialization=True)
     return counts | {"final_loss": losses[-1] if losses else float("nan")}
 

@@ -99,3 +99,22 @@ def test_context_loss_labels_every_token_of_the_trace(setup):
     assert labels == ids
     policy_ids, policy_labels = trace_example(question, env, tokenizer, flawed=False)
     assert policy_ids == ids and IGNORE in policy_labels
+
+
+def test_a_world_without_first_names_names_each_person_by_the_same_surname():
+    with_first = make_world(5, people=20, cities=4, countries=2, syllables=1)
+    surnames_only = make_world(5, people=20, cities=4, countries=2, syllables=1, first_names=False)
+    assert [p.name for p in surnames_only.people] == [p.name.split(" ")[1] for p in with_first.people]
+    assert surnames_only.cities == with_first.cities
+
+
+def test_a_local_index_serves_documents_held_in_memory_as_it_serves_a_corpus_file(tmp_path):
+    from megatron_mugrpo.envs.fictional import corpus_rows
+    from megatron_mugrpo.envs.server import CorpusDocument
+
+    world = make_world(6, people=8, cities=3, countries=2, syllables=1, first_names=False)
+    write_task(tmp_path, 6, people=8, cities=3, countries=2, syllables=1, first_names=False)
+    in_memory = LocalIndex([CorpusDocument(**row) for row in corpus_rows(world)])
+    queries = [p.name for p in world.people]
+    assert in_memory.retrieve(queries, 2) == LocalIndex(tmp_path / "corpus.jsonl").retrieve(queries, 2)
+    assert [docs[0].title for docs in in_memory.retrieve(queries, 1)] == queries
