@@ -1,0 +1,107 @@
+"""An async multi-turn search run whose rollout worker is SIGKILLed with a half-written queue shard, then resumed.
+
+The worker (rank 1, holding the loopback search server) dies after its second shard's data is in place but
+before the shard's record is (``MUGRPO_CRASH_AT=worker:0:shard:1``); torchrun then takes the trainer down. The
+resumed run rewrites that batch, leaves no orphan, and trains every group exactly once: the trainer's cursor
+covers each update's groups in order, no shard twice, no prompt twice, and each update's loss counts exactly
+the policy tokens of the groups it consumed. The base model writes searches (``test_async_search_run``), so the
+consumed trajectories hold observations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_async_search_run import CONFIG, ROOT, _free_port, records, searching_model
+
+from megatron_mugrpo.envs.fictional import write_task
+from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
+
+MINI_GROUPS, UPDATES = 2, 2
+
+
+def torchrun(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    """``mugrpo train ARGS`` on 2 processes: rank 0 trains, rank 1 is the rollout worker."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    cmd += ["-m", "megatron_mugrpo.cli", "train", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MUGRPO_CRASH_AT", None)
+    if crash_at:
+        env["MUGRPO_CRASH_AT"] = crash_at
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def consumed_groups(run_dir: Path, cursor: dict) -> list:
+    """The groups the trainer consumed, in its cursor's order."""
+    queue = run_dir / "rollouts" / "queue"
+    index = RecordIndex(queue)
+    index.refresh()
+    assert all(index.records[name].trajectories for name in cursor["shards"])
+    return [g for name in cursor["shards"] for g in read_shard(queue, index.records[name])][: cursor["position"]]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_async_search_run_resumes_a_killed_worker_and_trains_each_group_once(tmp_path: Path):
+    data = tmp_path / "data"
+    write_task(data, 0, people=12, cities=4)
+    base, run_dir = searching_model(tmp_path / "base"), tmp_path / "run"
+    overrides = [
+        "mode=async",
+        f"model.hf_dir={base}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"env.search.corpus={data / 'corpus.jsonl'}",  # served on loopback by the worker
+        "env.max_turns=2",
+        "env.max_total_tokens=448",
+        "env.max_observation_tokens=96",
+        "rollout.max_prompt_tokens=320",
+        "rollout.max_new_tokens=40",
+        "rollout.group_size=4",
+        "rollout.cpu_threads=1",
+        f"async.batch_groups={MINI_GROUPS}",
+        "async.queue_groups=4",
+        "async.sync_every=1",
+        "async.max_lag=8",  # more than the run's updates: nothing is dropped, so positions are exact
+        "stages.num_stages=1",
+        f"stages.train_groups={MINI_GROUPS * UPDATES}",
+        f"stages.mini_groups={MINI_GROUPS}",
+        "parallel.micro_batch_size=8",
+        "checkpoint.every_updates=1",
+        "eval.benchmarks=[]",
+        "logging.progress_bars=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+    ]
+    killed = torchrun("--config", str(CONFIG), "--run-dir", str(run_dir), *overrides, crash_at="worker:0:shard:1")
+    assert killed.returncode != 0 and "exitcode  : -9" in killed.stderr, killed.stderr[-3000:]
+    queue = run_dir / "rollouts" / "queue"
+    orphans = [p.name for p in queue.glob("w000_*.arrow") if not p.with_suffix(".json").exists()]
+    assert len(orphans) == 1, f"expected one half-written shard, got {orphans}"
+
+    resumed = torchrun("--resume", str(run_dir))
+    assert resumed.returncode == 0, f"exit {resumed.returncode}\n{resumed.stdout[-3000:]}\n{resumed.stderr[-6000:]}"
+    assert not [p for p in queue.glob("w000_*.arrow") if not p.with_suffix(".json").exists()]
+    assert not list(queue.glob("*.tmp"))
+    batches = sorted(json.loads(p.read_text())["batch"] for p in queue.glob("w*_b*.json"))
+    assert batches == list(range(len(batches))), "a batch index was skipped or written twice"
+
+    updates = [r for r in records(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in updates] == list(range(1, UPDATES + 1))  # each update logged once across the kill
+    assert [r["rollout/queue_position"] for r in updates] == [MINI_GROUPS * (u + 1) for u in range(UPDATES)]
+    ckpts = run_dir / "checkpoints"
+    cursor = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "metadata.json").read_text())
+    cursor = cursor["trainer_state"]["queue"]
+    assert cursor["position"] == MINI_GROUPS * UPDATES and cursor["dropped"] == 0
+    assert len(set(cursor["shards"])) == len(cursor["shards"])
+    consumed = consumed_groups(run_dir, cursor)
+    assert len({g.prompt_id for g in consumed}) == len(consumed) == MINI_GROUPS * UPDATES
+    samples = [s for g in consumed for s in g.samples]
+    assert sum(s.policy_mask.count(0) for s in samples) > 0, "no trajectory searched: nothing to mask"
+    for u, r in enumerate(updates):  # each update trained exactly its own groups' policy tokens
+        groups = consumed[u * MINI_GROUPS : (u + 1) * MINI_GROUPS]
+        assert r["train/response_tokens"] == sum(sum(s.policy_mask) for g in groups for s in g.samples)
