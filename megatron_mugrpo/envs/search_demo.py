@@ -84,6 +84,18 @@ class WarmStart:
     """Also predict the prompt's and the observations' tokens (RL never does): the observations repeat
     names (title, text), copying practice for the heads that copy names into the policy's turns."""
 
+    def __post_init__(self) -> None:
+        for flag, ok in (
+            (f"--steps {self.steps} must be >= 1", self.steps >= 1),
+            (f"--batch-size {self.batch_size} must be >= 1", self.batch_size >= 1),
+            (f"--lr {self.lr} must be > 0", self.lr > 0),
+            (f"--flaw {self.flaw} must be in [0, 1]", 0.0 <= self.flaw <= 1.0),
+            (f"--topk {self.topk} must be >= 1 (env.search.topk of the demo)", self.topk >= 1),
+            (f"--worlds {self.worlds} must be >= 0 (0: the demo world's own training questions)", self.worlds >= 0),
+        ):
+            if not ok:
+                raise InputError(flag)
+
 
 class LocalIndex:
     """``SearchClient``'s ``retrieve`` over an in-process BM25 index (no HTTP: the warm start's searches)."""
@@ -248,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--syllables", type=int, default=2)
     parser.add_argument("--topk", type=int, default=WarmStart.topk)
     parser.add_argument("--lr", type=float, default=WarmStart.lr)
+    parser.add_argument("--worlds", type=int, default=WarmStart.worlds)
+    parser.add_argument("--first-names", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--context-loss", action=argparse.BooleanOptionalAction, default=WarmStart.context_loss)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -263,19 +277,21 @@ def main(argv: list[str] | None = None) -> int:
         result = build_demo(
             args.out,
             seed=args.seed,
-            ws=WarmStart(
+            ws=WarmStart(  # inside the try: a bad flag is an InputError
                 steps=args.steps,
                 batch_size=args.batch_size,
                 flaw=args.flaw,
                 topk=args.topk,
                 lr=args.lr,
                 context_loss=args.context_loss,
+                worlds=args.worlds,
             ),
             tiny=tiny,
             people=args.people,
             cities=args.cities,
             countries=args.countries,
             syllables=args.syllables,
+            first_names=args.first_names,
         )
     except InputError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -118,3 +118,18 @@ def test_a_local_index_serves_documents_held_in_memory_as_it_serves_a_corpus_fil
     queries = [p.name for p in world.people]
     assert in_memory.retrieve(queries, 2) == LocalIndex(tmp_path / "corpus.jsonl").retrieve(queries, 2)
     assert [docs[0].title for docs in in_memory.retrieve(queries, 1)] == queries
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--worlds", "-1", "--worlds -1 must be >= 0"), ("--flaw", "1.5", "--flaw 1.5 must be in"), ("--steps", "0", "")],
+)
+def test_a_bad_warm_start_flag_is_one_error_and_exit_2_before_anything_is_written(
+    tmp_path, capsys, flag, value, message
+):
+    from megatron_mugrpo.envs.search_demo import main
+
+    assert main(["--out", str(tmp_path / "demo"), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag} {value} must be") and message in err
+    assert not (tmp_path / "demo").exists()
