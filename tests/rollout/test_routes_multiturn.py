@@ -119,6 +119,30 @@ def test_recording_changes_no_sampled_token_and_the_samples_carry_the_routes(eng
     assert [r[0] is t.routes for r, t in zip(stored, recorded)] == [True] * len(PROMPTS)
 
 
+def test_trajectory_routes_round_trip_through_an_async_queue_shard(engine, tmp_path):
+    """A rollout worker's queue shard of multi-turn samples keeps each trajectory's routes (observation
+    positions included) bit for bit beside its policy mask, and collate lines them up with the input tokens."""
+    from megatron_mugrpo.records import collate
+    from megatron_mugrpo.rollout.queue import QueueReader, QueueWriter
+
+    trajectories = rollout(engine, seed=7)
+    groups = [
+        RolloutGroup(prompt_id=str(i), prompt_ids=p, answer="", samples=[trajectory_sample(t, Score(1.0, "correct"))])
+        for i, (p, t) in enumerate(zip(PROMPTS, trajectories))
+    ]
+    record = QueueWriter(tmp_path, worker=0, vocab_size=VOCAB).append(0, groups)
+    assert record.trajectories and record.routes is not None and record.routes.moe_layers == 2
+    reader = QueueReader(tmp_path)
+    reader.admit()
+    taken = reader.take(update=0, count=len(PROMPTS), max_lag=4).groups
+    for group, t in zip(taken, trajectories):
+        (sample,) = group.samples
+        assert sample.policy_mask == t.policy_mask and sample.routes.tobytes() == t.routes.tobytes()
+    batch = collate(taken, pad_id=0)
+    for b, t in enumerate(trajectories):
+        assert torch.equal(batch.routes[b, : len(t.routes)], torch.from_numpy(t.routes))
+
+
 def test_the_recorder_refuses_chunks_that_do_not_fit(engine):
     recorder = RouteRecorder(engine.model)
     try:
