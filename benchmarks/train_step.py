@@ -4,13 +4,16 @@
     python benchmarks/train_step.py --layers 8      # bigger; on a GPU the same script runs in bf16
     python benchmarks/train_step.py --demo-shape    # the CPU demo's update: 64 rows of 64 tokens, 2 tiny layers
     nice -n 19 python benchmarks/train_step.py --threads 1   # on a shared machine (see below)
+    python benchmarks/train_step.py --demo-shape --threads 1 --compare-attention   # + megatron's own attention
 
 Both sides make the same μ-GRPO update (same Qwen2-architecture shapes, same batch, same
 ``policy_loss``, AdamW + gradient clipping, the same micro-batching):
 
 * megatron: ``training.train_step`` at TP = PP = DP = 1 — Megatron ``GPTModel`` (local layer spec on
-  CPU, Transformer Engine's on GPU when importable), DDP buffers, ``get_forward_backward_func``,
-  Megatron's optimizer, the fused vocab-parallel log-prob.
+  CPU with its attention computed by SDPA, ``training.sdpa_attention``; Transformer Engine's spec on
+  GPU when importable), DDP buffers, ``get_forward_backward_func``, Megatron's optimizer, the fused
+  vocab-parallel log-prob. ``--compare-attention`` adds a third side, ``megatron_mcore_attn``: the
+  same update with megatron-core's own local ``DotProductAttention`` (the state before SDPA).
 * plain: transformers' ``Qwen2ForCausalLM`` (eager attention on CPU, like Megatron's local
   attention; SDPA on GPU), ``log_softmax(logits / T)`` + gather, ``torch.optim.AdamW``.
 
@@ -65,6 +68,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, the cores)")
     parser.add_argument(
         "--demo-shape", action="store_true", help="the CPU demo's update: 64 rows of 16 + 48 tokens, 2 layers"
+    )
+    parser.add_argument(
+        "--compare-attention",
+        action="store_true",
+        help="also time megatron-core's own local attention (megatron_mcore_attn), the state before SDPA",
     )
     args = parser.parse_args()
     if args.demo_shape:  # configs/demo_cpu.yaml: mini_groups x G rows, max_prompt + max_new tokens, one micro-batch
@@ -163,14 +171,25 @@ def plain_step_fn(
 
 
 def megatron_step_fn(
-    args: argparse.Namespace, config: dict, batch: TrainBatch, dtype: torch.dtype
+    args: argparse.Namespace, config: dict, batch: TrainBatch, dtype: torch.dtype, *, mcore_attention: bool = False
 ) -> Callable[[], None]:
+    """``mcore_attention``: the same update with megatron-core's own local ``DotProductAttention`` in
+    place of ``training.sdpa_attention`` (a subclass without state of its own, so resetting the class
+    is the exact before-state of the layer spec), for a side-by-side before / after in one process."""
     from megatron_mugrpo.training.parallel import initialize_parallel
     from megatron_mugrpo.training.setup import build_policy
     from megatron_mugrpo.training.train_step import train_step
 
     groups = initialize_parallel(1, 1, seed=0)
     policy = build_policy(config, groups=groups, dtype=dtype, optim=OptimConfig(lr=LR, clip_grad=CLIP_GRAD))
+    if mcore_attention:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from megatron_mugrpo.training.sdpa_attention import SdpaDotProductAttention
+
+        for module in (m for chunk in policy.unwrapped() for m in chunk.modules()):
+            if isinstance(module, SdpaDotProductAttention):
+                module.__class__ = DotProductAttention
     options = AlgoConfig().loss_options()
 
     def step() -> None:
@@ -209,6 +228,8 @@ def main() -> None:
         "plain": plain_step_fn(args, config, batch, device, dtype),
         "megatron": megatron_step_fn(args, config, batch, dtype),
     }
+    if args.compare_attention:
+        steps["megatron_mcore_attn"] = megatron_step_fn(args, config, batch, dtype, mcore_attention=True)
     seconds, cpu_seconds = time_alternating(steps, args.warmup, args.updates, device)
     plain, megatron = seconds["plain"], seconds["megatron"]
     for name, value in seconds.items():
@@ -216,6 +237,9 @@ def main() -> None:
     if device.type == "cpu" and torch.get_num_threads() == 1:  # robust to other jobs on the cores
         cpu = {name: f"{value * 1e3:.1f} ms" for name, value in cpu_seconds.items()}
         print(f"thread CPU per update: {cpu}, overhead {cpu_seconds['megatron'] / cpu_seconds['plain']:.3f}")
+        if args.compare_attention:
+            before = cpu_seconds["megatron_mcore_attn"] / cpu_seconds["plain"]
+            print(f"thread CPU overhead with megatron-core's local attention: {before:.3f}")
     print(f"megatron_overhead={megatron / plain:.3f}")
 
 

@@ -7,9 +7,10 @@ log-probs back:
 * the tokens of each sequence side by side, with **per-sequence position ids** (0, 1, ... again at
   each sequence's start) turned into per-token rotary embeddings (``per_sequence_rotary``);
 * a **block-diagonal causal mask** [R, 1, W, W] (True = masked), so attention stays inside each
-  sequence. Megatron's local attention applies it (``FusedScaleMaskSoftmax`` fills masked scores
-  with -10000, whose softmax weight underflows to exactly 0), so a packed sequence's log-probs are
-  those of the same sequence alone up to the order of float additions;
+  sequence. The local layer spec's attention applies it (``training.sdpa_attention``: SDPA gives
+  masked scores weight exactly 0, as megatron's ``FusedScaleMaskSoftmax`` does by filling them with
+  -10000), so a packed sequence's log-probs are those of the same sequence alone up to the order of
+  float additions;
 * each sequence's own targets (and replayed MoE routes: they follow their tokens), and an index
   that gathers the packed [R, W] log-probs back into the unpacked micro-batch's [n, L] layout,
   where the loss runs unchanged (per-response aggregation needs one response per row). The gather
