@@ -22,6 +22,8 @@ from megatron_mugrpo.training.sdpa_attention import SdpaDotProductAttention
 from .common import hf_config
 
 HEADS, GROUPS, HEAD_DIM, SEQ, BATCH = 4, 2, 8, 6, 3
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""Where megatron's attention allocates its score buffer (the current CUDA device when there is one)."""
 
 
 def _config(**overrides) -> TransformerConfig:
@@ -50,7 +52,7 @@ def _pair(config: TransformerConfig, tp: int = 1) -> tuple[DotProductAttention, 
 def _qkv(heads: int = HEADS, groups: int = GROUPS, seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shapes = [(SEQ, BATCH, heads, HEAD_DIM), (SEQ, BATCH, groups, HEAD_DIM), (SEQ, BATCH, groups, HEAD_DIM)]
-    return [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
+    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(DEVICE) for shape in shapes]
 
 
 def _packed_mask() -> torch.Tensor:
@@ -59,13 +61,13 @@ def _packed_mask() -> torch.Tensor:
     seq = torch.tensor(bounds)
     same = seq[:, :, None] == seq[:, None, :]
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    return ~(same & causal)[:, None]
+    return (~(same & causal)[:, None]).to(DEVICE)
 
 
 def _forward_backward(module: DotProductAttention, qkv: list[torch.Tensor], mask: torch.Tensor | None):
     inputs = [t.clone().requires_grad_(True) for t in qkv]
     out = module(*inputs, mask)
-    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape))
     return out.detach(), [t.grad for t in inputs]
 
 
