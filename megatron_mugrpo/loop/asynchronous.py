@@ -29,6 +29,7 @@ from megatron_mugrpo.envs.episodes import env_metrics
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.evaluation import AVG_KEY
 from megatron_mugrpo.faults import crash_point
+from megatron_mugrpo.loop import preemption
 from megatron_mugrpo.loop.actions import (
     check_first_update,
     evaluate_and_checkpoint,
@@ -57,11 +58,15 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
     if state.global_update == 0 and state.acc_before is None:
         advance("evaluating the initial policy")
         state.acc_before = run_evaluation(run).get(AVG_KEY, float("nan"))
+    saved_at = state.global_update if state.global_update > 0 else None  # resumed: its checkpoint is there
     for _ in progress_range(run, run.state.global_update, cfg.stages.total_updates, "async updates"):
         advance(f"assembling update {run.state.global_update + 1}")
         started = time.perf_counter()
         with run.telemetry.timer("perf/t_rollout_s"):  # idle: waiting for and assembling samples
             taken = feed.next_groups(run)
+        if taken is None:  # signalled while waiting for groups: stop at this boundary, not after the next update
+            stop_if_preempted(run, checkpointed=saved_at == run.state.global_update)
+            raise RuntimeError("the trainer was told of a preemption that no trainer rank agreed on")
         with run.telemetry.timer("perf/t_optimize_s"):
             advance(f"making update {run.state.global_update + 1}")
             metrics = async_update(run, taken)
@@ -70,6 +75,7 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
         run.telemetry.logger.log(metrics | feed.update_metrics(taken, started), step=run.state.global_update)
         crash_point(f"update:{run.state.global_update}")
         saved = end_of_update(run, feed)  # stage end: rollout summary, evaluation; checkpoint when due
+        saved_at = run.state.global_update if saved else saved_at
         stop_if_preempted(run, checkpointed=saved)  # SIGTERM / SIGUSR1: checkpoint now, exit
     feed.close()  # the workers' receivers stop waiting for publications
     export_final(run)
@@ -193,10 +199,11 @@ class Feed:
 
     # ------------------------------------------------------------------------------ groups
 
-    def next_groups(self, run: Run) -> Taken:
-        """The next update's B_mini groups: assembled on rank 0 (waiting as needed), sent to every trainer rank."""
+    def next_groups(self, run: Run) -> Taken | None:
+        """The next update's B_mini groups: assembled on rank 0 (waiting as needed), sent to every trainer rank.
+        None: rank 0 was signalled to stop (``loop.preemption``) while it waited; nothing was taken."""
         started = time.perf_counter()
-        payload: Taken | str
+        payload: Taken | str | None
         if self.is_writer:
             try:
                 payload = self._assemble(run.state.global_update, run.cfg.stages.mini_groups)
@@ -209,7 +216,7 @@ class Feed:
         self.wait_s = time.perf_counter() - started
         return payload
 
-    def _assemble(self, update: int, count: int) -> Taken:
+    def _assemble(self, update: int, count: int) -> Taken | None:
         reader = self.reader
         while True:
             self.admitted += self._checked(reader.admit())
@@ -217,6 +224,8 @@ class Feed:
             reader.publish_cursor(update)  # room freed by what was consumed, even before the update is made
             if taken is not None:
                 return taken
+            if preemption.requested() is not None:  # the groups may never come (a dead worker): stop now
+                return None
             advance(f"waiting for groups for update {update + 1}")  # a look at the workers: progress
             for peer in self.workers:
                 peer.check()

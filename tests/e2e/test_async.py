@@ -290,6 +290,38 @@ def test_a_dead_worker_stops_the_trainer_with_its_name(tmp_path: Path, base_mode
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_a_trainer_signalled_while_it_waits_for_groups_checkpoints_and_stops_at_once(tmp_path: Path, base_model: Path):
+    """SIGTERM reaches the trainer while it waits for groups that will not come (its worker died, as
+    torchrun then signals the survivors): it checkpoints at that update boundary and exits 75 with the
+    marker, instead of waiting for an update that never comes (or for async.worker_timeout_s)."""
+    from megatron_mugrpo.loop.preemption import EXIT_PREEMPTED, MARKER
+
+    run_dir, port = tmp_path / "signalled", str(_free_port())
+    patient = [f"model.hf_dir={base_model}", *SMALL, "async.worker_timeout_s=600", "eval.benchmarks=[]"]
+    cmd = train_argv(CONFIG, run_dir, patient)
+    ranks = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    worker = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env("worker:0:shard:1", RANK="1", LOCAL_RANK="1", **ranks), stderr=subprocess.DEVNULL
+    )
+    trainer = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(RANK="0", LOCAL_RANK="0", **ranks), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert worker.wait(timeout=TIMEOUT_S) == -signal.SIGKILL  # died at its first shard: no group comes
+        trainer.send_signal(signal.SIGTERM)
+        _, stderr = trainer.communicate(timeout=TIMEOUT_S)
+    finally:
+        for proc in (worker, trainer):
+            proc.kill()
+            proc.wait()
+    assert trainer.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert "preempted by SIGTERM" in stderr and "Traceback" not in stderr
+    assert json.loads((run_dir / MARKER).read_text())["signal"] == "SIGTERM"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000000"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_workers_feed_one_trainer_exactly_once_across_a_sigkill(tmp_path: Path, base_model: Path):
     """Three processes: the trainer and rollout workers 0 and 1 (async.rollout_ranks=2). Worker 1 is
     SIGKILLed with its second shard half-written; resumed, the run consumes every group once, in
