@@ -137,7 +137,14 @@ LAG_MEAN = "rollout/lag_mean"
 LAG_MAX = "rollout/lag_max"
 TOKEN_LAG_MEAN = "rollout/token_lag_mean"
 TOKEN_LAG_MAX = "rollout/token_lag_max"
+DROPPED_GROUPS = "rollout/dropped_groups"
 DROPPED_GROUPS_TOTAL = "rollout/dropped_groups_total"
+PAUSED_BATCHES = "rollout/paused_batches"
+PAUSED_BATCHES_TOTAL = "rollout/paused_batches_total"
+QUEUE_POSITION = "rollout/queue_position"
+QUEUE_BACKLOG = "rollout/queue_backlog"
+SAMPLE_WAIT_S = "perf/sample_wait_s"
+WEIGHT_SYNC_MIB = "perf/weight_sync_mib"
 TRAINER_IDLE_RATIO = "perf/trainer_idle_ratio"
 """Time waiting for and assembling samples / the update's time."""
 ROLLOUT_IDLE_RATIO = "perf/rollout_idle_ratio"
@@ -227,11 +234,22 @@ PRODUCERS: dict[str, tuple[str, ...]] = {
         MISMATCH_TOKENS,
     ),
     "megatron_mugrpo/loop/asynchronous.py": (
+        T_ROLLOUT,
+        T_OPTIMIZE,
+        STAGE,
+        WEIGHT_SYNC_S,
+        WEIGHT_SYNC_MIB,
         LAG_MEAN,
         LAG_MAX,
         TOKEN_LAG_MEAN,
         TOKEN_LAG_MAX,
+        DROPPED_GROUPS,
         DROPPED_GROUPS_TOTAL,
+        PAUSED_BATCHES,
+        PAUSED_BATCHES_TOTAL,
+        QUEUE_POSITION,
+        QUEUE_BACKLOG,
+        SAMPLE_WAIT_S,
         TRAINER_IDLE_RATIO,
         ROLLOUT_IDLE_RATIO,
     ),

@@ -28,14 +28,11 @@ SCANNED = (PACKAGE, ROOT / "conversion")
 METRIC_LITERAL = re.compile(r"^(train|rollout|perf|eval|replay)/[\w@/]*$")
 """A string that is a whole metric name (or a metric prefix), not prose that mentions one: in an f-string
 this is the constant part, so ``f"perf/stage_overhead_{name}_s"`` is caught by its ``perf/stage_overhead_``."""
-AWAITING_CONVERSION = {
-    "megatron_mugrpo/loop/asynchronous.py": "converted after #37's async/env work",
-    "megatron_mugrpo/envs/episodes.py": "converted after #37's async/env work",
-    "megatron_mugrpo/envs/trajectory.py": "converted after #37's async/env work",
-}
-"""Modules still allowed to spell metric names: other work was changing them when the names moved here.
-Each entry must still be needed (a stale one fails), so the list only shrinks. Until then
-``loop/asynchronous.py``'s names in ``PRODUCERS`` are checked as spelled in full."""
+AWAITING_CONVERSION: dict[str, str] = {}
+"""Modules allowed for a while to spell metric names (path → why), when other work is changing them as
+the names move here; their names in ``PRODUCERS`` are then checked as spelled in full. Each entry must
+still be needed (a stale one fails), so the list only shrinks; empty since the async and env modules
+were converted."""
 
 CONSTANTS = {v: k for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)}
 """Name → its constant in metric_names."""

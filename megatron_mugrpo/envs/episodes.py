@@ -44,6 +44,7 @@ from megatron_mugrpo.envs.base import (
 )
 from megatron_mugrpo.envs.registry import build_env, env_limits
 from megatron_mugrpo.envs.trajectory import Trajectory, check_error_budget
+from megatron_mugrpo.metric_names import ROLLOUT_PREFIX
 from megatron_mugrpo.records import RolloutSample
 from megatron_mugrpo.rewards.score import Score
 
@@ -216,7 +217,7 @@ class EnvTally:
 
 _COUNTS = ("trajectories", "turns", "tool_calls", "env_seconds", "env_errors", "policy_tokens", "observation_tokens")
 ENV_METRICS = tuple(
-    f"rollout/{name}"
+    f"{ROLLOUT_PREFIX}{name}"
     for name in (
         "turns_mean",
         "tool_calls_mean",

@@ -35,6 +35,7 @@ from megatron_mugrpo.envs.base import (
     Turn,
     guarded_step,
 )
+from megatron_mugrpo.metric_names import ROLLOUT_PREFIX
 
 if TYPE_CHECKING:
     import numpy as np
@@ -168,7 +169,7 @@ def stop_hit(text: str, stop_strings: Sequence[str]) -> bool:
     return any(stop in text for stop in stop_strings)
 
 
-def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = "rollout/") -> dict[str, float]:
+def trajectory_metrics(trajectories: Sequence[Trajectory], prefix: str = ROLLOUT_PREFIX) -> dict[str, float]:
     """A stage's multi-turn metrics: policy turns and tool calls per trajectory, environment seconds (summed
     over calls: with calls at once this exceeds their wall clock), failed trajectories, and tokens per
     trajectory by who wrote them."""

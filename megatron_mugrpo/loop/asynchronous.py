@@ -41,6 +41,26 @@ from megatron_mugrpo.loop.actions import (
 )
 from megatron_mugrpo.loop.export import export_final
 from megatron_mugrpo.loop.run import Run
+from megatron_mugrpo.metric_names import (
+    DROPPED_GROUPS,
+    DROPPED_GROUPS_TOTAL,
+    LAG_MAX,
+    LAG_MEAN,
+    PAUSED_BATCHES,
+    PAUSED_BATCHES_TOTAL,
+    QUEUE_BACKLOG,
+    QUEUE_POSITION,
+    ROLLOUT_IDLE_RATIO,
+    SAMPLE_WAIT_S,
+    STAGE,
+    T_OPTIMIZE,
+    T_ROLLOUT,
+    TOKEN_LAG_MAX,
+    TOKEN_LAG_MEAN,
+    TRAINER_IDLE_RATIO,
+    WEIGHT_SYNC_MIB,
+    WEIGHT_SYNC_S,
+)
 from megatron_mugrpo.rollout.manifest import shard_stats, store_metrics
 from megatron_mugrpo.rollout.placement import HostGroup
 from megatron_mugrpo.rollout.queue import QueueCursor, QueueReader, ShardRecord, Taken
@@ -62,12 +82,12 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
     for _ in progress_range(run, run.state.global_update, cfg.stages.total_updates, "async updates"):
         advance(f"assembling update {run.state.global_update + 1}")
         started = time.perf_counter()
-        with run.telemetry.timer("perf/t_rollout_s"):  # idle: waiting for and assembling samples
+        with run.telemetry.timer(T_ROLLOUT):  # idle: waiting for and assembling samples
             taken = feed.next_groups(run)
         if taken is None:  # signalled while waiting for groups: stop at this boundary, not after the next update
             stop_if_preempted(run, checkpointed=saved_at == run.state.global_update)
             raise RuntimeError("the trainer was told of a preemption that no trainer rank agreed on")
-        with run.telemetry.timer("perf/t_optimize_s"):
+        with run.telemetry.timer(T_OPTIMIZE):
             advance(f"making update {run.state.global_update + 1}")
             metrics = async_update(run, taken)
             if run.state.global_update % cfg.async_.sync_every == 0:
@@ -180,14 +200,14 @@ class Feed:
             )
             if sent is not None:
                 publication, stats = sent
-                metrics["perf/weight_sync_mib"] = stats.nbytes / 2**20
+                metrics[WEIGHT_SYNC_MIB] = stats.nbytes / 2**20
         else:
             publication = publish_policy(run, self.paths.weights, version=version, digest=self.verify_weights)
         if isinstance(publication, Publication):
             self.digests[publication.name] = publication.digest
         self.published += 1
         self.sync_s = time.perf_counter() - started
-        return metrics | {"perf/weight_sync_s": self.sync_s}
+        return metrics | {WEIGHT_SYNC_S: self.sync_s}
 
     def _watch(self) -> None:
         for peer in self.workers:
@@ -256,29 +276,29 @@ class Feed:
         workers' idle figures."""
         total = time.perf_counter() - started
         metrics = {
-            "perf/trainer_idle_ratio": self.wait_s / total if total > 0 else 0.0,
-            "perf/sample_wait_s": self.wait_s,
-            "rollout/lag_mean": sum(taken.lags) / len(taken.lags),
-            "rollout/lag_max": float(max(taken.lags)),
-            "rollout/token_lag_mean": taken.token_lag_mean,
-            "rollout/token_lag_max": float(taken.token_lag_max),
-            "rollout/dropped_groups": float(taken.dropped),
+            TRAINER_IDLE_RATIO: self.wait_s / total if total > 0 else 0.0,
+            SAMPLE_WAIT_S: self.wait_s,
+            LAG_MEAN: sum(taken.lags) / len(taken.lags),
+            LAG_MAX: float(max(taken.lags)),
+            TOKEN_LAG_MEAN: taken.token_lag_mean,
+            TOKEN_LAG_MAX: float(taken.token_lag_max),
+            DROPPED_GROUPS: float(taken.dropped),
         }
         if self.reader is None:
             return metrics
         cursor = self.reader.cursor
         metrics |= {
-            "rollout/dropped_groups_total": float(cursor.dropped),
-            "rollout/paused_batches_total": float(cursor.paused),
-            "rollout/queue_position": float(cursor.position),
-            "rollout/queue_backlog": float(self.reader.index.total_groups - cursor.position),
+            DROPPED_GROUPS_TOTAL: float(cursor.dropped),
+            PAUSED_BATCHES_TOTAL: float(cursor.paused),
+            QUEUE_POSITION: float(cursor.position),
+            QUEUE_BACKLOG: float(self.reader.index.total_groups - cursor.position),
         }
         cursor.window = _summed(cursor.window, shard_stats(taken.groups))
-        metrics["rollout/paused_batches"] = float(sum(r.paused_s > 0 for r in self.admitted))
+        metrics[PAUSED_BATCHES] = float(sum(r.paused_s > 0 for r in self.admitted))
         if self.admitted:
             busy = sum(r.generate_s + r.load_s for r in self.admitted)
             idle = sum(r.idle_s for r in self.admitted)
-            metrics["perf/rollout_idle_ratio"] = idle / (idle + busy) if idle + busy > 0 else 0.0
+            metrics[ROLLOUT_IDLE_RATIO] = idle / (idle + busy) if idle + busy > 0 else 0.0
             metrics |= env_metrics([r.env for r in self.admitted if r.env is not None])
             self.admitted = []
         return metrics
@@ -289,7 +309,7 @@ class Feed:
             return {}
         cursor = self.reader.cursor
         # store_metrics sums the ``stats`` of a manifest's shards; the window is one such sum.
-        metrics = store_metrics(_Summed([_Stats(cursor.window)])) | {"rollout/stage": float(stage)}
+        metrics = store_metrics(_Summed([_Stats(cursor.window)])) | {STAGE: float(stage)}
         cursor.window = {}
         return metrics
 
