@@ -148,13 +148,14 @@ class ActivationInputs:
     tokens: int
     """Tokens of a micro-batch (rows × padded length, or the token budget)."""
     seq_len: int
-    """Longest row: the attention score matrices of the unfused (CPU) attention are [S, S] per head."""
+    """Longest row (the local spec's SDPA attention keeps no [S, S] scores; kept for the record and callers)."""
     dtype_bytes: int
     sequence_parallel: bool
     fused_kernels: bool
-    """The GPU layer spec (Transformer Engine): fused attention keeps no [S, S] scores, fused RMSNorm and
-    SwiGLU keep only their inputs. False: megatron-core's local spec in torch ops (CPU), which also keeps
-    each norm's normalised input and the SwiGLU's gate activation."""
+    """The GPU layer spec (Transformer Engine): fused RMSNorm and SwiGLU keep only their inputs. False:
+    megatron-core's local spec in torch ops (CPU), which also keeps each norm's normalised input and the
+    SwiGLU's gate activation. Neither keeps [S, S] attention scores (the local spec's attention is one
+    SDPA call, ``training.sdpa_attention``)."""
     in_flight: int
     """Micro-batches whose activations a stage holds at once (1F1B: min(PP, micro-batches))."""
 
@@ -164,9 +165,10 @@ def layer_activation_elements(shape: ModelShape, layout: RankLayout, sparse: boo
 
     Norm inputs and the linear layers' inputs are split over TP only with sequence parallelism; the
     QKV, attention output and MLP intermediates are split over TP; experts see each token top-k times.
-    Without fused kernels (``ActivationInputs.fused_kernels``) the attention also keeps its scores and
-    probabilities (heads/TP × S each per token), every RMSNorm its normalised input, and every SwiGLU
-    its gate activation (one more MLP width).
+    Without fused kernels (``ActivationInputs.fused_kernels``) the attention (one SDPA call) also keeps
+    the whole fused QKV output, of which its value input is a view (q + kv more than v alone), and a
+    log-sum-exp per head; every RMSNorm its normalised input, and every SwiGLU its gate activation (one
+    more MLP width).
     """
     tp, fused = layout.tp, inputs.fused_kernels
     sp = tp if inputs.sequence_parallel else 1
@@ -175,7 +177,7 @@ def layer_activation_elements(shape: ModelShape, layout: RankLayout, sparse: boo
     glu = 3 if fused else 4  # fc1 out (gate and up) and the product (+ the gate's activation, unfused)
     elements = (norms + 1) * shape.hidden / sp + (2 * q + 2 * kv) / tp  # norm, QKV in; q, k, v, context
     if not fused:
-        elements += 2 * shape.heads / tp * inputs.seq_len
+        elements += (q + kv + shape.heads) / tp  # v's storage: the QKV output; SDPA's log-sum-exp [b, heads, s]
         elements += (q + kv) / tp if shape.qk_norm else 0  # q / k norms' normalised inputs
     elements += (norms + 1) * shape.hidden / sp  # the MLP's norm and its first linear's input
     if not sparse:
