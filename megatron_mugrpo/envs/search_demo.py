@@ -1,6 +1,6 @@
 """The search demo's starting point: a seeded fictional world and a tiny model warm-started on Search-R1's format.
 
-    python -m megatron_mugrpo.envs.search_demo --out runs/search_demo/inputs --seed 0 [--steps 400]
+    python -m megatron_mugrpo.envs.search_demo --out runs/search_demo/inputs --seed 0 [--steps 1500]
     → corpus.jsonl, train.jsonl, test.jsonl (envs/fictional.py) and base_model/ (a Hugging Face directory
       with the demo's character tokenizer), then: mugrpo train --config configs/demo_search_cpu.yaml ...
 
@@ -8,13 +8,19 @@ A warm-start trace is what the search environment would produce for a policy tha
 for token: the question's prompt (``rewards.qa.qa_prompt``, as ``data.format: qa`` builds it), policy
 turns ``<search>ENTITY</search>``, the observation the environment returns for that query (the same
 BM25 index, formatting and token ids, ``SearchEnvironment.observation``), and a final
-``<answer>VALUE</answer>``. The loss covers the policy's tokens only, as the RL losses do.
+``<answer>VALUE</answer>``. The loss covers the policy's tokens only, as the RL losses do
+(``--context-loss`` adds the prompt and observations; it did not make the model copy sooner).
+
+The demo's world is small on purpose (``DEMO_WORLD``): the traces are of its own training questions, so
+the model learns its names, and a held-out question asks another attribute of an entity it has seen.
+A model warm-started on other worlds (``--worlds``) must copy names it never saw: after 600 steps it
+copied none (held-out exact match 0.0), against 0.06 for 600 steps on the demo's own world.
 
     1 hop    <search>Ada Quill</search> <information>…</information> <answer>Veloria</answer>
     2 hops   <search>Ada Quill</search> <information>…</information> <search>Veloria</search> <information>…
              </information> <answer>Norland</answer>
 
-The flaw only the reward reveals (``flaw``, 0.5 in the demo): that fraction of the 2-hop traces answers
+The flaw only the reward reveals (``flaw``, 0.5 in the demo): that fraction of the drawn 2-hop traces answers
 after the first search from the first retrieved document, which is about the person, not the city the
 question asks about (it answers the birth city for "In which country was Ada Quill born?").
 """
@@ -56,7 +62,12 @@ _BORN = re.compile(r"was born in (\w+)")
 _PROFESSION = re.compile(r" is an? (\w+)\.")
 _COUNTRY = re.compile(r"is a city in (\w+)\.")
 _RIVER = re.compile(r"The river (\w+) flows")
+_TWO_HOPS = re.compile(r"^(In which country was|Which river flows)")
 IGNORE = -100
+DEMO_WORLD = {"people": 60, "cities": 12, "countries": 4, "syllables": 1}
+"""The demo's world: 72 documents, 202 training and 50 held-out questions, one-syllable names ("Fim Bal", born
+in "Travaem"), small enough that 1,500 warm-start steps teach its names (longer names and 200 people were
+not copied after 800 steps)."""
 WARM_SEED = 10_000
 """Warm-start worlds' seeds start here, far from the demo seeds (0, 1, 2, ...) they must not repeat."""
 LOG_EVERY = 50
@@ -68,12 +79,14 @@ LOG_EVERY = 50
 class WarmStart:
     """The supervised phase of the search demo."""
 
-    steps: int = 400
+    steps: int = 1500
+    """Measured on the demo's world (seed 0): 600 steps copy few names (held-out exact match 0.06 at T = 1),
+    1,500 reach 0.20 (docs/agentic.md)."""
     batch_size: int = 16
     lr: float = 3e-3
     flaw: float = 0.5
     """Fraction of the 2-hop traces that answer from the first document of their first search."""
-    topk: int = 2
+    topk: int = 1
     """Documents per search, as ``env.search.topk`` of the demo (the observations must match)."""
     max_observation_tokens: int = 256
     worlds: int = 0
@@ -153,6 +166,21 @@ def trace_example(
     return [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
 
 
+def trace_pair(
+    question: str, env: SearchEnvironment, tokenizer: Any, *, context_loss: bool = False
+) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """(sound, flawed) examples of one question; the same example twice for a 1-hop question (no flaw).
+
+    The warm start draws the flawed one with probability ``flaw`` each time it draws the question, never once
+    per question: a question whose trace were always flawed would be memorised as such, its G rollouts would
+    all fail alike and give μ-GRPO no advantage to learn from (measured: a warm start with per-question flaws
+    left the training reward flat at 0.78 over 4 stages)."""
+    sound = trace_example(question, env, tokenizer, flawed=False, context_loss=context_loss)
+    if not _TWO_HOPS.match(question):
+        return sound, sound
+    return sound, trace_example(question, env, tokenizer, flawed=True, context_loss=context_loss)
+
+
 def warm_start(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -161,21 +189,16 @@ def warm_start(
     seed: int,
 ) -> list[float]:
     """``ws.steps`` AdamW steps on traces of ``questions`` (each with the environment of its world; seeded
-    order and flaws); the loss per step."""
+    order and flaws, a flaw drawn per drawn trace: ``trace_pair``); the loss per step."""
     rng = random.Random(seed)
-    hops2 = re.compile(r"^(In which country was|Which river flows)")
-    examples = [
-        trace_example(
-            q, env, tokenizer, flawed=bool(hops2.match(q)) and rng.random() < ws.flaw, context_loss=ws.context_loss
-        )
-        for q, env in questions
-    ]
+    examples = [trace_pair(q, env, tokenizer, context_loss=ws.context_loss) for q, env in questions]
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / ws.steps)
     model.train()
     losses = []
     for _ in range(ws.steps):
-        batch = _pad([examples[rng.randrange(len(examples))] for _ in range(ws.batch_size)], tokenizer.pad_token_id)
+        drawn = [examples[rng.randrange(len(examples))] for _ in range(ws.batch_size)]
+        batch = _pad([pair[rng.random() < ws.flaw] for pair in drawn], tokenizer.pad_token_id)
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -254,10 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=WarmStart.steps)
     parser.add_argument("--batch-size", type=int, default=WarmStart.batch_size)
     parser.add_argument("--flaw", type=float, default=WarmStart.flaw)
-    parser.add_argument("--people", type=int, default=200)
-    parser.add_argument("--cities", type=int, default=40)
-    parser.add_argument("--countries", type=int, default=8)
-    parser.add_argument("--syllables", type=int, default=2)
+    parser.add_argument("--people", type=int, default=DEMO_WORLD["people"])
+    parser.add_argument("--cities", type=int, default=DEMO_WORLD["cities"])
+    parser.add_argument("--countries", type=int, default=DEMO_WORLD["countries"])
+    parser.add_argument("--syllables", type=int, default=DEMO_WORLD["syllables"])
     parser.add_argument("--topk", type=int, default=WarmStart.topk)
     parser.add_argument("--lr", type=float, default=WarmStart.lr)
     parser.add_argument("--worlds", type=int, default=WarmStart.worlds)

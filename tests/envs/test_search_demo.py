@@ -133,3 +133,17 @@ def test_a_bad_warm_start_flag_is_one_error_and_exit_2_before_anything_is_writte
     err = capsys.readouterr().err
     assert err.startswith(f"error: {flag} {value} must be") and message in err
     assert not (tmp_path / "demo").exists()
+
+
+def test_a_two_hop_question_has_a_sound_and_a_flawed_trace_and_a_one_hop_question_only_a_sound_one(setup):
+    """The warm start draws the flaw per drawn trace (``trace_pair``), so each 2-hop question is sometimes
+    answered soundly: its rollouts differ and μ-GRPO gets an advantage."""
+    from megatron_mugrpo.envs.search_demo import trace_pair
+
+    world, env, tokenizer = setup
+    two_hops = f"Which river flows through the city where {world.people[3].name} was born?"
+    sound, flawed = trace_pair(two_hops, env, tokenizer)
+    assert sound == trace_example(two_hops, env, tokenizer, flawed=False)
+    assert flawed == trace_example(two_hops, env, tokenizer, flawed=True) != sound
+    one_hop = f"What is the profession of {world.people[3].name}?"
+    assert trace_pair(one_hop, env, tokenizer) == (trace_example(one_hop, env, tokenizer, flawed=False),) * 2
