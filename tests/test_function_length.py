@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_LINES = 60
-MAX_LONG_FUNCTIONS = 8
+MAX_LONG_FUNCTIONS = 3
 """Functions (methods and nested functions included) longer than ``LONG_LINES``, from ``def`` to the last
 line of the body, over ``megatron_mugrpo/`` and ``conversion/``. Lower it when one is cut; never raise it."""
 

@@ -113,6 +113,17 @@ def run_env_problem(
     built tiny model)."""
     if not settings.enabled:
         return None
+    return (
+        _combination_problem(reward_kind, engine, allocation, mode, routing_replay, partial_rollout)
+        or _source_problem(settings)
+        or _budget_problem(settings, max_prompt_tokens, positions)
+    )
+
+
+def _combination_problem(
+    reward_kind: str, engine: str, allocation: str, mode: str, routing_replay: str, partial_rollout: bool
+) -> str | None:
+    """What of the run's other settings cannot roll out trajectories (``run_env_problem``)."""
     if reward_kind != "qa":
         return (
             f"env.enabled needs questions scored by the qa reward (data.format: qa, reward.kind: qa); the data is "
@@ -141,12 +152,22 @@ def run_env_problem(
             f"only (its multi-turn path sends each turn as one request and keeps no routes across turns); use "
             f"rollout.engine in {MULTI_TURN_ROUTE_ENGINES} or moe.routing_replay=none"
         )
+    return None
+
+
+def _source_problem(settings: Any) -> str | None:
+    """A search environment without a server to ask or a corpus to serve."""
     options = getattr(settings, settings.kind)
     if settings.kind == "search" and not (options.url or options.corpus):
         return (
             "env.enabled with env.kind=search needs env.search.url (a running `mugrpo serve-search`) or "
             "env.search.corpus (a JSONL corpus the run serves itself on loopback)"
         )
+    return None
+
+
+def _budget_problem(settings: Any, max_prompt_tokens: int, positions: int | None) -> str | None:
+    """A token budget with no room after the prompt, or beyond the model's positions."""
     if settings.max_total_tokens <= max_prompt_tokens:
         return (
             f"env.max_total_tokens={settings.max_total_tokens} leaves no room for a trajectory after a prompt of up "

@@ -504,19 +504,21 @@ def train_step(
         pack_sequences=pack_sequences,
     )
     micro_batches = build_micro_batches(batch, plans[groups.dp_rank], groups.device)
+    loss_fn = policy_loss_fn(loss_name, loss_options, caps)
+    forward_step = _forward_step_func(impl, temperature, policy.vocab_size, groups, loss_fn, logits_budget_mib)
+    metrics = _update(policy, micro_batches, forward_step)
+    return metrics | plan_metrics(plans, batch)
+
+
+def _update(policy: Policy, micro_batches: list[TrainBatch], forward_step: Callable) -> dict[str, float]:
+    """Zero the gradients, run forward and backward over this rank's micro-batches, step the optimizer
+    and the schedule; returns the update's loss records summarised over DP ranks, the gradient norm, the
+    learning rate, whether the step was taken and (MoE) the experts' load."""
+    groups, moe = policy.groups, _is_moe(policy)
     for chunk in policy.model_chunks:
         chunk.train()
         chunk.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    forward_step = _forward_step_func(
-        impl,
-        temperature,
-        policy.vocab_size,
-        groups,
-        policy_loss_fn(loss_name, loss_options, caps),
-        logits_budget_mib,
-    )
-    moe = _is_moe(policy)
     if moe:
         reset_moe_metrics(policy.model_chunks)
     records = _run_schedule(policy, micro_batches, forward_step, forward_only=False)
@@ -526,7 +528,6 @@ def train_step(
     metrics[GRAD_NORM] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics[LR] = current_lr(policy.optimizer)
     metrics[UPDATE_SUCCESSFUL] = float(bool(update_successful))
-    metrics.update(plan_metrics(plans, batch))
     if moe:
         metrics.update(moe_step_metrics(policy.model_chunks, groups, len(micro_batches)))
     return metrics
