@@ -1,4 +1,4 @@
-"""Our standard GRPO and μ-GRPO against Hugging Face TRL's ``GRPOTrainer`` on the CPU demo task.
+"""Our standard GRPO and μ-GRPO against Hugging Face TRL's ``GRPOTrainer`` on a CPU demo task.
 
 Three trainings, one after the other on the same cores, from one warm-started base model directory:
 
@@ -22,7 +22,8 @@ Training wall clock only: ours is ``perf/t_rollout_s + perf/t_optimize_s`` (roll
 phases; run set-up, in-run evaluations and the final export excluded), TRL's is its ``train()`` call
 (model loading, trainer construction and saving excluded). The warm start is outside every timing.
 
-    .venv/bin/python benchmarks/vs_trl.py [--runs 3] [--smoke] [--out DIR] [override ...]
+    .venv/bin/python benchmarks/vs_trl.py [--task demo|long] [--updates N] [--runs N] [--smoke] [--out DIR]
+                                          [override ...]
 
 Needs TRL: ``pip install -e .[bench]`` (the pinned ``trl`` and ``accelerate``); without it the
 benchmark says so and exits 0. Extra arguments are dotted overrides applied to every run (and to
@@ -32,6 +33,22 @@ mean ± std. ``--smoke`` shrinks everything (a 20-step warm start, 4 updates per
 problems) to check that the benchmark runs end to end; its numbers mean nothing. The last line is
 ``grpo_vs_trl=<TRL time / our GRPO time> mugrpo_vs_trl=<TRL time / our μ-GRPO time>
 acc_ours_grpo=<> acc_trl=<> acc_mugrpo=<>`` (means over the runs).
+
+``--task long`` runs the long-reasoning task instead (``configs/demo_long_cpu.yaml``:
+``running_sum_tagged``, answers of 173-199 tokens, responses capped at 240, its own warm start): our
+μ-GRPO is that config as it is (4 stages × μ = 64), our GRPO and TRL that config at μ = 4 with GRPO's
+clip (``LONG_GRPO``: 64 stages × 32 groups, as ``demo_grpo_cpu.yaml`` is to ``demo_cpu.yaml``), TRL's
+settings read from it as above. Ours trains with ``parallel.micro_batch_tokens`` and
+``parallel.pack_sequences`` on (``LONG_PACKING``). TRL gets no padding-free counterpart because TRL
+1.16.0's GRPOTrainer has none: ``GRPOConfig`` has no ``padding_free`` or packing field (those are
+``SFTConfig``'s), the trainer left-pads prompts and right-pads completions to the batch's longest and
+runs every forward on that padded [rows, prompt + completion] batch; its one padding setting,
+``pad_to_multiple_of``, only rounds that width up ('auto': not at all off Neuron).
+``use_transformers_continuous_batching`` is about generation, not the update, and stays off.
+
+``--updates N`` sets each method's ``stages.num_stages`` to N / μ (N a multiple of every method's μ)
+to shorten a run at equal updates: ``--task long --updates 64`` is GRPO 16 stages × μ = 4 and μ-GRPO
+1 stage × μ = 64.
 
 Settings that cannot be matched (TRL 1.16.0, ``trl/trainer/grpo_trainer.py``):
 
@@ -86,6 +103,7 @@ if TYPE_CHECKING:
 
 GRPO_CONFIG = ROOT / "configs" / "demo_grpo_cpu.yaml"
 MU_CONFIG = ROOT / "configs" / "demo_cpu.yaml"
+LONG_CONFIG = ROOT / "configs" / "demo_long_cpu.yaml"
 INSTALL = "pip install -e .[bench]"
 METHODS = ("ours_grpo", "trl", "ours_mugrpo")
 
@@ -100,10 +118,45 @@ SMOKE = [
 ]
 """``--smoke``: every run tiny (a check that the benchmark runs end to end, not a measurement)."""
 SMOKE_SHAPE = {
-    GRPO_CONFIG: ["stages.num_stages=2", "stages.train_groups=4", "stages.mini_groups=2"],
-    MU_CONFIG: ["stages.num_stages=1", "stages.train_groups=8", "stages.mini_groups=2"],
+    "ours_grpo": ["stages.num_stages=2", "stages.train_groups=4", "stages.mini_groups=2"],
+    "ours_mugrpo": ["stages.num_stages=1", "stages.train_groups=8", "stages.mini_groups=2"],
 }
-"""``--smoke`` schedules with equal totals (4 updates of 2 groups): GRPO 2 stages × μ = 2, μ-GRPO 1 × 4."""
+"""``--smoke`` schedules with equal totals (4 updates of 2 groups): GRPO 2 stages × μ = 2, μ-GRPO 1 × 4
+(TRL's is our GRPO's)."""
+
+LONG_GRPO = (
+    "algo.loss=grpo",
+    "algo.grpo.clip_eps=0.2",
+    "stages.num_stages=64",
+    "stages.train_groups=32",
+    "checkpoint.every_stages=16",
+    "eval.every_updates=64",
+)
+"""``demo_long_cpu.yaml`` as standard GRPO at μ = 4, as ``demo_grpo_cpu.yaml`` makes of ``demo_cpu.yaml``
+(the ``grpo`` variant of ``experiments/f8_long_mechanism.yaml``): 64 stages × 32 groups, clip [0.8, 1.2]."""
+LONG_PACKING = ("parallel.micro_batch_tokens=19456", "parallel.pack_sequences=true")
+"""Ours on the long task: token-budget micro-batches with packed rows. 19,456 = 64 rows × (64 prompt +
+240 response tokens), the budget of the config's ``micro_batch_size=64`` padded rows, so an update (8
+groups × 8 = 64 rows) is one micro-batch as before and the peak-memory bound is unchanged."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """What the three trainings run: our GRPO and TRL from ``grpo_config`` + ``grpo_shape``, our μ-GRPO
+    from ``mu_config``; ``ours`` are overrides of our two runs only (TRL has no such setting)."""
+
+    grpo_config: Path
+    grpo_shape: tuple[str, ...] = ()
+    mu_config: Path
+    ours: tuple[str, ...] = ()
+
+
+TASKS = {
+    "demo": Task(grpo_config=GRPO_CONFIG, mu_config=MU_CONFIG),
+    "long": Task(grpo_config=LONG_CONFIG, grpo_shape=LONG_GRPO, mu_config=LONG_CONFIG, ours=LONG_PACKING),
+}
+"""``--task``: the CPU demo (addition, answers of 20-48 tokens) or the long-reasoning task
+(``running_sum_tagged``, 173-199 tokens, packing on for ours)."""
 
 LOSS_TYPES = {"seq_mean_token_mean": "grpo", "token_mean": "dapo"}
 """Our ``algo.aggregation`` → TRL's ``loss_type``. With one process and no gradient accumulation TRL's
@@ -257,27 +310,57 @@ def evaluate_final(cfg: RunConfig, hf_dir: Path) -> float:
     return metrics[AVG_KEY]
 
 
-def run_overrides(config: Path, base: Path, index: int, user: list[str], smoke: bool) -> list[str]:
-    """The overrides of ``config``'s run ``index``: the smoke schedule, the user's, the shared base
-    model and the run's seeds."""
-    shape = SMOKE_SHAPE[config] if smoke else []
-    return [*shape, *user, f"model.hf_dir={base}", f"seed={index}", f"stages.seed={index}"]
+def method_config(task: Task, method: str) -> Path:
+    """The config file ``method`` starts from."""
+    return task.mu_config if method == "ours_mugrpo" else task.grpo_config
 
 
-def one_run(index: int, base: Path, out: Path, user: list[str], smoke: bool) -> dict[str, Result]:
+def schedule(config: Path, overrides: list[str], updates: int | None) -> list[str]:
+    """``--updates N``: the ``stages.num_stages`` that makes ``N`` updates at the run's μ (none without it)."""
+    if updates is None:
+        return []
+    from megatron_mugrpo.config import load_config
+
+    mu = load_config(config, overrides).stages.updates_per_stage
+    if updates < 1 or updates % mu:
+        raise InputError(
+            f"--updates {updates}: must be a positive multiple of every method's μ (updates per stage); "
+            f"{config.name} with {overrides} has μ = {mu}; pick a multiple of {mu}"
+        )
+    return [f"stages.num_stages={updates // mu}"]
+
+
+def method_overrides(task: Task, user: list[str], *, smoke: bool, updates: int | None) -> dict[str, list[str]]:
+    """Each method's overrides of its config (``method_config``): the task's shape, the smoke schedule,
+    ours-only settings, the user's, then ``--updates``. TRL's settings are read from ``trl``'s."""
+    smoke_shape = {name: SMOKE_SHAPE[name] if smoke else [] for name in ("ours_grpo", "ours_mugrpo")}
+    plan = {
+        "ours_grpo": [*task.grpo_shape, *smoke_shape["ours_grpo"], *task.ours, *user],
+        "trl": [*task.grpo_shape, *smoke_shape["ours_grpo"], *user],
+        "ours_mugrpo": [*smoke_shape["ours_mugrpo"], *task.ours, *user],
+    }
+    return {name: [*found, *schedule(method_config(task, name), found, updates)] for name, found in plan.items()}
+
+
+def run_overrides(overrides: list[str], base: Path, index: int) -> list[str]:
+    """``overrides`` with the shared base model and run ``index``'s seeds."""
+    return [*overrides, f"model.hf_dir={base}", f"seed={index}", f"stages.seed={index}"]
+
+
+def one_run(index: int, base: Path, out: Path, task: Task, plan: dict[str, list[str]]) -> dict[str, Result]:
     """The three trainings of run ``index`` (seeds = ``index``), each evaluated after training."""
     from megatron_mugrpo.config import load_config
     from megatron_mugrpo.loop.export import FINAL_HF_DIR
 
-    grpo_cfg = load_config(GRPO_CONFIG, run_overrides(GRPO_CONFIG, base, index, user, smoke))
+    grpo_cfg = load_config(task.grpo_config, run_overrides(plan["trl"], base, index))
     results = {}
-    for name, config in (("ours_grpo", GRPO_CONFIG), ("trl", None), ("ours_mugrpo", MU_CONFIG)):
+    for name in METHODS:
         run_dir = out / f"run{index}" / name
-        if config is None:
+        if name == "trl":
             seconds = train_trl(grpo_cfg, base, run_dir)
             final = run_dir / "final"
         else:
-            seconds = train_ours(config, run_dir, run_overrides(config, base, index, user, smoke))
+            seconds = train_ours(method_config(task, name), run_dir, run_overrides(plan[name], base, index))
             final = run_dir / FINAL_HF_DIR
         results[name] = Result(train_s=seconds, acc=evaluate_final(grpo_cfg, final))
         print(f"run {index} {name:<12} train {seconds:7.1f} s   acc {results[name].acc:.3f}", flush=True)
@@ -310,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_vs_trl")
     parser.add_argument("--runs", type=int, default=1, help="repeat the three trainings N times (mean ± std)")
     parser.add_argument("--smoke", action="store_true", help="tiny runs: check that the benchmark runs")
+    parser.add_argument("--task", choices=sorted(TASKS), default="demo", help="the demo or the long-reasoning task")
+    parser.add_argument("--updates", type=int, help="updates per method (stages.num_stages = N / μ for each)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     args = parser.parse_args(argv)
     if args.runs < 1:
@@ -325,16 +410,18 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_libraries()  # the table, not the libraries' import-time chatter
     transformers_logging.disable_progress_bar()
+    task = TASKS[args.task]
     user = [*(SMOKE if args.smoke else []), *args.overrides]
     try:  # every config and TRL's settings checked before the warm start
-        cfg = load_config(MU_CONFIG, [*(SMOKE_SHAPE[MU_CONFIG] if args.smoke else []), *user])
-        trl_settings(load_config(GRPO_CONFIG, [*(SMOKE_SHAPE[GRPO_CONFIG] if args.smoke else []), *user]), args.out)
+        plan = method_overrides(task, user, smoke=args.smoke, updates=args.updates)
+        cfgs = {name: load_config(method_config(task, name), found) for name, found in plan.items()}
+        trl_settings(cfgs["trl"], args.out)
     except InputError as exc:
         parser.error(str(exc))
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    base = prepare_base_model(cfg, args.out / "base_model")  # one warm start, outside every timing
-    report([one_run(i, base, args.out, user, args.smoke) for i in range(args.runs)])
+    base = prepare_base_model(cfgs["ours_mugrpo"], args.out / "base_model")  # one warm start, outside every timing
+    report([one_run(i, base, args.out, task, plan) for i in range(args.runs)])
     return 0
 
 

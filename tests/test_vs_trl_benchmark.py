@@ -1,5 +1,6 @@
 """benchmarks/vs_trl.py: without TRL it names the install command and exits 0; TRL's generation
-batches are our stages' prompts, in stage order, tokenized as ours; its settings are the GRPO demo's.
+batches are our stages' prompts, in stage order, tokenized as ours; its settings are the GRPO demo's;
+on the long task (``--task long``) ours packs and TRL's settings are our GRPO's.
 
 The end-to-end ``--smoke`` run (three tiny trainings and their evaluations) takes minutes of CPU, so it
 runs only when asked: ``MUGRPO_VS_TRL_SMOKE=1 pytest tests/test_vs_trl_benchmark.py``.
@@ -27,6 +28,7 @@ from megatron_mugrpo.config import load_config  # noqa: E402
 from megatron_mugrpo.errors import InputError  # noqa: E402
 from megatron_mugrpo.loop.setup import load_tokenizer  # noqa: E402
 from megatron_mugrpo.rollout.prompts import load_prompts, stage_prompts  # noqa: E402
+from megatron_mugrpo.warmstart import warmstart_spec  # noqa: E402
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 LAST_LINE = re.compile(
@@ -71,6 +73,41 @@ def test_trl_settings_are_the_grpo_demos(tmp_path: Path) -> None:
     assert settings["max_completion_length"] == 48 and settings["temperature"] == 1.0
     assert settings["learning_rate"] == cfg.optim.lr and settings["lr_scheduler_type"] == "constant"
     assert settings["use_cpu"] and not settings["shuffle_dataset"] and not settings["bf16"]
+
+
+def test_long_task_matches_grpo_and_trl_and_packs_only_ours(tmp_path: Path) -> None:
+    task = vs_trl.TASKS["long"]
+    plan = vs_trl.method_overrides(task, [], smoke=False, updates=64)
+    cfgs = {name: load_config(vs_trl.method_config(task, name), found) for name, found in plan.items()}
+    grpo, trl, mu = cfgs["ours_grpo"], cfgs["trl"], cfgs["ours_mugrpo"]
+    assert grpo.data.builtin_task == mu.data.builtin_task == "running_sum_tagged"
+    # One base model for all three: the same tiny model and warm start.
+    assert warmstart_spec(grpo) == warmstart_spec(trl) == warmstart_spec(mu)
+    # Ours packs within a budget of 64 rows × (64 + 240) tokens; TRL's config is ours without it.
+    for cfg in (grpo, mu):
+        assert cfg.parallel.pack_sequences and cfg.parallel.micro_batch_tokens == 64 * (64 + 240)
+    assert not trl.parallel.pack_sequences and trl.parallel.micro_batch_tokens is None
+    assert (trl.algo, trl.stages, trl.rollout, trl.optim) == (grpo.algo, grpo.stages, grpo.rollout, grpo.optim)
+    # --updates 64: GRPO 16 stages × μ = 4 of 32 groups, μ-GRPO 1 stage × μ = 64 of 512 groups.
+    assert grpo.algo.loss == "grpo" and grpo.stages.train_groups == 32
+    assert (grpo.stages.num_stages, grpo.stages.updates_per_stage) == (16, 4)
+    assert (mu.algo.loss, mu.stages.num_stages, mu.stages.updates_per_stage) == ("mu_grpo", 1, 64)
+    settings = vs_trl.trl_settings(trl, tmp_path)
+    assert settings["max_steps"] == 64 and settings["steps_per_generation"] == 4
+    assert settings["per_device_train_batch_size"] == 64 and settings["max_completion_length"] == 240
+    assert settings["epsilon"] == pytest.approx(0.2) and settings["temperature"] == mu.rollout.temperature
+
+
+def test_demo_task_is_the_two_demo_configs_as_they_are() -> None:
+    plan = vs_trl.method_overrides(vs_trl.TASKS["demo"], ["optim.lr=2e-4"], smoke=False, updates=None)
+    assert plan == {name: ["optim.lr=2e-4"] for name in vs_trl.METHODS}
+    assert vs_trl.method_config(vs_trl.TASKS["demo"], "trl") == vs_trl.GRPO_CONFIG
+
+
+def test_updates_that_are_not_a_multiple_of_a_methods_mu_are_one_error() -> None:
+    # The long μ-GRPO makes 64 updates per stage: 32 updates cannot be whole stages of it.
+    with pytest.raises(InputError, match=r"--updates 32: .* μ = 64; pick a multiple of 64"):
+        vs_trl.method_overrides(vs_trl.TASKS["long"], [], smoke=False, updates=32)
 
 
 def test_report_prints_each_run_the_spread_and_the_ratios_of_the_means(capsys: pytest.CaptureFixture) -> None:
