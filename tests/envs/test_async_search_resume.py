@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from search_models import POSITIONS, searching_model
 from test_async_search_run import CONFIG, ROOT, _free_port, records
-from test_moe_search_run import POSITIONS, searching_moe_model
 
 from megatron_mugrpo.commands import train_argv
 from megatron_mugrpo.envs.fictional import write_task
@@ -84,7 +84,7 @@ def consumed_groups(run_dir: Path, cursor: dict) -> list:
 def test_an_async_search_run_resumes_a_killed_worker_and_trains_each_group_once(tmp_path: Path):
     data = tmp_path / "data"
     write_task(data, 0, people=12, cities=4)
-    base, run_dir = searching_moe_model(tmp_path / "base"), tmp_path / "run"
+    base, run_dir = searching_model(tmp_path / "base", moe=True), tmp_path / "run"
     overrides = [
         "mode=async",
         f"model.hf_dir={base}",

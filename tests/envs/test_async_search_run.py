@@ -13,7 +13,6 @@ questions as trajectories too.
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import subprocess
@@ -21,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from search_models import searching_model
 
 from megatron_mugrpo.envs.fictional import write_task
 from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
@@ -29,46 +28,6 @@ from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_search_cpu.yaml"
 MINI_GROUPS, UPDATES = 2, 2
-SEARCH_CHAIN = {"<": {"s": 0.6, "/": 0.4}, "/": {"s": 1.0}, ">": {"A": 1.0}, "A": {"<": 1.0}}
-SEARCH_CHAIN |= {a: {b: 1.0} for a, b in zip("search", "earch>")}
-"""Next-character probabilities of the base model: '<search>A', repeated until a '</search>' closes the turn
-(any other character, e.g. the prompt's or an observation's last, is followed by '<')."""
-
-
-def searching_model(out: Path) -> Path:
-    """A tiny Qwen2 with the character tokenizer whose samples follow ``SEARCH_CHAIN`` (probability ~1e-7 off it)."""
-    from megatron_mugrpo.char_tokenizer import build_char_tokenizer
-    from megatron_mugrpo.warmstart import TinyModelConfig, build_tiny_model
-
-    tokenizer = build_char_tokenizer(out)
-    tiny = TinyModelConfig(
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=448,
-        tie_word_embeddings=False,
-    )
-    model = build_tiny_model(tiny, tokenizer, seed=0)
-    vocab, states = tokenizer.get_vocab(), list(SEARCH_CHAIN)
-    with torch.no_grad():
-        embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        embedding.zero_()
-        embedding[:, 0] = 1.0  # state 0: any character outside the chain, followed by '<'
-        head.zero_()
-        head[vocab["<"], 0] = 20.0 / math.sqrt(tiny.hidden_size)  # the final RMSNorm scales a unit vector by √H
-        for state, char in enumerate(states, start=1):
-            embedding[vocab[char]] = 0.0
-            embedding[vocab[char], state] = 1.0
-            for after, p in SEARCH_CHAIN[char].items():
-                head[vocab[after], state] = (20.0 + math.log(p)) / math.sqrt(tiny.hidden_size)
-        for layer in model.model.layers:  # the residual stream keeps the current token's embedding
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.fill_(1.0)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
 
 
 def _free_port() -> int:
