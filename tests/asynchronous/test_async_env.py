@@ -208,23 +208,6 @@ def test_a_record_that_disowns_its_trajectory_columns_is_refused(tmp_path: Path)
         read_shard(queue, record)
 
 
-@pytest.fixture
-def qa_overrides(tmp_path: Path) -> list[str]:
-    data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"question": "Where was Ada born?", "answers": ["Veloria"]}) + "\n")
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text(json.dumps({"id": "0", "title": "Ada", "text": "Ada was born in Veloria."}) + "\n")
-    return [
-        f"data.train_path={data}",
-        "data.format=qa",
-        "reward.kind=qa",
-        "eval.benchmarks=[]",
-        "env.enabled=true",
-        f"env.search.corpus={corpus}",
-        "env.max_total_tokens=256",
-    ]
-
-
 def test_async_mode_accepts_an_environment_but_not_with_partial_rollouts(qa_overrides: list[str]):
     cfg = load_config("configs/demo_async_cpu.yaml", qa_overrides)
     assert cfg.mode == "async" and cfg.env.enabled

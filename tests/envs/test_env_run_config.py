@@ -3,30 +3,12 @@ the run could not roll out multi-turn trajectories."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from megatron_mugrpo.config import load_config
 from megatron_mugrpo.errors import ConfigError
-
-
-@pytest.fixture
-def qa_overrides(tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"question": "Where was Ada born?", "answers": ["Veloria"]}) + "\n")
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text(json.dumps({"id": "0", "title": "Ada", "text": "Ada was born in Veloria."}) + "\n")
-    return [
-        f"data.train_path={data}",
-        "data.format=qa",
-        "reward.kind=qa",
-        "eval.benchmarks=[]",
-        "env.enabled=true",
-        f"env.search.corpus={corpus}",
-        "env.max_total_tokens=256",  # the demo's tiny model holds 256 positions
-    ]
 
 
 def test_the_env_section_is_off_by_default():
