@@ -14,7 +14,7 @@ RUN_DIR ?= runs/demo
 PYTEST_ARGS ?= -n 2 --durations=20
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo demo-search test test-cluster test-vllm docs lint env clean
+.PHONY: demo demo-search bench-agentic-replay test test-cluster test-vllm docs lint env clean
 
 $(STAMP): requirements.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ demo-search: $(STAMP)
 		$(PY) -m megatron_mugrpo.envs.search_demo --out runs/search_demo/inputs --seed 0; \
 	fi
 	$(VENV)/bin/mugrpo train --config configs/demo_search_cpu.yaml --run-dir runs/search_demo/run
+
+# GRPO, naive replay and HDR on the search demo with a slow environment, 3 seeds (about an hour on 2 cores;
+# builds the demo's inputs first unless make demo-search has). docs/agentic.md has the measured table.
+bench-agentic-replay: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/agentic_replay.py --seeds 3
 
 # The cluster tests (a real single-host Slurm, installed from Debian's packages when missing; two
 # torchrun agents as two nodes) take minutes of their own: `make test-cluster`, which CI also runs.
