@@ -18,15 +18,16 @@ POSITIONS = 448
 EXPERTS, TOPK = 4, 2
 
 
-def searching_model(out: Path, *, moe: bool = False) -> Path:
+def searching_model(out: Path, *, moe: bool = False, heads: int = 4) -> Path:
     """A tiny Qwen2 (or, with ``moe``, a Qwen3-MoE of 4 experts top-2 whose routers see each token's
     one-hot embedding through a N(0, 1) gate, so each token's top-2 is far from a tie: the trainer, in
-    Megatron, must choose exactly the engine's experts) saved to ``out``."""
+    Megatron, must choose exactly the engine's experts) saved to ``out``. ``heads=1`` gives head_dim 64,
+    the smallest vLLM's CPU attention takes (attention adds nothing here either way)."""
     from megatron_mugrpo.char_tokenizer import build_char_tokenizer
     from megatron_mugrpo.warmstart import TinyModelConfig, build_tiny_model
 
     tokenizer = build_char_tokenizer(out)
-    shape = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    shape = dict(hidden_size=64, num_layers=2, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
     if moe:
         shape |= dict(arch="qwen3_moe", num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=32)
     else:

@@ -20,7 +20,7 @@ for _path in (_HERE, _HERE.parent.parent, _HERE.parent.parent / "e2e"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-EXECUTED = ["test_vllm_engine.py", "test_vllm_runs.py"]
+EXECUTED = ["test_vllm_engine.py", "test_vllm_runs.py", "test_vllm_search_run.py"]
 """Modules that run vLLM itself."""
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 

