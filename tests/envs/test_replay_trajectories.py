@@ -29,6 +29,7 @@ from training.common import VOCAB
 from training.test_routing_replay import CONFIG, TOPK, _capture_fresh_routes, _copy_weights, _other_routes
 
 from megatron_mugrpo.algorithms.config import AlgoConfig
+from megatron_mugrpo.algorithms.losses import available_losses, needs_old_logprobs
 from megatron_mugrpo.algorithms.replay import ReplayConfig, group_headroom_drift, headroom_order
 from megatron_mugrpo.loop import hdr
 from megatron_mugrpo.loop.data import StageData
@@ -275,30 +276,38 @@ def _replay_moe_trajectories(rank: int, world_size: int, tmp: str) -> None:
     # round differently, hence 1e-6 before).
     assert (own - moved)[before].abs().max() <= 1e-6 < 1e-4 < (own - moved)[after].abs().max()
 
-    # D: update 1 replays the first accepted group before its fresh one; the loss counts policy tokens only,
+    # D: updates 1 and 2 each replay one accepted group before their fresh one. Under every registry loss
+    # at update 1 and μ-GRPO's at update 2 (from β's weights each time) the loss counts policy tokens only,
     # the trainer's routing agrees with the replayed routes everywhere (observation inputs included), and
-    # the replayed rows' ratio is against their stored generation-time log-probs.
-    minibatch = data.minibatch(1, MINI_GROUPS, 0)
-    assert minibatch[0] is data.replayed[0] and len(minibatch) == 1 + MINI_GROUPS
-    batch = collate(minibatch, pad_id=0)
-    metrics = train_step(
-        trainer,
-        batch,
-        loss_name="mu_grpo",
-        loss_options=AlgoConfig().loss_options(),
-        temperature=1.0,
-        micro_batch_size=4,
-        impl="unfused",
-    )
-    policy_tokens = [sum(s.policy_mask) for g in minibatch for s in g.samples]
-    all_tokens = sum(len(s.response_ids) for g in minibatch for s in g.samples)
-    assert metrics["train/response_tokens"] == sum(policy_tokens) < all_tokens
-    assert metrics["train/routing_agreement"] == 1.0
-    shift, replayed_tokens = SHIFTS[accepted[0][1]], sum(policy_tokens[:GROUP_SIZE])
-    assert metrics["train/rollout_logprob_abs_diff_max"] == pytest.approx(shift, abs=1e-5)
-    assert metrics["train/rollout_logprob_abs_diff_mean"] == pytest.approx(
-        shift * replayed_tokens / sum(policy_tokens), abs=1e-5
-    )
+    # the replayed rows' ratio is against their stored generation-time log-probs: |log π_θ − b| is the
+    # group's shift on them, 0 on fresh rows.
+    for update in (1, 2):
+        minibatch = data.minibatch(update, MINI_GROUPS, 0)
+        assert minibatch[0] is data.replayed[update - 1] and len(minibatch) == 1 + MINI_GROUPS
+        batch = collate(minibatch, pad_id=0)
+        policy_tokens = [sum(s.policy_mask) for g in minibatch for s in g.samples]
+        all_tokens = sum(len(s.response_ids) for g in minibatch for s in g.samples)
+        shift, replayed_tokens = SHIFTS[accepted[update - 1][1]], sum(policy_tokens[:GROUP_SIZE])
+        # icepop is refused with replay (replayed groups carry no log π_old of their stage)
+        losses = [n for n in available_losses() if not needs_old_logprobs(n)] if update == 1 else ["mu_grpo"]
+        for name in losses:
+            _copy_weights(engine, trainer)
+            metrics = train_step(
+                trainer,
+                batch,
+                loss_name=name,
+                loss_options=AlgoConfig(loss=name).loss_options(),
+                temperature=1.0,
+                micro_batch_size=4,
+                impl="unfused",
+            )
+            assert math.isfinite(metrics["train/loss"]) and metrics["train/update_successful"] == 1.0, name
+            assert metrics["train/response_tokens"] == sum(policy_tokens) < all_tokens, name
+            assert metrics["train/routing_agreement"] == 1.0, name
+            assert metrics["train/rollout_logprob_abs_diff_max"] == pytest.approx(shift, abs=1e-5), name
+            assert metrics["train/rollout_logprob_abs_diff_mean"] == pytest.approx(
+                shift * replayed_tokens / sum(policy_tokens), abs=1e-5
+            ), name
 
     run.telemetry.logger.close()
     record = next(r for r in read_metrics(tmp_path) if "replay/accepted" in r)
