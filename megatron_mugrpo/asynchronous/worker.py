@@ -17,9 +17,12 @@ With env.enabled the worker holds the run's environment for its whole life (``en
 without env.search.url the loopback search server starts once its tokenizer is known and stops when it
 ends), every prompt gets G multi-turn trajectories (policy mask, turns, environment seconds; the queue
 shard carries them as the rollout store does), and each shard's record carries the batch's environment
-counts (``EnvTally``), which the trainer logs with the update that admits it. A batch whose trajectories
-fail beyond env.max_error_frac stops the worker with an ``EnvError`` naming the environment and its last
-error, before its shard is written; the trainer reads it from the worker's failed heartbeat.
+counts (``EnvTally``), which the trainer logs with the update that admits it. Under env.overlap=auto (the
+default) the environment's calls overlap decoding on the transformers engine: a row waiting for its observation
+does not hold up the batch's other rows (``envs.registry.env_overlap`` says why async runs default to it). A
+batch whose trajectories fail beyond env.max_error_frac stops the worker with an ``EnvError`` naming the
+environment and its last error, before its shard is written; the trainer reads it from the worker's failed
+heartbeat.
 
 With async.partial_rollout the engine also applies a staged publication between two decode steps
 (``Worker.between_steps``, handed to it as an ``engine.Interrupt``): the batch's in-flight sequences go
@@ -60,6 +63,7 @@ from megatron_mugrpo.asynchronous.publish import Publication, Staging, Subscript
 from megatron_mugrpo.asynchronous.roles import ProcessRole
 from megatron_mugrpo.asynchronous.transport import Received
 from megatron_mugrpo.envs.episodes import EnvTally, StageEnv, stage_env
+from megatron_mugrpo.envs.registry import env_overlap
 from megatron_mugrpo.errors import ConfigError
 from megatron_mugrpo.records import RolloutGroup
 from megatron_mugrpo.rewards.registry import RewardFn, RewardSet
@@ -301,7 +305,8 @@ def run_worker(cfg: WorkerConfig, run_dir: Path, role: ProcessRole) -> None:
             if first is None:
                 return  # the trainer finished before this worker got weights: nothing left to do
             _setup(worker)
-            worker.env = held.enter_context(stage_env(cfg.env, worker.tokenizer))
+            overlap = env_overlap(cfg.env, asynchronous=True, engine=cfg.rollout.engine)  # 'auto' is on here
+            worker.env = held.enter_context(stage_env(cfg.env, worker.tokenizer, overlap=overlap))
             if cfg.async_.publish == "memory":
                 worker.start_staging()
             if cfg.async_.partial_rollout:

@@ -54,7 +54,8 @@ last turn without ending the episode."""
 
 
 class MultiTurnEngine(Protocol):
-    """What ``run_episodes`` needs from a rollout engine."""
+    """What ``run_episodes`` needs from a rollout engine; those of ``registry.OVERLAP_ENGINES`` also take
+    ``overlap=True`` (``env.overlap``)."""
 
     def generate_trajectories(
         self,
@@ -78,16 +79,20 @@ def run_episodes(
     params: Any,
     limits: EnvLimits,
     decode: Callable[[list[int]], str],
+    overlap: bool = False,
 ) -> list[list[Trajectory]]:
-    """``n`` trajectories per problem, grouped by problem in order (``params``: the engine's SamplingParams)."""
+    """``n`` trajectories per problem, grouped by problem in order (``params``: the engine's SamplingParams).
+    ``overlap``: environment calls overlap decoding (``env.overlap``; an engine of ``OVERLAP_ENGINES``)."""
     if len(problems) != len(prompt_ids):
         raise ValueError(f"{len(problems)} problems but {len(prompt_ids)} prompts")
     if n < 1:
         raise ValueError(f"n={n} must be >= 1 (trajectories per problem)")
     episodes = [env.start(problem) for problem in problems for _ in range(n)]
     prompts = [list(ids) for ids in prompt_ids for _ in range(n)]
+    # Only engines that can overlap take the keyword (the config refuses env.overlap=on for the others).
+    extra = {"overlap": True} if overlap else {}
     flat = engine.generate_trajectories(
-        prompts, episodes, params, limits=limits, decode=decode, stop_strings=env.stop_strings
+        prompts, episodes, params, limits=limits, decode=decode, stop_strings=env.stop_strings, **extra
     )
     return [flat[i * n : (i + 1) * n] for i in range(len(problems))]
 
@@ -263,20 +268,28 @@ class StageEnv:
     """``env.kind``, for errors."""
     limits: EnvLimits
     max_error_frac: float
+    overlap: bool = False
+    """Environment calls overlap decoding (``registry.env_overlap``)."""
     tally: EnvTally = field(default_factory=EnvTally)
 
 
 @contextmanager
-def stage_env(settings: Any, tokenizer: Any) -> Iterator[StageEnv | None]:
+def stage_env(settings: Any, tokenizer: Any, *, overlap: bool = False) -> Iterator[StageEnv | None]:
     """The run's environment for one stage's generation or evaluation, closed after it (None without an
     ``env`` section or when it is off): a search environment without ``env.search.url`` serves its corpus on
-    loopback until then."""
+    loopback until then. ``overlap``: its calls overlap decoding (``registry.env_overlap`` decides)."""
     if settings is None or not settings.enabled:
         yield None
         return
     env = build_env(settings, tokenizer)
     try:
-        yield StageEnv(env=env, name=settings.kind, limits=env_limits(settings), max_error_frac=settings.max_error_frac)
+        yield StageEnv(
+            env=env,
+            name=settings.kind,
+            limits=env_limits(settings),
+            max_error_frac=settings.max_error_frac,
+            overlap=overlap,
+        )
     finally:
         env.close()
 
@@ -306,6 +319,7 @@ def episode_samples(
         params=params,
         limits=stage.limits,
         decode=decode,
+        overlap=stage.overlap,
     )
     flat = [t for group in groups for t in group]
     check_error_budget(flat, stage.max_error_frac, stage.name)

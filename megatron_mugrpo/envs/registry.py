@@ -72,15 +72,45 @@ class _EnvSettings(EnvLimits):
     max_error_frac: float = 0.1
     """Largest fraction of a stage's trajectories that may end in env_error / env_timeout before the run
     stops with an error naming the environment and its last error."""
+    overlap: str = "auto"
+    """Whether environment calls overlap decoding (``env_overlap``): 'always', 'never', or 'auto' (overlap in the
+    async loop's rollout workers, not in staged rollout phases). Overlapping, a row whose turn ended waits for its
+    observation in the background while the batch's other rows go on decoding, instead of every row waiting
+    for the step's calls. Trajectories then depend on when answers arrive, so a run is no longer reproducible
+    bitwise (tokens, masks, log-probs, limits and end reasons keep every other guarantee). Transformers
+    engine only (``OVERLAP_ENGINES``); evaluation never overlaps."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.kind in available_envs(), f"env.kind={self.kind!r} is not one of {available_envs()}")
         require(0.0 <= self.max_error_frac <= 1.0, f"env.max_error_frac={self.max_error_frac} must be in [0, 1]")
+        require(
+            self.overlap in OVERLAP_MODES,
+            f"env.overlap={self.overlap!r} is not one of {OVERLAP_MODES}: 'always' overlaps environment calls "
+            "with decoding, 'never' waits for them, 'auto' overlaps in async runs only",
+        )
 
 
 EnvConfig = with_registry_sections(_EnvSettings, env_options())
 """The ``env`` section: the settings above plus one options section per registered environment."""
+
+OVERLAP_MODES = ("auto", "always", "never")
+"""Values of ``env.overlap`` (not on/off: YAML reads those as booleans)."""
+OVERLAP_ENGINES = ("transformers",)
+"""Engines whose decode loop goes on with the other rows while a row waits for its observation
+(``generate_trajectories(overlap=True)``); vLLM and SGLang send each turn as one request per row."""
+
+
+def env_overlap(settings: Any, *, asynchronous: bool, engine: str) -> bool:
+    """Whether a rollout phase overlaps environment calls with decoding (``env.overlap``). 'auto' is on in the
+    async loop's workers: their batches already depend on timing (which policy version a batch is sampled
+    by depends on when weights arrive), so overlap costs them no reproducibility, and rollout throughput is
+    what a worker is for. It is off in staged runs, whose stages are reproducible bitwise from the seed (a
+    killed stage regenerates its missing shards identically). False without an environment."""
+    if settings is None or not settings.enabled or engine not in OVERLAP_ENGINES:
+        return False
+    return settings.overlap == "always" or (settings.overlap == "auto" and asynchronous)
+
 
 MULTI_TURN_ENGINES = ("transformers", "vllm", "sglang")
 """Rollout engines that decode trajectories (``generate_trajectories``)."""
@@ -104,7 +134,8 @@ def run_env_problem(
     """Why a run cannot roll out against the environment ``settings`` describes, or None (also when it is off).
 
     The search environment's episodes are scored by the qa reward (the answer tag, the end reasons); the
-    engines of ``MULTI_TURN_ENGINES`` decode trajectories; VIGOR's rounds, async.partial_rollout
+    engines of ``MULTI_TURN_ENGINES`` decode trajectories, and env.overlap=always needs one of ``OVERLAP_ENGINES``;
+    VIGOR's rounds, async.partial_rollout
     (``partial_rollout``: weights switched between two decode steps) and route recording on engines outside
     ``MULTI_TURN_ROUTE_ENGINES`` do not carry trajectories yet; the asynchronous loop does (its workers hold
     the environment). A trajectory needs
@@ -115,6 +146,7 @@ def run_env_problem(
         return None
     return (
         _combination_problem(reward_kind, engine, allocation, mode, routing_replay, partial_rollout)
+        or _overlap_problem(settings, engine)
         or _source_problem(settings)
         or _budget_problem(settings, max_prompt_tokens, positions)
     )
@@ -151,6 +183,16 @@ def _combination_problem(
             f"observation tokens included, and rollout.engine={engine!r} records them for single-turn responses "
             f"only (its multi-turn path sends each turn as one request and keeps no routes across turns); use "
             f"rollout.engine in {MULTI_TURN_ROUTE_ENGINES} or moe.routing_replay=none"
+        )
+    return None
+
+
+def _overlap_problem(settings: Any, engine: str) -> str | None:
+    """env.overlap=always asked of an engine that cannot go on decoding while a row waits ('auto' just stays off)."""
+    if settings.overlap == "always" and engine not in OVERLAP_ENGINES:
+        return (
+            f"env.overlap=always: rollout.engine={engine!r} sends each turn as one request and cannot decode other "
+            f"rows while one waits for its observation; use rollout.engine in {OVERLAP_ENGINES} or env.overlap=auto"
         )
     return None
 

@@ -227,21 +227,23 @@ def replay_sampled(
     return None
 
 
+def env_step(row: TrajectoryBuilder, decode: Callable[[list[int]], str], vocab_size: int) -> StepResult:
+    """The environment's answer to the turn ``row`` just ended, bounded by its timeout (``guarded_step``). An
+    observation id the model cannot embed is the environment's error. Reads ``row`` only: safe in a thread
+    while the engine leaves the row alone until the answer is applied."""
+    result = guarded_step(
+        row.episode, row.turn(decode), row.limits, turn_index=len(row.turns), total_tokens=row.total_tokens
+    )
+    bad = [t for t in result.observation_ids if t >= vocab_size]
+    if bad:
+        message = f"observation id {bad[0]} is outside the model's vocabulary ({vocab_size} ids)"
+        return StepResult(done=True, reason=ENV_ERROR, seconds=result.seconds, info={"error": message})
+    return result
+
+
 def env_steps(rows: list[TrajectoryBuilder], decode: Callable[[list[int]], str], vocab_size: int) -> list[StepResult]:
-    """The environment's answers to the turns that just ended, called at once (each bounded by its
-    timeout, ``guarded_step``). An observation id the model cannot embed is the environment's error."""
-
-    def call(row: TrajectoryBuilder) -> StepResult:
-        result = guarded_step(
-            row.episode, row.turn(decode), row.limits, turn_index=len(row.turns), total_tokens=row.total_tokens
-        )
-        bad = [t for t in result.observation_ids if t >= vocab_size]
-        if bad:
-            message = f"observation id {bad[0]} is outside the model's vocabulary ({vocab_size} ids)"
-            return StepResult(done=True, reason=ENV_ERROR, seconds=result.seconds, info={"error": message})
-        return result
-
+    """The environment's answers to the turns that just ended, called at once (``env_step`` each)."""
     if len(rows) <= 1:
-        return [call(row) for row in rows]
+        return [env_step(row, decode, vocab_size) for row in rows]
     with ThreadPoolExecutor(max_workers=len(rows), thread_name_prefix="env-step") as pool:
-        return list(pool.map(call, rows))
+        return list(pool.map(lambda row: env_step(row, decode, vocab_size), rows))

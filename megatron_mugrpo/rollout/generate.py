@@ -42,7 +42,7 @@ from megatron_mugrpo.algorithms.allocation import (
     total_budget,
 )
 from megatron_mugrpo.envs.episodes import StageEnv, env_metrics, episode_samples, stage_env
-from megatron_mugrpo.envs.registry import env_record
+from megatron_mugrpo.envs.registry import env_overlap, env_record
 from megatron_mugrpo.errors import MissingInputError
 from megatron_mugrpo.metric_names import (
     ROLLOUT_ENGINES,
@@ -267,7 +267,8 @@ def _write_missing(
     the environment's tally or None)."""
     tokens, written = 0, 0
     writer = ShardWriter(store_dir, plan.manifest)
-    with stage_env(env, inputs.tokenizer) as stage:
+    overlap = env_overlap(env, asynchronous=False, engine=inputs.cfg.engine)  # env.overlap=always; 'auto' is off here
+    with stage_env(env, inputs.tokenizer, overlap=overlap) as stage:
         for index in plan.missing:
             with _adding(inputs.seconds, "store_write"):
                 claimed = writer.claim(index)

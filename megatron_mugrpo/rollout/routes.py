@@ -197,7 +197,8 @@ class RouteRecorder:
     def step(self, live_rows: torch.Tensor | Sequence[int], fed: Sequence[int] | None = None) -> None:
         """Arm the next forward: ``live_rows`` [A] are the batch rows (indices into ``begin``'s prompts) it feeds;
         ``fed`` [A] (a chunk forward after the prefill, multi-turn): the new tokens each row feeds, the last
-        positions of its left-padded row. None: the prefill, then one token per row."""
+        positions of its left-padded row (0: none, the row waits; nothing is filed for it). None: the prefill,
+        then one token per row."""
         rows = torch.as_tensor(live_rows, dtype=torch.long).reshape(-1)
         self._check_fed(rows, fed)
         batch = len(self._prompt_lengths)
@@ -227,9 +228,11 @@ class RouteRecorder:
             raise RouteRecordingError("the prefill forward takes no fed counts: it feeds each row's whole prompt")
         if self._decode:
             raise RouteRecordingError("a batch that took one-token decode steps cannot feed chunks (step(rows, fed))")
-        if len(fed) != rows.numel() or any(int(n) < 1 for n in fed):
+        # 0: a row waiting for its observation (env.overlap) feeds a masked pad column, which is no position
+        if len(fed) != rows.numel() or any(int(n) < 0 for n in fed) or max(fed, default=0) < 1:
             raise RouteRecordingError(
-                f"step(rows, fed) needs one count >= 1 per row, got {list(fed)[:8]} for {rows.numel()} rows"
+                f"step(rows, fed) needs one count >= 1 per row that feeds (0 for a row that waits), and a row "
+                f"that feeds; got {list(fed)[:8]} for {rows.numel()} rows"
             )
 
     def _capture(self, layer: int) -> Any:

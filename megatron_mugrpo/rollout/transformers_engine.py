@@ -35,6 +35,15 @@ so the log-probs equal a teacher-forced forward over prompt + trajectory (tested
 prompt's, each sampled token's and each observation token's, so a trajectory's routes cover every
 position the trainer forwards (equal to a teacher-forced forward's; tested). Not yet combined with
 partial rollouts.
+
+By default every row waits at a step where some rows' turns ended, for those rows' environment calls (run at
+once among themselves). With ``env.overlap`` (``generate_trajectories(overlap=True)``; on by default in async
+workers, see ``envs.registry.env_overlap``) a call runs in the background while the other rows go on decoding:
+the waiting row keeps its KV-cache row and feeds a masked pad column each step (no position, no route), and
+when its answer arrives it feeds [last token, *observation]; the loop blocks only when no row can feed. Only
+rows that fed are sampled, so which tokens a seed gives depends on when answers arrive: overlap gives up
+determinism across runs, nothing else (tokens, masks, log-probs equal to a teacher-forced forward, limits,
+env_error / env_timeout, routes: tested in tests/rollout/test_env_overlap.py).
 """
 
 from __future__ import annotations
@@ -44,14 +53,15 @@ import gc
 import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_mugrpo.envs.base import EnvLimits, Episode
-from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, env_steps, stop_hit
+from megatron_mugrpo.envs.base import EnvLimits, Episode, StepResult
+from megatron_mugrpo.envs.trajectory import Trajectory, TrajectoryBuilder, env_step, env_steps, stop_hit
 from megatron_mugrpo.errors import MissingInputError, require
 from megatron_mugrpo.faults import engine_fault
 from megatron_mugrpo.rollout.engine import (
@@ -428,6 +438,7 @@ class TransformersEngine:
         limits: EnvLimits,
         decode: Callable[[list[int]], str],
         stop_strings: Sequence[str] = (),
+        overlap: bool = False,
     ) -> list[Trajectory]:
         """One multi-turn trajectory per prompt, with ``episodes[i]`` as prompt i's environment.
 
@@ -437,7 +448,12 @@ class TransformersEngine:
         ``params.max_new_tokens`` tokens, or at EOS (which ends the trajectory). Rows at different turns
         share a batch: after an observation a row feeds its last sampled token and the observation in
         the next forward (a left-padded chunk), so only new tokens are prefilled and the KV cache is kept.
-        Environment calls go through ``guarded_step`` (limits, timeout, errors), those of one step at once.
+        Environment calls go through ``guarded_step`` (limits, timeout, errors).
+
+        ``overlap`` (``env.overlap``) decides what the other rows do meanwhile. False: the step's calls run at
+        once and every row waits for them, so the trajectories depend on the seed only. True: a call runs in
+        the background while the other rows go on decoding (``_decode_overlapped``); the trajectories then
+        depend on when the answers arrive, everything else holds (module docstring).
         """
         if len(episodes) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(episodes)} episodes; give one episode per prompt")
@@ -458,7 +474,8 @@ class TransformersEngine:
                 TrajectoryBuilder(prompt_length=len(p), episode=e, limits=limits, max_turn_tokens=params.max_new_tokens)
                 for p, e in zip(prompts[start:end], episodes[start:end])
             ]
-            self._rollout_batch(prompts[start:end], rows, params.temperature, generator, decode, tuple(stop_strings))
+            rules = _TurnRules(eos=frozenset(self.eos_token_ids), decode=decode, stop_strings=tuple(stop_strings))
+            self._rollout_batch(prompts[start:end], rows, params.temperature, generator, rules, overlap=overlap)
             trajectories += [self._built(b, row) for b, row in enumerate(rows)]
         return trajectories
 
@@ -484,73 +501,86 @@ class TransformersEngine:
         rows: list[TrajectoryBuilder],
         temperature: float,
         generator: torch.Generator,
-        decode: Callable[[list[int]], str],
-        stop_strings: tuple[str, ...],
+        rules: _TurnRules,
+        *,
+        overlap: bool,
     ) -> None:
-        """Decode one batch of trajectories to their ends, in phases: prefill the prompts; then per step
-        sample, hand the turns that ended to the environment, retire the rows that ended, and feed the
-        rest their next chunk (the last sampled token, after an observation followed by it)."""
-        from transformers import DynamicCache
-
+        """Decode one batch of trajectories to their ends: prefill the prompts, then decode with the environment
+        called in step (``_decode_blocking``) or in the background (``_decode_overlapped``)."""
         model = self._live_model()
-        step_ids, mask = left_pad(prompts, self.pad_token_id, self.device)
-        step_pos = position_ids_from_mask(mask)
-        next_pos = step_pos[:, -1] + 1  # [A]: position of each row's next input token
-        cache = DynamicCache(config=model.config)
-        live, eos = list(range(len(rows))), set(self.eos_token_ids)
-        fed: list[int] | None = None  # tokens each live row feeds in the next forward (None: the prefill)
+        batch = _ChunkBatch.prefill(prompts, self.pad_token_id, self.device, model.config)
         if self.recorder is not None:
             self.recorder.begin([len(p) for p in prompts])
-        while live:
-            if self.recorder is not None:  # every position a row feeds is routed, observation tokens too
-                self.recorder.step(live, fed)
-            logits = model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
+        decode_rows = self._decode_overlapped if overlap else self._decode_blocking
+        decode_rows(model, batch, rows, temperature, generator, rules)
+
+    def _decode_blocking(
+        self,
+        model: PreTrainedModel,
+        batch: _ChunkBatch,
+        rows: list[TrajectoryBuilder],
+        temperature: float,
+        generator: torch.Generator,
+        rules: _TurnRules,
+    ) -> None:
+        """Per step: sample every row, hand the turns that ended to the environment and wait for all of them,
+        retire the rows that ended, and feed the rest their next chunk (the last sampled token, after an
+        observation followed by it)."""
+        while batch.live:
+            logits = batch.forward(model, self.recorder)
             token, logprob = sample_with_logprob(logits, temperature, generator)
-            feeds = self._advance_rows(
-                [rows[b] for b in live], token.tolist(), logprob.tolist(), eos, decode, stop_strings
-            )
+            feeds = self._advance_rows([rows[b] for b in batch.live], token.tolist(), logprob.tolist(), rules)
             keep = [a for a, feed in enumerate(feeds) if feed]
             if not keep:
                 break
-            if len(keep) < len(live):  # retire ended rows at once: the next chunk is built for live rows only
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                mask, next_pos = mask[index], next_pos[index]
-                live, feeds = [live[a] for a in keep], [feeds[a] for a in keep]
-            step_ids, step_mask = left_pad(feeds, self.pad_token_id, self.device)
-            fed = [len(feed) for feed in feeds]
-            step_pos = next_pos[:, None] + position_ids_from_mask(step_mask)
-            next_pos = next_pos + step_mask.sum(dim=1)
-            mask = torch.cat([mask, step_mask], dim=1)
+            batch.keep(keep)  # retire ended rows at once: the next chunk is built for live rows only
+            batch.feed([feeds[a] for a in keep], self.pad_token_id)
 
     def _advance_rows(
-        self,
-        rows: list[TrajectoryBuilder],
-        tokens: list[int],
-        logprobs: list[float],
-        eos: set[int],
-        decode: Callable[[list[int]], str],
-        stop_strings: tuple[str, ...],
+        self, rows: list[TrajectoryBuilder], tokens: list[int], logprobs: list[float], rules: _TurnRules
     ) -> list[list[int]]:
         """Record each row's sample and run the environment on the turns that ended. Returns each row's ids
         to feed next: its token, after an observation the token and the observation; [] once it ended."""
-        ended = []
-        for row, token, logprob in zip(rows, tokens, logprobs):
-            row.add_sampled(token, logprob)
-            stopped = bool(stop_strings) and stop_hit(decode(row.turn_ids()), stop_strings)
-            if row.turn_over(eos=token in eos, stopped=stopped):
-                ended.append(row)
+        ended = [row for row, token, logprob in zip(rows, tokens, logprobs) if rules.add(row, token, logprob)]
         observations = {
-            id(row): row.apply(result) for row, result in zip(ended, env_steps(ended, decode, self.vocab_size))
+            id(row): row.apply(result) for row, result in zip(ended, env_steps(ended, rules.decode, self.vocab_size))
         }
         return [[] if row.done else [token, *observations.get(id(row), [])] for row, token in zip(rows, tokens)]
+
+    def _decode_overlapped(
+        self,
+        model: PreTrainedModel,
+        batch: _ChunkBatch,
+        rows: list[TrajectoryBuilder],
+        temperature: float,
+        generator: torch.Generator,
+        rules: _TurnRules,
+    ) -> None:
+        """``env.overlap``: a turn that ended goes to the environment in the background and the other rows go
+        on decoding. A waiting row stays in the KV cache and feeds nothing (an empty chunk: a masked pad
+        column, its position not counted); when its answer arrives it feeds [last token, *observation] at the
+        next step. Only the rows that fed are sampled: a waiting row's logits (its pad column's) are never
+        read. When no row can feed, the loop blocks until an answer lets one go on."""
+        with _BackgroundCalls(len(rows), rules.decode, self.vocab_size) as calls:
+            while batch.live:
+                logits = batch.forward(model, self.recorder)
+                fed = [a for a, n in enumerate(batch.fed or [1] * len(batch.live)) if n]
+                if len(fed) < len(batch.live):
+                    logits = logits[torch.tensor(fed, device=logits.device)]
+                token, logprob = sample_with_logprob(logits, temperature, generator)
+                feeds: dict[int, list[int]] = {}
+                for a, t, lp in zip(fed, token.tolist(), logprob.tolist()):
+                    b = batch.live[a]
+                    if rules.add(rows[b], t, lp):
+                        calls.submit(b, rows[b], t)
+                    elif not rows[b].done:
+                        feeds[b] = [t]
+                feeds |= calls.collect(block=not feeds)
+                keep = [a for a, b in enumerate(batch.live) if b in feeds or calls.waiting(b)]
+                if not keep:
+                    break
+                batch.keep(keep)
+                batch.feed([feeds.get(b, []) for b in batch.live], self.pad_token_id)
 
     def teacher_forced_logprobs(
         self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperature: float
@@ -621,6 +651,139 @@ class _Batch:
         self.step_ids, self.step_pos, self.next_pos = self.step_ids[keep], self.step_pos[keep], self.next_pos[keep]
         if self.cache is not None:
             self.cache.batch_select_indices(keep)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TurnRules:
+    """When a sampled token ends a policy turn (multi-turn): EOS ends the trajectory, a stop string or the
+    turn's token cap hands the turn to the environment (``TrajectoryBuilder.turn_over``)."""
+
+    eos: frozenset[int]
+    decode: Callable[[list[int]], str]
+    stop_strings: tuple[str, ...]
+
+    def add(self, row: TrajectoryBuilder, token: int, logprob: float) -> bool:
+        """Record ``token`` in ``row``; True when its turn now goes to the environment."""
+        row.add_sampled(token, logprob)
+        stopped = bool(self.stop_strings) and stop_hit(self.decode(row.turn_ids()), self.stop_strings)
+        return row.turn_over(eos=token in self.eos, stopped=stopped)
+
+
+@dataclass(kw_only=True, eq=False)
+class _ChunkBatch:
+    """One batch of trajectories being decoded: the rows in the KV cache and the chunk each feeds next.
+
+    Every forward feeds each row its new tokens as one left-padded chunk [A, n]: the prompt at the prefill,
+    then the last sampled token, after an observation followed by the observation. An empty chunk (a row
+    waiting for its observation, ``env.overlap``) is a masked pad column: the cache stays aligned and the
+    row's positions count its real tokens only."""
+
+    live: list[int]
+    """[A] the batch rows in the cache, in cache order (rows only leave)."""
+    step_ids: torch.Tensor
+    """[A, n] the next forward's input ids."""
+    step_pos: torch.Tensor
+    """[A, n] their position ids (counting real tokens only)."""
+    next_pos: torch.Tensor
+    """[A] position of each row's next real token."""
+    mask: torch.Tensor
+    """[A, fed so far] attention mask of every column fed, the next forward's included (0: padding)."""
+    cache: DynamicCache
+    fed: list[int] | None
+    """[A] real tokens each row feeds in the next forward; None: the prefill (each row's whole prompt)."""
+
+    @classmethod
+    def prefill(
+        cls, prompts: list[list[int]], pad_id: int, device: torch.device, config: PreTrainedConfig
+    ) -> _ChunkBatch:
+        from transformers import DynamicCache
+
+        step_ids, mask = left_pad(prompts, pad_id, device)
+        step_pos = position_ids_from_mask(mask)
+        return cls(
+            live=list(range(len(prompts))),
+            step_ids=step_ids,
+            step_pos=step_pos,
+            next_pos=step_pos[:, -1] + 1,
+            mask=mask,
+            cache=DynamicCache(config=config),
+            fed=None,
+        )
+
+    def forward(self, model: PreTrainedModel, recorder: RouteRecorder | None) -> torch.Tensor:
+        """The raw logits [A, V] of each row's last column."""
+        if recorder is not None:  # every position a row feeds is routed, observation tokens too; pads are not
+            recorder.step(self.live, self.fed)
+        return model(
+            input_ids=self.step_ids,
+            attention_mask=self.mask,
+            position_ids=self.step_pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices into ``live``), dropping the others' cache rows."""
+        if len(keep) == len(self.live):
+            return
+        index = torch.tensor(keep, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask, self.next_pos = self.mask[index], self.next_pos[index]
+        self.live = [self.live[a] for a in keep]
+
+    def feed(self, feeds: list[list[int]], pad_id: int) -> None:
+        """The next forward's chunk: ``feeds[a]`` for row ``live[a]`` ([] feeds a masked pad column)."""
+        self.step_ids, step_mask = left_pad(feeds, pad_id, self.mask.device)
+        self.fed = [len(feed) for feed in feeds]
+        self.step_pos = self.next_pos[:, None] + position_ids_from_mask(step_mask)
+        self.next_pos = self.next_pos + step_mask.sum(dim=1)
+        self.mask = torch.cat([self.mask, step_mask], dim=1)
+
+
+class _BackgroundCalls:
+    """Environment calls running in the background while the batch decodes (``env.overlap``).
+
+    One thread per row at most, so a call never queues behind another; each is bounded by ``env.timeout_s``
+    (``guarded_step``). A row is left alone by the decode loop while its call runs: the call reads its turn,
+    and only the loop applies the answer. Leaving the block drops calls not yet started; those running end
+    by their timeout at the latest, and their answers are dropped."""
+
+    def __init__(self, rows: int, decode: Callable[[list[int]], str], vocab_size: int) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=max(rows, 1), thread_name_prefix="env-step")
+        self.decode, self.vocab_size = decode, vocab_size
+        self.pending: dict[Future[StepResult], tuple[int, TrajectoryBuilder, int]] = {}
+        self.rows: set[int] = set()
+
+    def __enter__(self) -> _BackgroundCalls:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def submit(self, b: int, row: TrajectoryBuilder, token: int) -> None:
+        """Hand row ``b``'s turn, whose last token ``token`` was sampled but not fed yet, to the environment."""
+        self.pending[self.pool.submit(env_step, row, self.decode, self.vocab_size)] = (b, row, token)
+        self.rows.add(b)
+
+    def waiting(self, b: int) -> bool:
+        return b in self.rows
+
+    def collect(self, *, block: bool) -> dict[int, list[int]]:
+        """Apply the answers that arrived. Returns, for each row that goes on, its next chunk [token,
+        *observation]. ``block``: wait until some row goes on, or no call is left."""
+        out: dict[int, list[int]] = {}
+        while self.pending:
+            arrived, _ = wait(self.pending, timeout=None if block else 0, return_when=FIRST_COMPLETED)
+            for future in sorted(arrived, key=lambda f: self.pending[f][0]):  # row order: no set order leaks in
+                b, row, token = self.pending.pop(future)
+                self.rows.discard(b)
+                observation = row.apply(future.result())
+                if not row.done:
+                    out[b] = [token, *observation]
+            if out or not block:
+                break
+        return out
 
 
 def copy_weights(model: PreTrainedModel, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
