@@ -2,9 +2,10 @@
 demo (multi-turn Search-R1-style trajectories against the BM25 server, ``env.enabled: true``).
 
 Every run is ``configs/demo_search_cpu.yaml`` turned into standard GRPO at μ = 4 (``algo.loss=grpo``,
-clip 0.2; 8 stages × 32 fresh groups × 8 trajectories, 8 groups per mini-batch: 4 updates per stage),
-so the three methods generate the same 2,048 fresh trajectories (the demo's own budget) and make the
-same 32 updates; only what an update sees besides its fresh groups differs:
+clip 0.2; 6 stages × 32 fresh groups × 8 trajectories, 8 groups per mini-batch: 4 updates per stage),
+so the three methods generate the same 1,536 fresh trajectories and make the same 24 updates (3/4 of
+the demo's budget, so that 9 runs fit an hour); only what an update sees besides its fresh groups
+differs:
 
 * ``grpo``:  no replay;
 * ``naive``: replay of the K_rep most recently buffered mixed-outcome groups, no scoring, no gate
@@ -13,9 +14,11 @@ same 32 updates; only what an update sees besides its fresh groups differs:
   stages of groups) with τ = ``TAU``.
 
 Every search sleeps ``env.search.latency_s`` (``LATENCY_S`` unless overridden) before BM25 answers, so
-that the environment's time is most of a stage, as in the agentic setting HDR was designed for. A turn's
-searches run concurrently (one thread per trajectory), so a stage waits about one latency per turn and
-rollout batch, whatever the batch size. The environment's share is printed: the environment's wall
+that the environment's time is most of a stage, as in the agentic setting HDR was designed for. A staged
+rollout does not overlap environment calls with decoding (``env.overlap: auto``, reproducible bitwise):
+at each decode step the rows whose turn just ended search concurrently and the batch waits for them, so
+a stage waits one latency per decode step at which some turn ended (about 12 per stage of 256
+trajectories on this task, whose queries differ in length). The environment's share is printed: the environment's wall
 clock (``rollout/env_wall_s``: seconds during which at least one search ran, summed over stages) over the
 training wall clock (``perf/t_rollout_s`` + ``perf/t_optimize_s``, evaluation excluded).
 ``rollout/env_seconds`` sums the concurrent calls' seconds, so it exceeds the wall clock and is not used.
@@ -73,8 +76,8 @@ DEFAULT_INPUTS = ROOT / "runs" / "search_demo" / "inputs"
 """``make demo-search`` builds its inputs here; the benchmark reuses them (the same world and base model)."""
 TAU = 1e-3
 """HDR's drift gate: the published default (see the module docstring for why it is kept)."""
-LATENCY_S = 8.0
-"""Seconds every search sleeps: enough that the environment is most of a stage on 2 CPU cores."""
+LATENCY_S = 2.5
+"""Seconds every search sleeps: about 30 s of a stage's 50 on 2 CPU cores (8 s made a stage 110 s)."""
 METHODS: dict[str, list[str]] = {
     "grpo": [],
     "naive": ["replay.enabled=true", "replay.policy=recent"],
@@ -83,14 +86,14 @@ METHODS: dict[str, list[str]] = {
 GRPO_SHAPE = [
     "algo.loss=grpo",
     "algo.grpo.clip_eps=0.2",
-    "stages.num_stages=8",
+    "stages.num_stages=6",
     "stages.train_groups=32",
     "stages.mini_groups=8",
     "parallel.micro_batch_size=8",
     "eval.every_updates=8",
-    "checkpoint.every_stages=8",
+    "checkpoint.every_stages=6",
 ]
-"""Standard GRPO at μ = 4 with the demo's fresh budget (8 × 32 = 4 × 64 groups); 8 rows per micro-batch,
+"""Standard GRPO at μ = 4, 6 stages of 32 groups (the demo: 4 of 64); 8 rows per micro-batch,
 a multiple of G, so mini-batches with replayed groups are not padded; one checkpoint, at the end."""
 QUICK = [
     "stages.num_stages=2",
@@ -257,13 +260,13 @@ def main() -> int:
             records = run(args.out / f"{name}_seed{seed}", overrides)
             result = {"curve": curve(records), "env_share": env_share(records), "replay": replay_summary(records)}
             results[name].append(result)
+            (args.out / "results.json").write_text(json.dumps(results, indent=2))  # a cut-short run keeps its seeds
             update, wall, acc = result["curve"][-1]
             print(
                 f"{name} seed {seed}: pass@1 {acc:.3f} after {update} updates, training wall {wall:.0f} s, "
                 f"env share {result['env_share']:.2f}",
                 flush=True,
             )
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
     target = TARGET_FRACTION * statistics.fmean(r["curve"][-1][2] for r in results["grpo"])
     print_report(results, args.seeds, target, args.tau, latency)
     return 0

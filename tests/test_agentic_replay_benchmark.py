@@ -1,5 +1,5 @@
-"""benchmarks/agentic_replay.py: its three methods are the search demo as standard GRPO at μ = 4 with the
-demo's fresh trajectories and updates; its pure pieces, on hand-written metrics records: the accuracy curve and the
+"""benchmarks/agentic_replay.py: its three methods are the search demo as standard GRPO at μ = 4 with equal
+fresh trajectories and updates; its pure pieces, on hand-written metrics records: the accuracy curve and the
 training wall clock (evaluation excluded), the environment's share, the mean curve over seeds, the time to
 the target accuracy and the last line's format.
 
@@ -59,19 +59,16 @@ def records() -> list[dict]:
     ]
 
 
-def test_methods_are_grpo_at_mu_4_with_the_demos_fresh_trajectories_and_updates(tmp_path):
+def test_methods_are_grpo_at_mu_4_with_equal_fresh_trajectories_and_updates(tmp_path):
     for name in ("train.jsonl", "test.jsonl"):
         (tmp_path / name).write_text(json.dumps({"question": "Who?", "answers": ["Ada"]}) + "\n")
     (tmp_path / "corpus.jsonl").write_text(json.dumps({"id": "0", "title": "Ada", "text": "Ada."}) + "\n")
     (tmp_path / "base_model").mkdir()
-    demo = load_config(bench.CONFIG, bench.input_overrides(tmp_path))
-    demo_trajectories = demo.stages.num_stages * demo.stages.train_groups * demo.rollout.group_size
-    demo_updates = demo.stages.num_stages * demo.stages.updates_per_stage
     for name, method in bench.METHODS.items():
         cfg = load_config(bench.CONFIG, [*bench.GRPO_SHAPE, *bench.input_overrides(tmp_path), *method])
         assert (cfg.algo.loss, cfg.stages.updates_per_stage, cfg.env.enabled) == ("grpo", 4, True)
-        assert cfg.stages.num_stages * cfg.stages.train_groups * cfg.rollout.group_size == demo_trajectories
-        assert cfg.stages.num_stages * cfg.stages.updates_per_stage == demo_updates
+        assert cfg.stages.num_stages * cfg.stages.train_groups * cfg.rollout.group_size == 6 * 32 * 8
+        assert cfg.stages.num_stages * cfg.stages.updates_per_stage == 24
         assert cfg.replay.enabled == (name != "grpo")
         assert cfg.replay.policy == {"naive": "recent"}.get(name, "hdr")
         assert cfg.model.hf_dir == str(tmp_path / "base_model")
