@@ -271,3 +271,38 @@ def test_the_overlap_key_is_validated_and_resolved_per_loop(tmp_path, qa_overrid
     assert not env_overlap(auto, asynchronous=True, engine="vllm")  # 'auto' stays off where it cannot overlap
     assert not env_overlap(EnvConfig(overlap="always"), asynchronous=True, engine="transformers")  # env.enabled off
     assert not env_overlap(None, asynchronous=True, engine="transformers")
+
+
+def test_run_episodes_hands_overlap_to_the_engine_only_when_it_is_on():
+    """``run_episodes`` (called by ``episode_samples`` with ``StageEnv.overlap``): ``overlap=True`` reaches the
+    engine when the stage overlaps; otherwise no keyword goes, so vLLM's and SGLang's signatures stay as they are."""
+    from megatron_mugrpo.envs.base import Problem
+    from megatron_mugrpo.envs.episodes import run_episodes
+
+    calls = []
+
+    class Engine:
+        def generate_trajectories(self, prompts, episodes, params, **kwargs):
+            calls.append(kwargs.get("overlap"))
+            return [None] * len(prompts)
+
+    class Env:
+        stop_strings = ()
+
+        def start(self, problem):
+            return Episode(seed=0)
+
+    for overlap in (True, False):
+        groups = run_episodes(
+            Engine(),
+            Env(),
+            [Problem(prompt="q", answer="a")],
+            [[1]],
+            n=2,
+            params=None,
+            limits=EnvLimits(),
+            decode=decode,
+            overlap=overlap,
+        )
+        assert len(groups[0]) == 2
+    assert calls == [True, None]
