@@ -84,10 +84,12 @@ class _EnvSettings(EnvLimits):
         super().__post_init__()
         require(self.kind in available_envs(), f"env.kind={self.kind!r} is not one of {available_envs()}")
         require(0.0 <= self.max_error_frac <= 1.0, f"env.max_error_frac={self.max_error_frac} must be in [0, 1]")
+        # The loader turns a YAML boolean into the string 'True' / 'False' for this str key.
+        yaml_bool = " (YAML reads on/off/true/false as booleans)" if str(self.overlap) in ("True", "False") else ""
         require(
-            self.overlap in OVERLAP_MODES,
-            f"env.overlap={self.overlap!r} is not one of {OVERLAP_MODES}: 'always' overlaps environment calls "
-            "with decoding, 'never' waits for them, 'auto' overlaps in async runs only",
+            isinstance(self.overlap, str) and self.overlap in OVERLAP_MODES,
+            f"env.overlap={self.overlap!r}{yaml_bool} is not one of {OVERLAP_MODES}: 'always' overlaps environment "
+            "calls with decoding, 'never' waits for them, 'auto' overlaps in async runs only",
         )
 
 

@@ -260,6 +260,8 @@ def test_routes_cover_every_fed_position_and_no_pad_column(moe_engine):
 def test_the_overlap_key_is_validated_and_resolved_per_loop(tmp_path, qa_overrides):
     with pytest.raises(ConfigError, match=r"env\.overlap='sometimes' is not one of \('auto', 'always', 'never'\)"):
         EnvConfig(overlap="sometimes")
+    with pytest.raises(ConfigError, match=r"env\.overlap='True' \(YAML reads on/off/true/false as booleans\)"):
+        load_config("configs/demo_cpu.yaml", [*qa_overrides, "env.overlap=on"])
     with pytest.raises(ConfigError, match=r"env\.overlap=always: rollout\.engine='sglang' sends each turn"):
         load_config("configs/demo_cpu.yaml", [*qa_overrides, "env.overlap=always", "rollout.engine=sglang"])
     assert load_config("configs/demo_cpu.yaml", [*qa_overrides, "env.overlap=always"]).env.overlap == "always"
