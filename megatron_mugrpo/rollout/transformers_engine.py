@@ -467,6 +467,7 @@ class TransformersEngine:
             f"max_position_embeddings={positions}; lower it",
         )
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        rules = _TurnRules(eos=frozenset(self.eos_token_ids), decode=decode, stop_strings=tuple(stop_strings))
         trajectories: list[Trajectory] = []
         for start in range(0, len(prompts), self.batch_size):
             end = start + self.batch_size
@@ -474,7 +475,6 @@ class TransformersEngine:
                 TrajectoryBuilder(prompt_length=len(p), episode=e, limits=limits, max_turn_tokens=params.max_new_tokens)
                 for p, e in zip(prompts[start:end], episodes[start:end])
             ]
-            rules = _TurnRules(eos=frozenset(self.eos_token_ids), decode=decode, stop_strings=tuple(stop_strings))
             self._rollout_batch(prompts[start:end], rows, params.temperature, generator, rules, overlap=overlap)
             trajectories += [self._built(b, row) for b, row in enumerate(rows)]
         return trajectories
