@@ -13,7 +13,7 @@ Both evaluate only before training and after the last update (the same 256 held-
 samples), so evaluation, identical work in both, does not dilute the comparison; the times below
 exclude it (T_total − T_eval; totals with it are printed too).
 
-    .venv/bin/python benchmarks/async_vs_sync.py [--out runs/bench_async] [--base-model HF_DIR] [override ...]
+    .venv/bin/python benchmarks/async_vs_sync.py [--out DIR] [--base-model HF_DIR] [--seed K] [override ...]
 
 Trainer idle ratio = time waiting for and assembling samples / (that + training time): staged mode's
 T_rollout / (T_rollout + T_optimize), async mode's summed sample waits over the same sum; "1st wait"
@@ -23,7 +23,10 @@ line is ``idle_sync=… idle_async=… time_ratio=<staged time / async time> acc
 Extra arguments are dotted overrides applied to both runs (e.g. ``stages.num_stages=2``). The async
 run publishes its weights from memory (``async.publish``'s default); ``async.publish=disk`` measures
 the directory hand-over instead. ``--modes async`` runs one side alone (its own line then, e.g.
-``idle_async=…``), for a quick check of the async pipeline.
+``idle_async=…``), for a quick check of the async pipeline. ``--seed K`` sets every seed of both runs
+and of the base model to K, as ``mugrpo sweep`` does for its seed K (``seed``, ``stages.seed``,
+``data.seed``: initialisation and warm start, rollout sampling and minibatch order, the problems drawn),
+so that seeds differ as two machines would; without it the configs' seeds (0) stay.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import sys
 from pathlib import Path
 
 from common import free_port, mean
+
+from megatron_mugrpo.sweep import DEFAULT_SEED_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGED = ROOT / "configs" / "demo_cpu.yaml"
@@ -57,6 +62,20 @@ def command(mode: str, run_dir: Path, overrides: list[str]) -> tuple[list[str], 
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(CORES)]
     launcher += ["--master_port", str(free_port())]
     return [*launcher, *train, f"async.rollout_ranks={CORES - 1}"], env
+
+
+def seed_overrides(seed: int | None, overrides: list[str]) -> list[str]:
+    """``overrides`` with every key of ``DEFAULT_SEED_KEYS`` set to ``seed`` (unchanged when it is None).
+
+    Raises ValueError when ``overrides`` already set one of those keys: the two would disagree.
+    """
+    if seed is None:
+        return overrides
+    taken = sorted({o.split("=", 1)[0] for o in overrides} & set(DEFAULT_SEED_KEYS))
+    if taken:
+        keys = ", ".join(DEFAULT_SEED_KEYS)
+        raise ValueError(f"--seed {seed} sets {keys}; drop the override(s) of {', '.join(taken)} or --seed")
+    return [*overrides, *(f"{key}={seed}" for key in DEFAULT_SEED_KEYS)]
 
 
 def run(mode: str, run_dir: Path, overrides: list[str]) -> dict[str, float]:
@@ -95,8 +114,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_async_vs_sync")
     parser.add_argument("--base-model", type=Path, help="an existing warm-started HF directory (default: build one)")
     parser.add_argument("--modes", nargs="+", choices=("staged", "async"), default=["staged", "async"])
+    parser.add_argument("--seed", type=int, help="seed, stages.seed and data.seed of both runs (default: the configs')")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    try:
+        args.overrides = seed_overrides(args.seed, args.overrides)
+    except ValueError as exc:
+        parser.error(str(exc))
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     # The shared base model is built (warm-started) once, outside both timings.
