@@ -20,7 +20,7 @@ copied none (held-out exact match 0.0), against 0.06 for 600 steps on the demo's
     2 hops   <search>Ada Quill</search> <information>…</information> <search>Veloria</search> <information>…
              </information> <answer>Norland</answer>
 
-The flaw only the reward reveals (``flaw``, 0.5 in the demo): that fraction of the drawn 2-hop traces answers
+The flaw only the reward reveals (``flaw``, 0.8 in the demo): that fraction of the drawn 2-hop traces answers
 after the first search from the first retrieved document, which is about the person, not the city the
 question asks about (it answers the birth city for "In which country was Ada Quill born?").
 """
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from megatron_mugrpo.envs.base import EnvLimits
-from megatron_mugrpo.envs.fictional import corpus_rows, make_world, question_rows, write_task
+from megatron_mugrpo.envs.fictional import World, corpus_rows, make_world, question_rows, write_task
 from megatron_mugrpo.envs.search import (
     ANSWER_CLOSE,
     ANSWER_OPEN,
@@ -84,8 +84,11 @@ class WarmStart:
     1,500 reach 0.20 (docs/agentic.md)."""
     batch_size: int = 16
     lr: float = 3e-3
-    flaw: float = 0.5
-    """Fraction of the 2-hop traces that answer from the first document of their first search."""
+    flaw: float = 0.8
+    """Fraction of the 2-hop traces that answer from the first document of their first search. Measured at seed 0
+    with entity tokens: 0.5 leaves 2-hop questions half solved before RL (held-out exact match 0.36, 1.4 searches
+    on 2-hop questions) and little to gain; 0.8 starts them near 1.1 searches (held-out 0.30) and μ-GRPO raises
+    both (docs/agentic.md, "The search demo")."""
     topk: int = 1
     """Documents per search, as ``env.search.topk`` of the demo (the observations must match)."""
     max_observation_tokens: int = 256
@@ -93,6 +96,13 @@ class WarmStart:
     """0: traces of the demo world's training questions; n > 0: traces of every question of n other worlds of
     the same shape (seeds ``WARM_SEED + 100 * seed + i``, their own indexes), so the base model has never
     seen the demo's names and has to copy them rather than recall a memorised search."""
+    entity_tokens: bool = True
+    """Give every name of the world (people, cities, countries, rivers) and every profession one token of its own
+    (``add_entity_tokens``). A character-level model must learn to copy a name letter by letter, which 1,500
+    steps do not teach: it recalls the searches of its training questions and misspells the names of held-out
+    ones (seed 0: the first query names the question's entity in 96% of training and 28% of held-out
+    trajectories). One token per name makes copying one attention step, as a subword vocabulary that holds
+    frequent names does."""
     context_loss: bool = False
     """Also predict the prompt's and the observations' tokens (RL never does): the observations repeat
     names (title, text), copying practice for the heads that copy names into the policy's turns."""
@@ -150,6 +160,22 @@ def trace(question: str, env: SearchEnvironment, *, flawed: bool) -> list[tuple[
         answer = _attribute(kind, text)
     turns.append((f"{ANSWER_OPEN}{answer}{ANSWER_CLOSE}", ()))
     return turns
+
+
+def entity_names(world: World) -> list[str]:
+    """The words ``entity_tokens`` makes single tokens: full names of people, cities, countries, rivers, professions."""
+    names = {p.name for p in world.people} | {p.profession for p in world.people}
+    names |= {c.name for c in world.cities} | {c.country for c in world.cities} | {c.river for c in world.cities}
+    return sorted(names)
+
+
+def add_entity_tokens(tokenizer: Any, names: Sequence[str]) -> int:
+    """Add ``names`` to ``tokenizer`` as whole-word tokens (never matched inside a longer word: the river "Ki" is
+    not a piece of "Kios"); returns how many were new. Decoding gives the names' text back, so the environment
+    and the reward read the same strings as with the character tokenizer."""
+    from tokenizers import AddedToken
+
+    return tokenizer.add_tokens([AddedToken(name, single_word=True, normalized=False) for name in names])
 
 
 def trace_example(
@@ -244,7 +270,12 @@ def build_demo(
     shape = {"people": people, "cities": cities, "countries": countries, "syllables": syllables}
     shape |= {"first_names": first_names}
     counts = write_task(out, seed, **shape)
-    tokenizer = build_char_tokenizer(out / "base_model")
+    tokenizer = build_char_tokenizer()
+    worlds = [make_world(WARM_SEED + 100 * seed + i, **shape) for i in range(ws.worlds)]
+    if ws.entity_tokens:
+        for world in [make_world(seed, **shape), *worlds]:
+            add_entity_tokens(tokenizer, entity_names(world))
+    tokenizer.save_pretrained(str(out / "base_model"))
     limits = EnvLimits(max_observation_tokens=ws.max_observation_tokens, max_total_tokens=tiny.max_position_embeddings)
 
     def environment(corpus: Path | list[CorpusDocument]) -> SearchEnvironment:
@@ -258,8 +289,7 @@ def build_demo(
         questions = [(json.loads(line)["question"], env) for line in rows]
     else:
         questions = []
-        for i in range(ws.worlds):
-            world = make_world(WARM_SEED + 100 * seed + i, **shape)
+        for world in worlds:
             env = environment([CorpusDocument(**row) for row in corpus_rows(world)])
             questions += [(str(row["question"]), env) for row in question_rows(world)]
     model = build_tiny_model(tiny, tokenizer, seed=seed)
@@ -285,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=WarmStart.lr)
     parser.add_argument("--worlds", type=int, default=WarmStart.worlds)
     parser.add_argument("--first-names", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--entity-tokens", action=argparse.BooleanOptionalAction, default=WarmStart.entity_tokens)
     parser.add_argument("--context-loss", action=argparse.BooleanOptionalAction, default=WarmStart.context_loss)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -307,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 topk=args.topk,
                 lr=args.lr,
                 context_loss=args.context_loss,
+                entity_tokens=args.entity_tokens,
                 worlds=args.worlds,
             ),
             tiny=tiny,

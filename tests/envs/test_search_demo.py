@@ -147,3 +147,32 @@ def test_a_two_hop_question_has_a_sound_and_a_flawed_trace_and_a_one_hop_questio
     assert flawed == trace_example(two_hops, env, tokenizer, flawed=True) != sound
     one_hop = f"What is the profession of {world.people[3].name}?"
     assert trace_pair(one_hop, env, tokenizer) == (trace_example(one_hop, env, tokenizer, flawed=False),) * 2
+
+
+def test_entity_tokens_make_each_name_one_token_kept_by_the_model_directory_and_never_split_from_a_longer_word(
+    tmp_path,
+):
+    """``add_entity_tokens``: a person's full name, a city, a country, a river and a profession are one token each
+    (copying one is one attention step); a word that only starts with a name stays characters; the model
+    directory reads the same ids back (qwen2 config, as a built model's) and decoding gives the text back."""
+    import json as _json
+
+    from megatron_mugrpo.char_tokenizer import load_tokenizer_dir
+    from megatron_mugrpo.envs.search_demo import add_entity_tokens, entity_names
+
+    world = make_world(0, people=6, cities=2, countries=2, syllables=1)
+    names = entity_names(world)
+    person, city = world.people[0], world.people[0].city
+    assert {person.name, person.profession, city.name, city.country, city.river} <= set(names)
+    tokenizer = build_char_tokenizer()
+    assert add_entity_tokens(tokenizer, names) == len(names)
+    tokenizer.save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(_json.dumps({"model_type": "qwen2"}))
+    loaded = load_tokenizer_dir(tmp_path)
+    text = f"<search>{person.name}</search> {city.name} is a city in {city.country}. {city.river}x"
+    ids = loaded(text, add_special_tokens=False)["input_ids"]
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = [loaded.decode([i]) for i in ids]
+    assert {person.name, city.name, city.country} <= set(pieces)
+    assert city.river not in pieces and pieces[-1] == "x"  # "Stesx" is not the river "Stes" and an "x"
+    assert loaded.decode(ids) == text
