@@ -204,6 +204,8 @@ def prepare_store(store_dir: str | Path, wanted: StoreManifest, *, keep_policy_v
         save_manifest(store_dir, manifest)
     listed = {info.file for info in manifest.old_logprobs.shards} if manifest.old_logprobs is not None else set()
     _remove_leftovers(store_dir, keep=set(recorded), keep_files=listed)
+    if not missing and not manifest.complete:  # every shard written and verified, the seal lost with the process
+        manifest = seal_store(store_dir)  # that wrote them (killed between its last shard and the seal)
     return StorePlan(manifest=manifest, missing=missing, dropped=dropped)
 
 

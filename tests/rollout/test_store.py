@@ -215,6 +215,21 @@ def test_prepare_after_a_crash_keeps_finished_shards_and_clears_stale_claims(tmp
     assert RolloutStore.open(tmp_path).groups() == groups
 
 
+def test_prepare_seals_a_store_whose_every_shard_was_written_before_the_seal_was_lost(tmp_path):
+    """A process killed between its last shard and the seal (seen under Slurm: preempted in the rollout phase,
+    requeued): the resumed run must not regenerate anything, nor open the store unsealed. prepare_store
+    verifies every shard, seals the store and plans nothing; the shards are the ones written."""
+    groups = [make_group(i) for i in range(10)]
+    write_all(tmp_path, groups, seal=False)
+    assert not is_complete(tmp_path)
+    written = shard_hashes(tmp_path)
+
+    plan = prepare_store(tmp_path, identity(num_groups=10))
+    assert plan.missing == [] and plan.dropped == {} and plan.manifest.complete
+    assert is_complete(tmp_path) and shard_hashes(tmp_path) == written
+    assert RolloutStore.open(tmp_path).groups() == groups
+
+
 def test_damaged_shard_of_a_sealed_store_is_dropped_and_regenerated(tmp_path):
     """D7: a corrupted or deleted shard of a complete store is found by prepare_store, the manifest
     is unsealed, and writing only those shards again restores the identical store."""
