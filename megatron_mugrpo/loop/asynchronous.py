@@ -78,7 +78,9 @@ def train_async(run: Run, role: ProcessRole) -> dict[str, float]:
     if state.global_update == 0 and state.acc_before is None:
         advance("evaluating the initial policy")
         state.acc_before = run_evaluation(run).get(AVG_KEY, float("nan"))
-    saved_at = state.global_update if state.global_update > 0 else None  # resumed: its checkpoint is there
+    # Resumed: its checkpoint is there. At update 0 the base model is the checkpoint: a resume without one
+    # starts from the same state, and an optimizer that made no step has no state a checkpoint could load.
+    saved_at = state.global_update
     for _ in progress_range(run, run.state.global_update, cfg.stages.total_updates, "async updates"):
         advance(f"assembling update {run.state.global_update + 1}")
         started = time.perf_counter()
