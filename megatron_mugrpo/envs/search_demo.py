@@ -32,6 +32,7 @@ import json
 import random
 import re
 import sys
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,7 @@ _PROFESSION = re.compile(r" is an? (\w+)\.")
 _COUNTRY = re.compile(r"is a city in (\w+)\.")
 _RIVER = re.compile(r"The river (\w+) flows")
 _TWO_HOPS = re.compile(r"^(In which country was|Which river flows)")
+ONE_HOP_KINDS = ("born", "prof", "city")
 IGNORE = -100
 DEMO_WORLD = {"people": 60, "cities": 12, "countries": 4, "syllables": 1}
 """The demo's world: 72 documents, 202 training and 50 held-out questions, one-syllable names ("Fim Bal", born
@@ -89,6 +91,11 @@ class WarmStart:
     with entity tokens: 0.5 leaves 2-hop questions half solved before RL (held-out exact match 0.36, 1.4 searches
     on 2-hop questions) and little to gain; 0.8 starts them near 1.1 searches (held-out 0.30) and μ-GRPO raises
     both (docs/agentic.md, "The search demo")."""
+    guess: float = 0.0
+    """Fraction of the 1-hop traces that answer without searching: a confabulated value of the right kind (another
+    city, profession or country of the world, fixed per question: ``confabulation``), the flaw of a model that
+    answers from memory instead of retrieving. Without it only the 2-hop half of the held-out questions has
+    anything for RL to fix."""
     topk: int = 1
     """Documents per search, as ``env.search.topk`` of the demo (the observations must match)."""
     max_observation_tokens: int = 256
@@ -113,6 +120,7 @@ class WarmStart:
             (f"--batch-size {self.batch_size} must be >= 1", self.batch_size >= 1),
             (f"--lr {self.lr} must be > 0", self.lr > 0),
             (f"--flaw {self.flaw} must be in [0, 1]", 0.0 <= self.flaw <= 1.0),
+            (f"--guess {self.guess} must be in [0, 1]", 0.0 <= self.guess <= 1.0),
             (f"--topk {self.topk} must be >= 1 (env.search.topk of the demo)", self.topk >= 1),
             (f"--worlds {self.worlds} must be >= 0 (0: the demo world's own training questions)", self.worlds >= 0),
         ):
@@ -136,12 +144,36 @@ def _attribute(kind: str, text: str) -> str:
     return found.group(1) if found else ""
 
 
-def trace(question: str, env: SearchEnvironment, *, flawed: bool) -> list[tuple[str, tuple[int, ...]]]:
-    """[(policy text, observation ids after it)] of one warm-start trajectory (the last has no observation)."""
+def attribute_values(documents: Sequence[CorpusDocument]) -> dict[str, list[str]]:
+    """Every answer a 1-hop question of each kind has in a corpus (``born``: the cities people are born in,
+    ``prof``: the professions, ``city``: the countries): what a confabulated answer is drawn from."""
+    return {kind: sorted({_attribute(kind, d.text) for d in documents} - {""}) for kind in ONE_HOP_KINDS}
+
+
+def confabulation(question: str, right: str, values: Sequence[str]) -> str:
+    """The wrong answer a flawed 1-hop trace gives without searching: one of ``values`` other than ``right``,
+    the same for the same question in every run (crc32 of its text, not Python's salted hash)."""
+    wrong = [v for v in values if v != right]
+    if not wrong:
+        raise InputError(f"the search demo cannot confabulate an answer to {question!r}: its world has one value")
+    return wrong[zlib.crc32(question.encode()) % len(wrong)]
+
+
+def _question(question: str) -> tuple[str, str]:
     match = _ENTITY.match(question.strip())
     if match is None:
         raise InputError(f"the search demo cannot write a trace for {question!r} (not a fictional.py question)")
-    kind, entity = next((k, v) for k, v in match.groupdict().items() if v is not None)
+    return next((k, v) for k, v in match.groupdict().items() if v is not None)
+
+
+def trace(
+    question: str, env: SearchEnvironment, *, flawed: bool, values: dict[str, list[str]] | None = None
+) -> list[tuple[str, tuple[int, ...]]]:
+    """[(policy text, observation ids after it)] of one warm-start trajectory (the last has no observation).
+
+    ``flawed``: a 2-hop trace answers from its first document; a 1-hop trace, when ``values``
+    (``attribute_values``) are given, answers at once with a ``confabulation`` and never searches."""
+    kind, entity = _question(question)
     turns: list[tuple[str, tuple[int, ...]]] = []
 
     def search(query: str) -> str:
@@ -151,6 +183,9 @@ def trace(question: str, env: SearchEnvironment, *, flawed: bool) -> list[tuple[
         return (own[0] if own and not flawed else documents[0]).text
 
     text = search(entity)
+    if flawed and values is not None and kind in ONE_HOP_KINDS:
+        guess = confabulation(question, _attribute(kind, text), values[kind])
+        return [(f"{ANSWER_OPEN}{guess}{ANSWER_CLOSE}", ())]
     if kind in ("country2", "river2"):
         city = _attribute("born", text)
         if not flawed:
@@ -179,13 +214,19 @@ def add_entity_tokens(tokenizer: Any, names: Sequence[str]) -> int:
 
 
 def trace_example(
-    question: str, env: SearchEnvironment, tokenizer: Any, *, flawed: bool, context_loss: bool = False
+    question: str,
+    env: SearchEnvironment,
+    tokenizer: Any,
+    *,
+    flawed: bool,
+    context_loss: bool = False,
+    values: dict[str, list[str]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(input ids, labels) of one trace: labels on the policy's tokens and the closing EOS only, or on every
     token but the first with ``context_loss``."""
     ids = list(tokenizer(qa_prompt(question))["input_ids"])
     labels = list(ids) if context_loss else [IGNORE] * len(ids)
-    for text, observation in trace(question, env, flawed=flawed):
+    for text, observation in trace(question, env, flawed=flawed, values=values):
         turn = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         ids += turn + list(observation)
         labels += turn + (list(observation) if context_loss else [IGNORE] * len(observation))
@@ -193,18 +234,24 @@ def trace_example(
 
 
 def trace_pair(
-    question: str, env: SearchEnvironment, tokenizer: Any, *, context_loss: bool = False
+    question: str,
+    env: SearchEnvironment,
+    tokenizer: Any,
+    *,
+    context_loss: bool = False,
+    values: dict[str, list[str]] | None = None,
 ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
-    """(sound, flawed) examples of one question; the same example twice for a 1-hop question (no flaw).
+    """(sound, flawed) examples of one question; for a 1-hop question without ``values`` the same example twice
+    (no flaw).
 
-    The warm start draws the flawed one with probability ``flaw`` each time it draws the question, never once
-    per question: a question whose trace were always flawed would be memorised as such, its G rollouts would
-    all fail alike and give μ-GRPO no advantage to learn from (measured: a warm start with per-question flaws
-    left the training reward flat at 0.78 over 4 stages)."""
+    The warm start draws the flawed one (with probability ``flaw`` for a 2-hop question, ``guess`` for a 1-hop
+    one) each time it draws the question, never once per question: a question whose trace were always flawed
+    would be memorised as such, its G rollouts would all fail alike and give μ-GRPO no advantage to learn from
+    (measured: a warm start with per-question flaws left the training reward flat at 0.78 over 4 stages)."""
     sound = trace_example(question, env, tokenizer, flawed=False, context_loss=context_loss)
-    if not _TWO_HOPS.match(question):
+    if not _TWO_HOPS.match(question) and values is None:
         return sound, sound
-    return sound, trace_example(question, env, tokenizer, flawed=True, context_loss=context_loss)
+    return sound, trace_example(question, env, tokenizer, flawed=True, context_loss=context_loss, values=values)
 
 
 def warm_start(
@@ -217,14 +264,18 @@ def warm_start(
     """``ws.steps`` AdamW steps on traces of ``questions`` (each with the environment of its world; seeded
     order and flaws, a flaw drawn per drawn trace: ``trace_pair``); the loss per step."""
     rng = random.Random(seed)
-    examples = [trace_pair(q, env, tokenizer, context_loss=ws.context_loss) for q, env in questions]
+    values = {id(env): attribute_values(env.client.index.documents) for _, env in questions} if ws.guess else {}
+    examples = [
+        (*trace_pair(q, env, tokenizer, context_loss=ws.context_loss, values=values.get(id(env))), _flaw_rate(q, ws))
+        for q, env in questions
+    ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / ws.steps)
     model.train()
     losses = []
     for _ in range(ws.steps):
         drawn = [examples[rng.randrange(len(examples))] for _ in range(ws.batch_size)]
-        batch = _pad([pair[rng.random() < ws.flaw] for pair in drawn], tokenizer.pad_token_id)
+        batch = _pad([(sound, flawed)[rng.random() < rate] for sound, flawed, rate in drawn], tokenizer.pad_token_id)
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -235,6 +286,10 @@ def warm_start(
             print(f"warm start step {len(losses)}/{ws.steps} loss {losses[-1]:.3f}", file=sys.stderr, flush=True)
     model.eval()
     return losses
+
+
+def _flaw_rate(question: str, ws: WarmStart) -> float:
+    return ws.flaw if _TWO_HOPS.match(question) else ws.guess
 
 
 def _pad(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -307,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=WarmStart.steps)
     parser.add_argument("--batch-size", type=int, default=WarmStart.batch_size)
     parser.add_argument("--flaw", type=float, default=WarmStart.flaw)
+    parser.add_argument("--guess", type=float, default=WarmStart.guess)
     parser.add_argument("--people", type=int, default=DEMO_WORLD["people"])
     parser.add_argument("--cities", type=int, default=DEMO_WORLD["cities"])
     parser.add_argument("--countries", type=int, default=DEMO_WORLD["countries"])
@@ -335,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps=args.steps,
                 batch_size=args.batch_size,
                 flaw=args.flaw,
+                guess=args.guess,
                 topk=args.topk,
                 lr=args.lr,
                 context_loss=args.context_loss,

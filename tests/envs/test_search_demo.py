@@ -122,7 +122,12 @@ def test_a_local_index_serves_documents_held_in_memory_as_it_serves_a_corpus_fil
 
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
-    [("--worlds", "-1", "--worlds -1 must be >= 0"), ("--flaw", "1.5", "--flaw 1.5 must be in"), ("--steps", "0", "")],
+    [
+        ("--worlds", "-1", "--worlds -1 must be >= 0"),
+        ("--flaw", "1.5", "--flaw 1.5 must be in"),
+        ("--guess", "-0.1", "--guess -0.1 must be in [0, 1]"),
+        ("--steps", "0", ""),
+    ],
 )
 def test_a_bad_warm_start_flag_is_one_error_and_exit_2_before_anything_is_written(
     tmp_path, capsys, flag, value, message
@@ -176,3 +181,36 @@ def test_entity_tokens_make_each_name_one_token_kept_by_the_model_directory_and_
     assert {person.name, city.name, city.country} <= set(pieces)
     assert city.river not in pieces and pieces[-1] == "x"  # "Stesx" is not the river "Stes" and an "x"
     assert loaded.decode(ids) == text
+
+
+def test_a_flawed_one_hop_trace_answers_a_confabulated_value_of_its_kind_without_searching(setup):
+    """``guess``: the flawed 1-hop trace is one turn, ``<answer>`` with another value of the question's kind (a city
+    for a birthplace, a profession, a country for a city), the same one every time; the sound trace still searches.
+    A 2-hop question keeps its own flaw."""
+    from megatron_mugrpo.envs.search_demo import attribute_values, confabulation, trace_pair
+
+    world, env, tokenizer = setup
+    values = attribute_values(env.client.index.documents)
+    assert values["born"] == sorted({p.city.name for p in world.people})
+    assert values["prof"] == sorted({p.profession for p in world.people})
+    assert values["city"] == sorted({c.country for c in world.cities})
+    person = world.people[2]
+    for question, right, kind in (
+        (f"In which city was {person.name} born?", person.city.name, "born"),
+        (f"What is the profession of {person.name}?", person.profession, "prof"),
+        (f"In which country is {person.city.name}?", person.city.country, "city"),
+    ):
+        flawed = trace(question, env, flawed=True, values=values)
+        assert len(flawed) == 1 and flawed[0][1] == ()
+        guess = re.fullmatch(r"<answer>(\w+)</answer>", flawed[0][0]).group(1)
+        assert guess != right and guess in values[kind]
+        assert guess == confabulation(question, right, values[kind])  # fixed per question
+        assert trace(question, env, flawed=False, values=values)[0][0] == f"<search>{_entity(question)}</search>"
+        sound, bad = trace_pair(question, env, tokenizer, values=values)
+        assert bad == trace_example(question, env, tokenizer, flawed=True, values=values) != sound
+    two_hops = f"In which country was {person.name} born?"
+    assert trace(two_hops, env, flawed=True, values=values) == trace(two_hops, env, flawed=True)
+
+
+def _entity(question: str) -> str:
+    return re.search(r"(?:was|of|is) (\w+(?: \w+)?)(?: born)?\?$", question).group(1)
