@@ -6,12 +6,14 @@ generated here. Prompts are kept short on purpose: a character-level model pays 
 * **Math** (``arithmetic``, ``addition``, ...): short two-operand sums/differences such as ``23+58``;
   the prompt is ``23+58=`` and the model is taught (warm start) to answer ``\\boxed{81}`` followed by
   EOS, which the math reward verifies like any real answer.
-* **Long chains** (``running_sum``, ``running_sum_long``, ``running_sum_hard``, ``running_sum_tagged``):
+* **Long chains** (``running_sum``, ``running_sum_long``, ``running_sum_hard``, ``running_sum_tagged``,
+  ``running_sum_repeat``):
   add ``terms`` numbers left to right writing every partial sum, ``3+7+2=`` →
   ``3+7=10,10+2=12,\\boxed{12}``. Answers are 150-400 tokens, and one wrong partial sum carries
   through to the boxed answer, so a response has a long suffix after its first mistake (the regime
   the μ-GRPO paper's negative-advantage veto is about). ``terms`` sets the length, ``max_term`` the
-  difficulty, ``tagged`` (``a3+b7+c2``) how hard the next term is to find (``RunningSumTask``).
+  difficulty, ``tagged`` (``a3+b7+c2``) and ``repeat`` (``437+8+8+8``: no term to find) how hard the
+  next term is to find (``RunningSumTask``).
 * **Code** (``code_expr``): the problem is an expression in two integers, e.g. ``max(a,b)*3-7``; the
   prompt is ``max(a,b)*3-7:`` and the answer is a program that reads ``a b`` from stdin and prints the
   expression's value, in a fence (``code_solution``). The reference answer is a ``CodeProblem`` (as
@@ -75,6 +77,8 @@ TERM_TAGS = string.ascii_letters
 """The letters a tagged running sum's terms carry, in order (a-z, then A-Z: 52 terms at most)."""
 CHAIN_SLIPS = (-10, -1, 1, 10)
 """What a slipped partial sum is off by: a dropped or an extra carry, or a units digit off by one."""
+FIRST_MIN = 10
+"""Smallest first term of a sum with ``RunningSumTask.first_max``: a multi-digit start."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +94,7 @@ class RunningSumTask:
     Length (characters, so tokens, of the answer) grows linearly in ``terms``: with one-digit terms a
     step is about 9 characters, with two-digit terms about 12 (measured: docs/long_reasoning.md).
     Difficulty: ``max_term`` (9: one-digit terms, 99: two-digit ones), ``terms`` (each step is a
-    chance to slip) and ``tagged`` (how hard it is to find the next term).
+    chance to slip), ``tagged`` and ``repeat`` (how hard it is to find the next term).
 
     ``tagged``: every term carries a letter, ``a3+b7+c2``, and each step writes the tag of the term
     it adds, ``3+b7=10,10+c2=12,\\boxed{12}``. Untagged, the k-th step must find the k-th term of
@@ -99,6 +103,15 @@ class RunningSumTask:
     With tags the next term is found by content: the letter after the previous step's, then the
     digits after that letter in the prompt (an induction-head lookup), and what is left to slip on is
     mostly the addition (docs/long_reasoning.md).
+
+    ``repeat``: every term after the first is one step d from [1, ``max_term``], ``437+8+8+8``
+    → ``437+8=445,445+8=453,453+8=461,\\boxed{461}``, so any copy of d in the prompt is the right
+    term and no step has to find its own. Why: with tags or without, the tiny models' chains failed
+    on finding the k-th term, never on the additions (experiments/README.md, F8); without the lookup
+    what is left to slip on is the addition, and the warm start's taught slips
+    (``warmstart.answer_noise``) set how often. A repeated step leaves a problem space of
+    first terms × d, so ``repeat`` needs ``first_max``: with one-digit firsts there would be 81
+    problems, 8 of them held out.
     """
 
     terms: int
@@ -107,6 +120,11 @@ class RunningSumTask:
     """Difficulty knob: terms are drawn uniformly from [1, max_term]."""
     tagged: bool = False
     """Lookup knob: terms carry the letters of ``TERM_TAGS`` in order, and the steps copy them."""
+    repeat: bool = False
+    """Lookup knob: every term after the first is the same step d, drawn from [1, max_term]."""
+    first_max: int = 0
+    """The first term is drawn from [FIRST_MIN, first_max] when > 0 (a multi-digit start: with
+    ``repeat``, the problem space is these firsts × max_term steps); 0: from [1, max_term] like the rest."""
     reward_kind: ClassVar[str] = "math"
 
     def __post_init__(self) -> None:
@@ -118,10 +136,26 @@ class RunningSumTask:
             raise ValueError(
                 f"RunningSumTask.terms={self.terms} is more than the {len(TERM_TAGS)} tags of a tagged sum"
             )
+        if self.first_max and self.first_max < FIRST_MIN:
+            raise ValueError(
+                f"RunningSumTask.first_max={self.first_max} must be 0 (first term like the others) "
+                f"or >= {FIRST_MIN} (a multi-digit first term)"
+            )
+        if self.repeat and not self.first_max:
+            raise ValueError(
+                "RunningSumTask.repeat=True needs first_max (e.g. 799): with the first term from "
+                f"[1, max_term={self.max_term}] there are only {self.max_term**2} problems to split into train and eval"
+            )
 
     def sample(self, rng: random.Random) -> tuple[str, str]:
-        """One (problem, answer) pair, e.g. ('3+7+2', '12'), or tagged ('a3+b7+c2', '12')."""
-        values = [rng.randint(1, self.max_term) for _ in range(self.terms)]
+        """One (problem, answer) pair, e.g. ('3+7+2', '12'), tagged ('a3+b7+c2', '12') or repeated
+        ('437+8+8+8', '461')."""
+        first = rng.randint(FIRST_MIN, self.first_max) if self.first_max else rng.randint(1, self.max_term)
+        if self.repeat:
+            rest = [rng.randint(1, self.max_term)] * (self.terms - 1)
+        else:
+            rest = [rng.randint(1, self.max_term) for _ in range(self.terms - 1)]
+        values = [first, *rest]
         tags = TERM_TAGS if self.tagged else [""] * self.terms
         return "+".join(f"{tag}{value}" for tag, value in zip(tags, values)), str(sum(values))
 
@@ -304,12 +338,14 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "running_sum_long": RunningSumTask(terms=40, max_term=9),
     "running_sum_hard": RunningSumTask(terms=16, max_term=99),
     "running_sum_tagged": RunningSumTask(terms=20, max_term=9, tagged=True),
+    "running_sum_repeat": RunningSumTask(terms=21, max_term=9, repeat=True, first_max=799),
     "code_expr": CodeExpressionTask(),
 }
 """Built-in tasks (``data.builtin_task``). The running sums' answers with the character tokenizer, EOS
 included (min / median / max over 2,000 train problems): running_sum 154 / 162 / 176 tokens,
 running_sum_long 338 / 362 / 376, running_sum_hard 161 / 174 / 182, running_sum_tagged 173 / 181 / 199
-(prompt ≤ 61 tokens) (docs/long_reasoning.md)."""
+(prompt ≤ 61 tokens), running_sum_repeat 171 / 212 / 212 (prompt ≤ 45 tokens; its first terms stop at 799
+so that no partial sum reaches four digits) (docs/long_reasoning.md)."""
 
 
 def is_eval_problem(problem: str) -> bool:

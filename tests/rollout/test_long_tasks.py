@@ -11,6 +11,7 @@ from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.tasks import (
     BUILTIN_TASKS,
+    FIRST_MIN,
     TERM_TAGS,
     RunningSumTask,
     builtin_problems,
@@ -35,6 +36,8 @@ CHAIN_TASKS = sorted(name for name, spec in BUILTIN_TASKS.items() if isinstance(
         ("1+1", {"slip_step": 0, "slip": -10}, "1+1=0,\\boxed{0}"),
         ("a3+b7+c2", {}, "3+b7=10,10+c2=12,\\boxed{12}"),
         ("a3+b7+c2+d5", {"slip_step": 1, "slip": 1}, "3+b7=10,10+c2=13,13+d5=18,\\boxed{18}"),
+        ("437+8+8+8", {}, "437+8=445,445+8=453,453+8=461,\\boxed{461}"),
+        ("95+6+6+6", {"slip_step": 0, "slip": -10}, "95+6=91,91+6=97,97+6=103,\\boxed{103}"),
     ],
 )
 def test_chain_solution_by_hand(problem: str, kwargs: dict, expected: str) -> None:
@@ -50,7 +53,9 @@ def test_answers_lengths_and_difficulty(task: str) -> None:
     for row in rows:
         tags, values = zip(*chain_terms(row["problem"]))
         assert "".join(tags) == (TERM_TAGS[: spec.terms] if spec.tagged else "")
-        assert len(values) == spec.terms and all(1 <= v <= spec.max_term for v in values)
+        assert len(values) == spec.terms and all(1 <= v <= spec.max_term for v in values[1:])
+        assert (FIRST_MIN <= values[0] <= spec.first_max) if spec.first_max else (1 <= values[0] <= spec.max_term)
+        assert len(set(values[1:])) == 1 or not spec.repeat
         assert sum(values) == int(row["answer"])
         lengths.append(len(tokenizer(chain_solution(row["problem"]), add_special_tokens=False)["input_ids"]) + 1)
     assert min(lengths) >= 150 and max(lengths) <= 400, (min(lengths), statistics.median(lengths), max(lengths))
@@ -109,3 +114,42 @@ def test_other_tasks_leave_the_warm_start_rng_alone() -> None:
     assert builtin_solution("addition", "23+58", noise=0.5, rng=rng) is None
     assert builtin_solution("code_expr", "a+b", noise=0.5, rng=rng) is None
     assert rng.getstate() == state
+
+
+def test_repeated_step_draws_one_step_and_a_multi_digit_first_term() -> None:
+    spec = RunningSumTask(terms=5, max_term=9, repeat=True, first_max=799)
+    draws = [spec.sample(random.Random(11)) for _ in range(2)]
+    assert draws[0] == draws[1]  # deterministic in the rng
+    rng = random.Random(0)
+    for _ in range(200):
+        problem, answer = spec.sample(rng)
+        first, *rest = (value for _, value in chain_terms(problem))
+        assert FIRST_MIN <= first <= 799 and len(rest) == 4 and len(set(rest)) == 1 and 1 <= rest[0] <= 9
+        assert int(answer) == first + 4 * rest[0]
+    # the knobs left at their defaults draw exactly what they drew before (cached base models stay valid)
+    old_rng = random.Random(5)
+    values = [old_rng.randint(1, 9) for _ in range(3)]
+    assert RunningSumTask(terms=3).sample(random.Random(5)) == ("+".join(map(str, values)), str(sum(values)))
+
+
+def test_repeat_needs_a_problem_space_big_enough_to_hold_out() -> None:
+    with pytest.raises(ValueError, match="repeat=True needs first_max"):
+        RunningSumTask(terms=21, repeat=True)
+    with pytest.raises(ValueError, match="first_max=5 must be 0"):
+        RunningSumTask(terms=21, repeat=True, first_max=5)
+    # running_sum_repeat: 790 firsts x 9 steps; the eval bucket holds 256 distinct problems and the
+    # train split thousands, disjoint
+    eval_rows = builtin_problems("running_sum_repeat", 256, seed=0, split="eval")
+    train_rows = builtin_problems("running_sum_repeat", 4096, seed=0, split="train")
+    eval_set, train_set = {r["problem"] for r in eval_rows}, {r["problem"] for r in train_rows}
+    assert len(eval_set) == 256 and len(train_set) == 4096 and not eval_set & train_set
+
+
+def test_repeat_warm_start_slips_at_the_noise_rate() -> None:
+    tokenizer = build_char_tokenizer()
+    rows = builtin_problems("running_sum_repeat", 400, seed=0, split="train")
+    batch = sft_batch(rows, tokenizer, noise=0.7, rng=random.Random(1), task="running_sum_repeat")
+    texts = [tokenizer.decode([t for t in lab.tolist() if t >= 0], skip_special_tokens=True) for lab in batch["labels"]]
+    slipped = sum(chain_first_error(r["problem"], t) is not None for r, t in zip(rows, texts))
+    assert 0.6 < slipped / len(rows) < 0.8
+    assert all(t.count(",") == 20 and t.endswith("}") for t in texts)  # 20 steps, then the box
