@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from search_models import POSITIONS, searching_model
+from search_models import searching_model
 from test_async_search_run import CONFIG, ROOT, _free_port, records
 
 from megatron_mugrpo.commands import train_argv
@@ -81,37 +81,12 @@ def consumed_groups(run_dir: Path, cursor: dict) -> list:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_an_async_search_run_resumes_a_killed_worker_and_trains_each_group_once(tmp_path: Path):
+def test_an_async_search_run_resumes_a_killed_worker_and_trains_each_group_once(tmp_path: Path, search_run_overrides):
     data = tmp_path / "data"
     write_task(data, 0, people=12, cities=4)
     base, run_dir = searching_model(tmp_path / "base", moe=True), tmp_path / "run"
-    overrides = [
-        "mode=async",
-        f"model.hf_dir={base}",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"env.search.corpus={data / 'corpus.jsonl'}",  # served on loopback by the worker
-        "moe.routing_replay=rollout",
-        "env.max_turns=2",
-        f"env.max_total_tokens={POSITIONS}",
-        "env.max_observation_tokens=96",
-        "rollout.max_prompt_tokens=320",
-        "rollout.max_new_tokens=40",
-        "rollout.group_size=4",
-        "rollout.cpu_threads=1",
-        f"async.batch_groups={MINI_GROUPS}",
-        "async.queue_groups=4",
-        "async.sync_every=1",
-        "async.max_lag=8",  # more than the run's updates: nothing is dropped, so positions are exact
-        "stages.num_stages=1",
-        f"stages.train_groups={MINI_GROUPS * UPDATES}",
-        f"stages.mini_groups={MINI_GROUPS}",
-        "parallel.micro_batch_size=8",
-        "checkpoint.every_updates=1",
-        "eval.benchmarks=[]",
-        "logging.progress_bars=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
-    ]
+    overrides = search_run_overrides(data, base, mini_groups=MINI_GROUPS, updates=UPDATES, mode="async")
+    overrides += ["moe.routing_replay=rollout", "checkpoint.every_updates=1"]
     worker_rc = run_killed(train_argv(CONFIG, run_dir, overrides), crash_at="worker:0:shard:2")
     assert worker_rc == -signal.SIGKILL
     queue = run_dir / "rollouts" / "queue"

@@ -42,39 +42,14 @@ def records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_an_async_search_run_trains_each_group_once_on_its_policy_tokens(tmp_path: Path):
+def test_an_async_search_run_trains_each_group_once_on_its_policy_tokens(tmp_path: Path, search_run_overrides):
     data = tmp_path / "data"
     write_task(data, 0, people=12, cities=4)
     base, run_dir = searching_model(tmp_path / "base"), tmp_path / "run"
-    overrides = [
-        "mode=async",
-        f"model.hf_dir={base}",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"env.search.corpus={data / 'corpus.jsonl'}",  # served on loopback by the worker
-        "env.max_turns=2",
-        "env.max_total_tokens=448",
-        "env.max_observation_tokens=96",
-        "rollout.max_prompt_tokens=320",
-        "rollout.max_new_tokens=40",
-        "rollout.group_size=4",
-        "rollout.cpu_threads=1",
-        "async.batch_groups=2",
-        "async.queue_groups=4",
-        "async.sync_every=1",
-        "async.max_lag=4",  # more than the run's updates: nothing is dropped
-        "stages.num_stages=1",
-        f"stages.train_groups={MINI_GROUPS * UPDATES}",
-        f"stages.mini_groups={MINI_GROUPS}",
-        "parallel.micro_batch_size=8",
-        "checkpoint.every_updates=2",
-        f"eval.benchmarks.0.path={data / 'test.jsonl'}",  # held-out questions, as trajectories on the trainer
-        "eval.benchmarks.0.limit=2",
-        "eval.benchmarks.0.k=1",
-        "eval.max_new_tokens=40",
-        "logging.progress_bars=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
-    ]
+    overrides = search_run_overrides(
+        data, base, mini_groups=MINI_GROUPS, updates=UPDATES, mode="async", eval_questions=2
+    )
+    overrides.append("checkpoint.every_updates=2")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
     cmd += ["-m", "megatron_mugrpo.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir), *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

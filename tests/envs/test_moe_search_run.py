@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from search_models import POSITIONS, searching_model
+from search_models import searching_model
 from test_async_search_run import CONFIG
 
 from megatron_mugrpo.envs.fictional import write_task
@@ -29,7 +29,7 @@ from e2e_runs import mugrpo, records
 
 
 @pytest.mark.slow
-def test_a_staged_moe_search_run_replays_the_routes_of_every_trajectory_position(tmp_path: Path):
+def test_a_staged_moe_search_run_replays_the_routes_of_every_trajectory_position(tmp_path: Path, search_run_overrides):
     data = tmp_path / "data"
     write_task(data, 0, people=12, cities=4)
     base, run_dir = searching_model(tmp_path / "base", moe=True), tmp_path / "run"
@@ -39,25 +39,8 @@ def test_a_staged_moe_search_run_replays_the_routes_of_every_trajectory_position
         str(CONFIG),
         "--run-dir",
         str(run_dir),
-        f"model.hf_dir={base}",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"env.search.corpus={data / 'corpus.jsonl'}",
+        *search_run_overrides(data, base, mini_groups=2, updates=1),
         "moe.routing_replay=rollout",
-        "env.max_turns=2",
-        f"env.max_total_tokens={POSITIONS}",
-        "env.max_observation_tokens=96",
-        "rollout.max_prompt_tokens=320",
-        "rollout.max_new_tokens=40",
-        "rollout.group_size=4",
-        "rollout.cpu_threads=1",
-        "stages.num_stages=1",
-        "stages.train_groups=2",
-        "stages.mini_groups=2",
-        "parallel.micro_batch_size=8",
-        "eval.benchmarks=[]",
-        "logging.progress_bars=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
     )
     store = RolloutStore.open(run_dir / "rollouts" / "stage_000")
     assert store.manifest.sampling["routes"] is True and all(info.routes for info in store.manifest.shards)

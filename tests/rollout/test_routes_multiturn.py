@@ -164,25 +164,11 @@ def test_the_recorder_refuses_chunks_that_do_not_fit(engine):
     assert MULTI_TURN_ROUTE_ENGINES == ("transformers",)
 
 
-def test_the_config_admits_multi_turn_routing_replay_on_the_transformers_engine_only(tmp_path):
-    import json
-
+def test_the_config_admits_multi_turn_routing_replay_on_the_transformers_engine_only(qa_overrides):
     from megatron_mugrpo.config import load_config
     from megatron_mugrpo.errors import ConfigError
 
-    data, corpus = tmp_path / "train.jsonl", tmp_path / "corpus.jsonl"
-    data.write_text(json.dumps({"question": "Where was Ada born?", "answers": ["Veloria"]}) + "\n")
-    corpus.write_text(json.dumps({"id": "0", "title": "Ada", "text": "Ada was born in Veloria."}) + "\n")
-    overrides = [
-        f"data.train_path={data}",
-        "data.format=qa",
-        "reward.kind=qa",
-        "eval.benchmarks=[]",
-        "env.enabled=true",
-        f"env.search.corpus={corpus}",
-        "env.max_total_tokens=256",
-    ]
-    cfg = load_config("configs/demo_moe_cpu.yaml", overrides)
+    cfg = load_config("configs/demo_moe_cpu.yaml", qa_overrides)
     assert cfg.moe.routing_replay == "rollout" and cfg.env.enabled
     with pytest.raises(ConfigError, match=r"rollout\.engine='sglang' records them for single-turn responses only"):
-        load_config("configs/demo_moe_cpu.yaml", [*overrides, "rollout.engine=sglang"])
+        load_config("configs/demo_moe_cpu.yaml", [*qa_overrides, "rollout.engine=sglang"])

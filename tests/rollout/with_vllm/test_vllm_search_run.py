@@ -21,7 +21,7 @@ from pathlib import Path
 from e2e_runs import ROOT, records
 
 sys.path.insert(0, str(ROOT / "tests" / "envs"))
-from search_models import POSITIONS, searching_model
+from search_models import searching_model
 
 from megatron_mugrpo.envs.fictional import write_task
 from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
@@ -38,36 +38,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_an_async_search_run_with_vllm_trains_trajectories_on_their_policy_tokens(tmp_path: Path):
+def test_an_async_search_run_with_vllm_trains_trajectories_on_their_policy_tokens(tmp_path: Path, search_run_overrides):
     data = tmp_path / "data"
     write_task(data, 0, people=12, cities=4)
     base, run_dir = searching_model(tmp_path / "base", heads=1), tmp_path / "run"
-    overrides = [
-        "mode=async",
-        f"model.hf_dir={base}",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"env.search.corpus={data / 'corpus.jsonl'}",  # served on loopback by the worker
-        *VLLM,
-        "env.max_turns=2",
-        f"env.max_total_tokens={POSITIONS}",
-        "env.max_observation_tokens=96",
-        "rollout.max_prompt_tokens=320",
-        "rollout.max_new_tokens=40",
-        "rollout.group_size=4",
-        "rollout.cpu_threads=1",
-        "async.batch_groups=2",
-        "async.queue_groups=4",
-        "async.sync_every=1",
-        "async.max_lag=8",  # more than the run's updates: nothing is dropped
-        "stages.num_stages=1",
-        f"stages.train_groups={MINI_GROUPS * UPDATES}",
-        f"stages.mini_groups={MINI_GROUPS}",
-        "parallel.micro_batch_size=8",
-        "eval.benchmarks=[]",
-        "logging.progress_bars=false",
-        "logging.tensorboard=false",
-        "logging.report=false",
-    ]
+    overrides = [*search_run_overrides(data, base, mini_groups=MINI_GROUPS, updates=UPDATES, mode="async"), *VLLM]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
     cmd += ["-m", "megatron_mugrpo.cli", "train", "--config", str(ROOT / "configs" / "demo_search_cpu.yaml")]
     cmd += ["--run-dir", str(run_dir), *overrides]
