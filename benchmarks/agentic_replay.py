@@ -56,9 +56,6 @@ end; its numbers mean nothing.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
 import shutil
 import statistics
@@ -70,9 +67,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
-from common import mean_std  # noqa: E402
-
-from megatron_mugrpo.commands import train_argv  # noqa: E402
+from common import (  # noqa: E402
+    REPLAY_KEYS,
+    mean_std,
+    method_parser,
+    methods_to_run,
+    replay_summary,
+    run_methods,
+)
 
 CONFIG = ROOT / "configs" / "demo_search_cpu.yaml"
 DEFAULT_INPUTS = ROOT / "runs" / "search_demo" / "inputs"
@@ -113,7 +115,6 @@ ENV_WALL = "rollout/env_wall_s"
 T_ROLLOUT, T_OPTIMIZE, T_EVAL, T_TOTAL = "perf/t_rollout_s", "perf/t_optimize_s", "perf/t_eval_s", "perf/t_total_s"
 TARGET_FRACTION = 0.9
 """The target accuracy is this fraction of GRPO's final mean accuracy."""
-REPLAY_KEYS = ("replay/accepted", "replay/scored", "replay/acceptance_rate", "replay/drift_mean", "replay/age_mean")
 NOT_REACHED = "not_reached"
 
 
@@ -137,14 +138,6 @@ def input_overrides(inputs: Path) -> list[str]:
         f"env.search.corpus={inputs / 'corpus.jsonl'}",
         f"eval.benchmarks.0.path={inputs / 'test.jsonl'}",
     ]
-
-
-def run(run_dir: Path, overrides: list[str]) -> list[dict]:
-    """One `mugrpo train` in a subprocess; returns its metrics records."""
-    cmd = train_argv(CONFIG, run_dir, ["logging.progress_bars=false", "logging.tensorboard=false", *overrides])
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def curve(records: Sequence[dict]) -> list[tuple[int, float, float]]:
@@ -174,16 +167,6 @@ def time_to_target(points: Sequence[tuple[int, float, float]], target: float) ->
         if acc >= target:
             return wall
     return None
-
-
-def replay_summary(records: Sequence[dict]) -> dict[str, float]:
-    """Mean over stages with a non-empty buffer of the replay decision's statistics (NaN-free means)."""
-    plans = [r for r in records if "replay/accepted" in r and r["replay/buffer_groups"] > 0]
-    out = {}
-    for key in REPLAY_KEYS:
-        values = [r[key] for r in plans if not math.isnan(r[key])]
-        out[key] = statistics.fmean(values) if values else math.nan
-    return out
 
 
 def last_line(acc: dict[str, float], wall: dict[str, float | None], share: float, seeds: int) -> str:
@@ -225,22 +208,24 @@ def print_report(results: dict[str, list[dict]], seeds: int, target: float, tau:
     print(last_line(acc, wall, statistics.fmean(shares), seeds))
 
 
+def summarize(config: Path, overrides: list[str], records: list[dict]) -> dict:
+    """A run's accuracy curve, environment share and replay statistics (from its records alone)."""
+    return {"curve": curve(records), "env_share": env_share(records), "replay": replay_summary(records)}
+
+
+def describe(result: dict) -> str:
+    """A finished run's progress line: its last evaluation and environment share."""
+    update, wall, acc = result["curve"][-1]
+    return f"pass@1 {acc:.3f} after {update} updates, training wall {wall:.0f} s, env share {result['env_share']:.2f}"
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_agentic_replay")
+    parser = method_parser(__doc__, ROOT / "runs" / "bench_agentic_replay", list(METHODS))
     parser.add_argument("--inputs", type=Path, default=None, help=f"the demo's inputs (default {DEFAULT_INPUTS})")
-    parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--latency", type=float, default=None, help=f"env.search.latency_s (default {LATENCY_S})")
     parser.add_argument("--tau", type=float, default=TAU, help="HDR's replay.tau")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}")
-    parser.add_argument("--quick", action="store_true", help="tiny runs: check that the benchmark runs")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     args = parser.parse_args()
-    if args.seeds < 1:
-        parser.error("--seeds must be >= 1")
-    methods = [m for m in args.methods.split(",") if m]
-    if unknown := [m for m in methods if m not in METHODS]:
-        parser.error(f"--methods: {unknown} unknown; choose from {list(METHODS)}")
+    methods = methods_to_run(parser, args, list(METHODS))
     if "grpo" not in methods:
         parser.error("--methods must include grpo (the target accuracy is 90% of GRPO's final)")
     latency = args.latency if args.latency is not None else (QUICK_LATENCY_S if args.quick else LATENCY_S)
@@ -254,22 +239,12 @@ def main() -> int:
     inputs = ensure_inputs(inputs, quick=args.quick)
 
     shared = [*GRPO_SHAPE, *(QUICK if args.quick else []), *input_overrides(inputs), f"env.search.latency_s={latency}"]
-    results: dict[str, list[dict]] = {name: [] for name in methods}
-    for seed in range(args.seeds):
-        for name in methods:
-            method = [*METHODS[name], *([f"replay.tau={args.tau}"] if name == "hdr" else [])]
-            # Method overrides first: the user's apply on top of them.
-            overrides = [*shared, *method, *args.overrides, f"seed={seed}", f"stages.seed={seed}"]
-            records = run(args.out / f"{name}_seed{seed}", overrides)
-            result = {"curve": curve(records), "env_share": env_share(records), "replay": replay_summary(records)}
-            results[name].append(result)
-            (args.out / "results.json").write_text(json.dumps(results, indent=2))  # a cut-short run keeps its seeds
-            update, wall, acc = result["curve"][-1]
-            print(
-                f"{name} seed {seed}: pass@1 {acc:.3f} after {update} updates, training wall {wall:.0f} s, "
-                f"env share {result['env_share']:.2f}",
-                flush=True,
-            )
+
+    def plan(name: str, seed: int) -> tuple[Path, list[str]]:
+        method = [*METHODS[name], *([f"replay.tau={args.tau}"] if name == "hdr" else [])]
+        return CONFIG, [*shared, *method, *args.overrides]  # method overrides first: the user's apply on top
+
+    results = run_methods(args.out, methods, seeds=args.seeds, plan=plan, summarize=summarize, describe=describe)
     target = TARGET_FRACTION * statistics.fmean(r["curve"][-1][2] for r in results["grpo"])
     print_report(results, args.seeds, target, args.tau, latency)
     return 0

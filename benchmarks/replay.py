@@ -32,22 +32,16 @@ end in a few minutes; its numbers mean nothing.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
-from common import mean_std  # noqa: E402
-
-from megatron_mugrpo.commands import train_argv  # noqa: E402
+from common import mean_std, method_parser, methods_to_run, replay_summary, run_methods  # noqa: E402
 
 CONFIG = ROOT / "configs" / "demo_grpo_cpu.yaml"
 MU_CONFIG = ROOT / "configs" / "demo_cpu.yaml"
@@ -78,44 +72,30 @@ QUICK = [
 ACC = "eval/avg_pass@1"
 
 
-def run(config: Path, run_dir: Path, overrides: list[str]) -> list[dict]:
-    """One `mugrpo train` in a subprocess; returns its metrics records."""
-    cmd = train_argv(config, run_dir, ["logging.progress_bars=false", "logging.tensorboard=false", *overrides])
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def accuracy_by_budget(records: list[dict], responses_per_update: float) -> dict[int, float]:
     """Held-out accuracy keyed by the fresh responses generated before it was measured."""
     return {round(r["step"] * responses_per_update): r[ACC] for r in records if ACC in r}
 
 
-def replay_summary(records: list[dict]) -> dict[str, float]:
-    """Mean over stages of the replay decision's statistics (NaN-free means; empty without replay)."""
-    plans = [r for r in records if "replay/accepted" in r and r["replay/buffer_groups"] > 0]
-    out = {}
-    for key in ("replay/accepted", "replay/scored", "replay/acceptance_rate", "replay/drift_mean", "replay/age_mean"):
-        values = [r[key] for r in plans if not math.isnan(r[key])]
-        out[key] = statistics.fmean(values) if values else math.nan
+def summarize(config: Path, overrides: list[str], records: list[dict]) -> dict:
+    """A run's held-out accuracy by fresh-response budget, its replay statistics and its wall clock."""
+    from megatron_mugrpo.config import load_config
+
+    cfg = load_config(config, overrides)
+    # Fresh responses per update: B_train prompts × G responses per stage, spread over μ updates.
+    per_update = cfg.stages.train_groups * cfg.rollout.group_size / cfg.stages.updates_per_stage
     skipped = [r["replay/recheck_skipped"] for r in records if "replay/recheck_skipped" in r]
-    out["replay/recheck_skipped"] = float(sum(skipped))
-    return out
+    return {
+        "acc": accuracy_by_budget(records, per_update),
+        "replay": replay_summary(records) | {"replay/recheck_skipped": float(sum(skipped))},
+        "t_total_s": max(r.get("perf/t_total_s", 0.0) for r in records),
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_replay")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}")
-    parser.add_argument("--quick", action="store_true", help="tiny runs: check that the benchmark runs")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
+    parser = method_parser(__doc__, ROOT / "runs" / "bench_replay", list(METHODS))
     args = parser.parse_args()
-    if args.seeds < 1:
-        parser.error("--seeds must be >= 1")
-    methods = [m for m in args.methods.split(",") if m]
-    if unknown := [m for m in methods if m not in METHODS]:
-        parser.error(f"--methods: {unknown} unknown; choose from {list(METHODS)}")
+    methods = methods_to_run(parser, args, list(METHODS))
     user = [*(QUICK if args.quick else []), *args.overrides]
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
@@ -126,25 +106,19 @@ def main() -> int:
     cfg = load_config(CONFIG, [*COMMON, *user])
     base = prepare_base_model(cfg, args.out / "base_model")  # one warm start shared by every run
 
-    results: dict[str, list[dict]] = {name: [] for name in methods}
-    for seed in range(args.seeds):
-        for name in methods:
-            config, method = METHODS[name]
-            # Method overrides first: the user's (and --quick's) apply on top of them.
-            overrides = [*COMMON, *method, *user, f"model.hf_dir={base}", f"seed={seed}", f"stages.seed={seed}"]
-            run_cfg = load_config(config, overrides)
-            # Fresh responses per update: B_train prompts × G responses per stage, spread over μ updates.
-            per_update = run_cfg.stages.train_groups * run_cfg.rollout.group_size / run_cfg.stages.updates_per_stage
-            records = run(config, args.out / f"{name}_seed{seed}", overrides)
-            results[name].append(
-                {
-                    "acc": accuracy_by_budget(records, per_update),
-                    "replay": replay_summary(records),
-                    "t_total_s": max(r.get("perf/t_total_s", 0.0) for r in records),
-                }
-            )
-            print(f"{name} seed {seed}: final acc {list(results[name][-1]['acc'].values())[-1]:.3f}", flush=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    def plan(name: str, seed: int) -> tuple[Path, list[str]]:
+        config, method = METHODS[name]
+        # Method overrides first: the user's (and --quick's) apply on top of them.
+        return config, [*COMMON, *method, *user, f"model.hf_dir={base}"]
+
+    results = run_methods(
+        args.out,
+        methods,
+        seeds=args.seeds,
+        plan=plan,
+        summarize=summarize,
+        describe=lambda result: f"final acc {list(result['acc'].values())[-1]:.3f}",
+    )
 
     budgets = sorted({b for name in methods for r in results[name] for b in r["acc"]})
     print(f"\nheld-out pass@1, mean ± std over {args.seeds} seeds (the machine may have been loaded)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import socket
 from pathlib import Path
 
@@ -52,3 +53,63 @@ def test_tiny_model_dir_has_head_dim_64_and_its_tokenizer(tmp_path: Path) -> Non
     assert config["hidden_size"] // config["num_attention_heads"] == common.HEAD_DIM
     assert (config["num_key_value_heads"], config["intermediate_size"], config["tie_word_embeddings"]) == (1, 512, True)
     assert (out / "tokenizer.json").is_file() or (out / "tokenizer_config.json").is_file()
+
+
+def test_replay_summary_means_the_stages_with_a_non_empty_buffer_and_skips_nan() -> None:
+    records = [
+        {"step": 1, "replay/buffer_groups": 0.0, "replay/accepted": 9.0, "replay/acceptance_rate": 1.0},
+        {"step": 2, "replay/buffer_groups": 4.0, "replay/accepted": 1.0, "replay/acceptance_rate": float("nan")},
+        {"step": 3, "replay/buffer_groups": 4.0, "replay/accepted": 3.0, "replay/acceptance_rate": 0.5},
+    ]
+    records = [r | {k: 0.0 for k in common.REPLAY_KEYS if k not in r} for r in records]
+    summary = common.replay_summary(records)
+    assert summary["replay/accepted"] == 2.0  # (1 + 3) / 2: the empty-buffer stage is left out
+    assert summary["replay/acceptance_rate"] == 0.5  # the NaN of a stage that scored nothing is left out
+    assert set(summary) == set(common.REPLAY_KEYS)
+    assert all(math.isnan(v) for v in common.replay_summary([]).values())  # a run without replay
+
+
+def test_run_methods_runs_seed_by_seed_with_the_seed_overrides_last_and_keeps_every_summary(
+    tmp_path: Path, capsys
+) -> None:
+    calls = []
+
+    def train(config, run_dir, overrides):
+        calls.append((config.name, run_dir.name, list(overrides)))
+        return [{"step": 4, "acc": 0.5 + len(calls) / 100}]
+
+    results = common.run_methods(
+        tmp_path,
+        ["grpo", "hdr"],
+        seeds=2,
+        plan=lambda name, seed: (Path(f"{name}.yaml"), [f"m={name}"]),
+        summarize=lambda config, overrides, records: {"acc": records[-1]["acc"], "last": overrides[-1]},
+        describe=lambda result: f"acc {result['acc']:.2f}",
+        train=train,
+    )
+    assert [c[1] for c in calls] == ["grpo_seed0", "hdr_seed0", "grpo_seed1", "hdr_seed1"]
+    assert calls[2] == ("grpo.yaml", "grpo_seed1", ["m=grpo", "seed=1", "stages.seed=1"])
+    assert results == {
+        "grpo": [{"acc": 0.51, "last": "stages.seed=0"}, {"acc": 0.53, "last": "stages.seed=1"}],
+        "hdr": [{"acc": 0.52, "last": "stages.seed=0"}, {"acc": 0.54, "last": "stages.seed=1"}],
+    }
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert capsys.readouterr().out.splitlines() == [
+        "grpo seed 0: acc 0.51",
+        "hdr seed 0: acc 0.52",
+        "grpo seed 1: acc 0.53",
+        "hdr seed 1: acc 0.54",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--seeds", "0"], "--seeds must be >= 1"), (["--methods", "grpo,nope"], "--methods: ['nope'] unknown")],
+)
+def test_methods_to_run_refuses_bad_seeds_and_unknown_methods_with_exit_2(tmp_path: Path, capsys, argv, message):
+    parser = common.method_parser("doc", tmp_path, ["grpo", "hdr"])
+    with pytest.raises(SystemExit) as exit_:
+        common.methods_to_run(parser, parser.parse_args(argv), ["grpo", "hdr"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    args = parser.parse_args(["--methods", "hdr,grpo", "x=1"])
+    assert common.methods_to_run(parser, args, ["grpo", "hdr"]) == ["hdr", "grpo"] and args.overrides == ["x=1"]
