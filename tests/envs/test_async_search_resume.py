@@ -21,27 +21,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from search_models import searching_model
-from test_async_search_run import CONFIG, ROOT, _free_port, records
+from test_async_search_run import CONFIG, ROOT, _free_port, consumed_groups, queue_cursor, records, torchrun
 
 from megatron_mugrpo.commands import train_argv
 from megatron_mugrpo.envs.fictional import write_task
-from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
 
 MINI_GROUPS, UPDATES = 2, 2
-
-
-def torchrun(*args: str) -> subprocess.CompletedProcess:
-    """``mugrpo train ARGS`` on 2 processes: rank 0 trains, rank 1 is the rollout worker."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    cmd += ["-m", "megatron_mugrpo.cli", "train", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("MUGRPO_CRASH_AT", None)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def run_killed(cmd: list[str], crash_at: str) -> int:
@@ -70,15 +59,6 @@ def orphans(queue: Path) -> list[str]:
     return sorted(name for name in names if not (queue / f"{name}.json").exists())
 
 
-def consumed_groups(run_dir: Path, cursor: dict) -> list:
-    """The groups the trainer consumed, in its cursor's order."""
-    queue = run_dir / "rollouts" / "queue"
-    index = RecordIndex(queue)
-    index.refresh()
-    assert all(index.records[name].trajectories and index.records[name].routes for name in cursor["shards"])
-    return [g for name in cursor["shards"] for g in read_shard(queue, index.records[name])][: cursor["position"]]
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_an_async_search_run_resumes_a_killed_worker_and_trains_each_group_once(tmp_path: Path, search_run_overrides):
@@ -93,8 +73,7 @@ def test_an_async_search_run_resumes_a_killed_worker_and_trains_each_group_once(
     assert orphans(queue) == ["w000_b0000001"], "expected batch 1 half-written"
     assert (queue / "w000_b0000001.routes.arrow").is_file()  # its routes too, as the shard, before the record
 
-    resumed = torchrun("--resume", str(run_dir))
-    assert resumed.returncode == 0, f"exit {resumed.returncode}\n{resumed.stdout[-3000:]}\n{resumed.stderr[-6000:]}"
+    torchrun("--resume", str(run_dir))
     assert orphans(queue) == []
     assert not list(queue.glob("*.tmp"))
     batches = sorted(json.loads(p.read_text())["batch"] for p in queue.glob("w*_b*.json"))
@@ -103,12 +82,11 @@ def test_an_async_search_run_resumes_a_killed_worker_and_trains_each_group_once(
     updates = [r for r in records(run_dir) if "train/loss" in r]
     assert [r["step"] for r in updates] == list(range(1, UPDATES + 1))  # each update logged once across the kill
     assert [r["rollout/queue_position"] for r in updates] == [MINI_GROUPS * (u + 1) for u in range(UPDATES)]
-    ckpts = run_dir / "checkpoints"
-    cursor = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "metadata.json").read_text())
-    cursor = cursor["trainer_state"]["queue"]
+    cursor = queue_cursor(run_dir)
     assert cursor["position"] == MINI_GROUPS * UPDATES and cursor["dropped"] == 0
     assert len(set(cursor["shards"])) == len(cursor["shards"])
-    consumed = consumed_groups(run_dir, cursor)
+    shards, consumed = consumed_groups(run_dir, cursor)
+    assert all(shards[name].trajectories and shards[name].routes for name in cursor["shards"])
     assert len({g.prompt_id for g in consumed}) == len(consumed) == MINI_GROUPS * UPDATES
     samples = [s for g in consumed for s in g.samples]
     assert sum(s.policy_mask.count(0) for s in samples) > 0, "no trajectory searched: nothing to mask"

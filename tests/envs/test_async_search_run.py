@@ -40,6 +40,33 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``mugrpo train ARGS`` on 2 processes (rank 0 trains, rank 1 is the rollout worker), which must exit 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    cmd += ["-m", "megatron_mugrpo.cli", "train", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MUGRPO_CRASH_AT", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def queue_cursor(run_dir: Path) -> dict:
+    """The trainer's queue cursor in the latest checkpoint: ``position``, ``dropped`` and the ``shards`` read."""
+    ckpts = run_dir / "checkpoints"
+    meta = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "metadata.json").read_text())
+    return meta["trainer_state"]["queue"]
+
+
+def consumed_groups(run_dir: Path, cursor: dict) -> tuple[dict, list]:
+    """The queue's shard records by name, and the groups the trainer consumed, in its cursor's order."""
+    queue = run_dir / "rollouts" / "queue"
+    index = RecordIndex(queue)
+    index.refresh()
+    consumed = [g for name in cursor["shards"] for g in read_shard(queue, index.records[name])]
+    return index.records, consumed[: cursor["position"]]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_an_async_search_run_trains_each_group_once_on_its_policy_tokens(tmp_path: Path, search_run_overrides):
@@ -50,29 +77,18 @@ def test_an_async_search_run_trains_each_group_once_on_its_policy_tokens(tmp_pat
         data, base, mini_groups=MINI_GROUPS, updates=UPDATES, mode="async", eval_questions=2
     )
     overrides.append("checkpoint.every_updates=2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    cmd += ["-m", "megatron_mugrpo.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir), *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("MUGRPO_CRASH_AT", None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    torchrun("--config", str(CONFIG), "--run-dir", str(run_dir), *overrides)
 
     updates = [r for r in records(run_dir) if "train/loss" in r]
     assert [r["step"] for r in updates] == list(range(1, UPDATES + 1))
     assert [r["rollout/queue_position"] for r in updates] == [MINI_GROUPS * (u + 1) for u in range(UPDATES)]
-    ckpts = run_dir / "checkpoints"
-    meta = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "metadata.json").read_text())
-    cursor = meta["trainer_state"]["queue"]
+    cursor = queue_cursor(run_dir)
     assert cursor["position"] == MINI_GROUPS * UPDATES and cursor["dropped"] == 0
     assert len(set(cursor["shards"])) == len(cursor["shards"])
 
     # The groups consumed, in the cursor's order: each once, each a batch of trajectories.
-    queue = run_dir / "rollouts" / "queue"
-    index = RecordIndex(queue)
-    index.refresh()
-    assert all(record.trajectories and record.env is not None for record in index.records.values())
-    consumed = [g for name in cursor["shards"] for g in read_shard(queue, index.records[name])]
-    consumed = consumed[: cursor["position"]]
+    shards, consumed = consumed_groups(run_dir, cursor)
+    assert all(record.trajectories and record.env is not None for record in shards.values())
     assert len({g.prompt_id for g in consumed}) == len(consumed)
     samples = [s for g in consumed for s in g.samples]
     assert all(s.policy_mask is not None and len(s.env_seconds) >= 1 for s in samples)

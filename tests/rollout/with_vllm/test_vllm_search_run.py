@@ -11,10 +11,6 @@ stored behaviour value there is 0).
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,9 +18,9 @@ from e2e_runs import ROOT, records
 
 sys.path.insert(0, str(ROOT / "tests" / "envs"))
 from search_models import searching_model
+from test_async_search_run import CONFIG, consumed_groups, queue_cursor, torchrun
 
 from megatron_mugrpo.envs.fictional import write_task
-from megatron_mugrpo.rollout.queue import RecordIndex, read_shard
 
 VLLM = ["rollout.engine=vllm", "rollout.vllm.kv_cache_gib=0.25", "rollout.vllm.max_num_seqs=64"]
 MINI_GROUPS, UPDATES = 2, 2
@@ -32,24 +28,12 @@ GAP_TOLERANCE = 1e-5
 """Trainer vs engine log-prob at update 1 (float32; the staged vLLM run measures ~1e-6)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_an_async_search_run_with_vllm_trains_trajectories_on_their_policy_tokens(tmp_path: Path, search_run_overrides):
     data = tmp_path / "data"
     write_task(data, 0, people=12, cities=4)
     base, run_dir = searching_model(tmp_path / "base", heads=1), tmp_path / "run"
     overrides = [*search_run_overrides(data, base, mini_groups=MINI_GROUPS, updates=UPDATES, mode="async"), *VLLM]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    cmd += ["-m", "megatron_mugrpo.cli", "train", "--config", str(ROOT / "configs" / "demo_search_cpu.yaml")]
-    cmd += ["--run-dir", str(run_dir), *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("MUGRPO_CRASH_AT", None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    torchrun("--config", str(CONFIG), "--run-dir", str(run_dir), *overrides)
     assert "engine: vllm" in (run_dir / "config.yaml").read_text()
 
     updates = [r for r in records(run_dir) if "train/loss" in r]
@@ -57,16 +41,10 @@ def test_an_async_search_run_with_vllm_trains_trajectories_on_their_policy_token
     assert updates[0]["train/rollout_logprob_abs_diff_max"] < GAP_TOLERANCE  # π_θ = β, policy tokens only
 
     # The groups consumed, in the cursor's order: each once, each a batch of trajectories.
-    ckpts = run_dir / "checkpoints"
-    meta = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "metadata.json").read_text())
-    cursor = meta["trainer_state"]["queue"]
+    cursor = queue_cursor(run_dir)
     assert cursor["position"] == MINI_GROUPS * UPDATES and cursor["dropped"] == 0
-    queue = run_dir / "rollouts" / "queue"
-    index = RecordIndex(queue)
-    index.refresh()
-    assert all(record.trajectories and record.env is not None for record in index.records.values())
-    consumed = [g for name in cursor["shards"] for g in read_shard(queue, index.records[name])]
-    consumed = consumed[: cursor["position"]]
+    shards, consumed = consumed_groups(run_dir, cursor)
+    assert all(record.trajectories and record.env is not None for record in shards.values())
     assert len({g.prompt_id for g in consumed}) == len(consumed)
     samples = [s for g in consumed for s in g.samples]
     assert sum(s.policy_mask.count(0) for s in samples) > 0, "no trajectory searched: nothing to mask"
