@@ -35,7 +35,7 @@ problems) to check that the benchmark runs end to end; its numbers mean nothing.
 acc_ours_grpo=<> acc_trl=<> acc_mugrpo=<>`` (means over the runs).
 
 ``--task long`` runs the long-reasoning task instead (``configs/demo_long_cpu.yaml``:
-``running_sum_tagged``, answers of 173-199 tokens, responses capped at 240, its own warm start): our
+``running_sum_repeat``, answers of 171-212 tokens, responses capped at 240, its own warm start): our
 μ-GRPO is that config as it is (4 stages × μ = 64), our GRPO and TRL that config at μ = 4 with GRPO's
 clip (``LONG_GRPO``: 64 stages × 32 groups, as ``demo_grpo_cpu.yaml`` is to ``demo_cpu.yaml``), TRL's
 settings read from it as above. Ours trains with ``parallel.micro_batch_tokens`` and
@@ -156,7 +156,7 @@ TASKS = {
     "long": Task(grpo_config=LONG_CONFIG, grpo_shape=LONG_GRPO, mu_config=LONG_CONFIG, ours=LONG_PACKING),
 }
 """``--task``: the CPU demo (addition, answers of 20-48 tokens) or the long-reasoning task
-(``running_sum_tagged``, 173-199 tokens, packing on for ours)."""
+(``running_sum_repeat``, 171-212 tokens, packing on for ours)."""
 
 LOSS_TYPES = {"seq_mean_token_mean": "grpo", "token_mean": "dapo"}
 """Our ``algo.aggregation`` → TRL's ``loss_type``. With one process and no gradient accumulation TRL's

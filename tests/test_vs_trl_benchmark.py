@@ -80,7 +80,7 @@ def test_long_task_matches_grpo_and_trl_and_packs_only_ours(tmp_path: Path) -> N
     plan = vs_trl.method_overrides(task, [], smoke=False, updates=64)
     cfgs = {name: load_config(vs_trl.method_config(task, name), found) for name, found in plan.items()}
     grpo, trl, mu = cfgs["ours_grpo"], cfgs["trl"], cfgs["ours_mugrpo"]
-    assert grpo.data.builtin_task == mu.data.builtin_task == "running_sum_tagged"
+    assert grpo.data.builtin_task == mu.data.builtin_task == "running_sum_repeat"
     # One base model for all three: the same tiny model and warm start.
     assert warmstart_spec(grpo) == warmstart_spec(trl) == warmstart_spec(mu)
     # Ours packs within a budget of 64 rows × (64 + 240) tokens; TRL's config is ours without it.
