@@ -22,7 +22,10 @@ copied none (held-out exact match 0.0), against 0.06 for 600 steps on the demo's
 
 The flaw only the reward reveals (``flaw``, 0.8 in the demo): that fraction of the drawn 2-hop traces answers
 after the first search from the first retrieved document, which is about the person, not the city the
-question asks about (it answers the birth city for "In which country was Ada Quill born?").
+question asks about (it answers the birth city for "In which country was Ada Quill born?"). A second flaw
+(``guess``, 0.7 in the demo): that fraction of the drawn 1-hop traces answers at once, without searching, with
+another value of the right kind (``<answer>Norland</answer>`` for a city in Veloria), as a model that answers
+from memory does.
 """
 
 from __future__ import annotations
@@ -91,11 +94,12 @@ class WarmStart:
     with entity tokens: 0.5 leaves 2-hop questions half solved before RL (held-out exact match 0.36, 1.4 searches
     on 2-hop questions) and little to gain; 0.8 starts them near 1.1 searches (held-out 0.30) and μ-GRPO raises
     both (docs/agentic.md, "The search demo")."""
-    guess: float = 0.0
+    guess: float = 0.7
     """Fraction of the 1-hop traces that answer without searching: a confabulated value of the right kind (another
     city, profession or country of the world, fixed per question: ``confabulation``), the flaw of a model that
     answers from memory instead of retrieving. Without it only the 2-hop half of the held-out questions has
-    anything for RL to fix."""
+    anything for RL to fix: held-out gains +0.135, +0.105, −0.05 at seeds 0–2 with 0 (2-hop flaw only), +0.11,
+    +0.155, +0.05 with 0.7 (docs/agentic.md, "The search demo")."""
     topk: int = 1
     """Documents per search, as ``env.search.topk`` of the demo (the observations must match)."""
     max_observation_tokens: int = 256

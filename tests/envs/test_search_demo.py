@@ -214,3 +214,32 @@ def test_a_flawed_one_hop_trace_answers_a_confabulated_value_of_its_kind_without
 
 def _entity(question: str) -> str:
     return re.search(r"(?:was|of|is) (\w+(?: \w+)?)(?: born)?\?$", question).group(1)
+
+
+def test_the_warm_start_draws_each_question_s_flaw_at_its_own_rate_and_trains(setup):
+    """``flaw`` is the 2-hop rate, ``guess`` the 1-hop one (``_flaw_rate``); a warm start with both on runs its
+    steps on the world's traces (confabulations drawn from the corpus) and moves the parameters."""
+    import torch
+
+    from megatron_mugrpo.envs.search_demo import WarmStart, _flaw_rate, warm_start
+    from megatron_mugrpo.warmstart import TinyModelConfig, build_tiny_model
+
+    world, env, tokenizer = setup
+    ws = WarmStart(steps=3, batch_size=4, flaw=0.25, guess=0.75)
+    person = world.people[0]
+    assert _flaw_rate(f"In which country was {person.name} born?", ws) == 0.25
+    assert _flaw_rate(f"What is the profession of {person.name}?", ws) == 0.75
+    tiny = TinyModelConfig(
+        hidden_size=16,
+        num_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        max_position_embeddings=512,
+    )
+    model = build_tiny_model(tiny, tokenizer, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    questions = [(f"What is the profession of {p.name}?", env) for p in world.people[:3]]
+    losses = warm_start(model, tokenizer, [*questions, (f"In which city was {person.name} born?", env)], ws, seed=0)
+    assert len(losses) == 3 and all(loss == loss and loss > 0 for loss in losses)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
