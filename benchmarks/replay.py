@@ -138,7 +138,7 @@ def main() -> int:
             k: statistics.fmean(r["replay"].get(k, math.nan) for r in results[name]) for k in results[name][0]["replay"]
         }
         t_total = statistics.fmean(r["t_total_s"] for r in results[name])
-        if "replay/accepted" not in stats:
+        if math.isnan(stats["replay/accepted"]):  # no stage had a buffer: a method without replay
             print(f"{name:<13}{'-':>10}{'-':>8}{'-':>13}{'-':>11}{'-':>11}{'-':>9}{t_total:>11.0f}")
             continue
         print(
