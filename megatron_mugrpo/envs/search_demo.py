@@ -258,20 +258,41 @@ def trace_pair(
     return sound, trace_example(question, env, tokenizer, flawed=True, context_loss=context_loss, values=values)
 
 
+@dataclass(frozen=True)
+class TraceWorld:
+    """A world the warm start traces: the environment its traces search, and the values its confabulated 1-hop
+    answers are drawn from (``attribute_values`` of the same corpus)."""
+
+    env: SearchEnvironment
+    values: dict[str, list[str]]
+
+
+def trace_world(documents: list[CorpusDocument], tokenizer: Any, limits: EnvLimits, topk: int) -> TraceWorld:
+    """The ``TraceWorld`` of a corpus: an in-process index over ``documents`` and their attribute values."""
+    env = SearchEnvironment(
+        tokenizer=tokenizer, limits=limits, options=SearchOptions(topk=topk), client=LocalIndex(documents)
+    )
+    return TraceWorld(env=env, values=attribute_values(documents))
+
+
 def warm_start(
     model: torch.nn.Module,
     tokenizer: Any,
-    questions: Sequence[tuple[str, SearchEnvironment]],
+    questions: Sequence[tuple[str, TraceWorld]],
     ws: WarmStart,
     seed: int,
 ) -> list[float]:
-    """``ws.steps`` AdamW steps on traces of ``questions`` (each with the environment of its world; seeded
-    order and flaws, a flaw drawn per drawn trace: ``trace_pair``); the loss per step."""
+    """``ws.steps`` AdamW steps on traces of ``questions`` (each with the world it is asked in; seeded order and
+    flaws, a flaw drawn per drawn trace: ``trace_pair``); the loss per step."""
     rng = random.Random(seed)
-    values = {id(env): attribute_values(env.client.index.documents) for _, env in questions} if ws.guess else {}
     examples = [
-        (*trace_pair(q, env, tokenizer, context_loss=ws.context_loss, values=values.get(id(env))), _flaw_rate(q, ws))
-        for q, env in questions
+        (
+            *trace_pair(
+                q, world.env, tokenizer, context_loss=ws.context_loss, values=world.values if ws.guess else None
+            ),
+            _flaw_rate(q, ws),
+        )
+        for q, world in questions
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / ws.steps)
@@ -336,21 +357,15 @@ def build_demo(
             add_entity_tokens(tokenizer, entity_names(world))
     tokenizer.save_pretrained(str(out / "base_model"))
     limits = EnvLimits(max_observation_tokens=ws.max_observation_tokens, max_total_tokens=tiny.max_position_embeddings)
-
-    def environment(corpus: Path | list[CorpusDocument]) -> SearchEnvironment:
-        return SearchEnvironment(
-            tokenizer=tokenizer, limits=limits, options=SearchOptions(topk=ws.topk), client=LocalIndex(corpus)
-        )
-
     if ws.worlds == 0:
-        env = environment(out / "corpus.jsonl")
+        traced = trace_world(load_corpus(out / "corpus.jsonl"), tokenizer, limits, ws.topk)
         rows = (out / "train.jsonl").read_text().splitlines()
-        questions = [(json.loads(line)["question"], env) for line in rows]
+        questions = [(json.loads(line)["question"], traced) for line in rows]
     else:
         questions = []
         for world in worlds:
-            env = environment([CorpusDocument(**row) for row in corpus_rows(world)])
-            questions += [(str(row["question"]), env) for row in question_rows(world)]
+            traced = trace_world([CorpusDocument(**row) for row in corpus_rows(world)], tokenizer, limits, ws.topk)
+            questions += [(str(row["question"]), traced) for row in question_rows(world)]
     model = build_tiny_model(tiny, tokenizer, seed=seed)
     losses = warm_start(model, tokenizer, questions, ws, seed)
     model.save_pretrained(str(out / "base_model"), safe_serialization=True)

@@ -9,9 +9,10 @@ import pytest
 
 from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.envs.base import EnvLimits
-from megatron_mugrpo.envs.fictional import make_world, write_task
+from megatron_mugrpo.envs.fictional import corpus_rows, make_world, write_task
 from megatron_mugrpo.envs.search import SearchEnvironment, SearchOptions
 from megatron_mugrpo.envs.search_demo import IGNORE, LocalIndex, trace, trace_example
+from megatron_mugrpo.envs.server import CorpusDocument
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,29 @@ def test_a_bad_warm_start_flag_is_one_error_and_exit_2_before_anything_is_writte
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.parametrize("worlds", ["0", "1"])
+def test_the_cli_writes_the_world_and_a_warm_started_model_that_loads(tmp_path, worlds):
+    """``build_demo`` end to end, on its own world (the demo) and on another world's traces (``--worlds``): the
+    three JSONL files and a base model that loads with its tokenizer, which holds every name as one token."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_mugrpo.char_tokenizer import load_tokenizer_dir
+    from megatron_mugrpo.envs.search_demo import main
+
+    out = tmp_path / "demo"
+    flags = ["--steps", "2", "--batch-size", "2", "--people", "6", "--cities", "3", "--worlds", worlds]
+    assert main(["--out", str(out), "--seed", "1", *flags]) == 0
+    rows = {name: (out / f"{name}.jsonl").read_text().splitlines() for name in ("corpus", "train", "test")}
+    assert all(rows.values())
+    tokenizer = load_tokenizer_dir(out / "base_model")
+    title = json.loads(rows["corpus"][0])["title"]
+    assert len(tokenizer(title, add_special_tokens=False)["input_ids"]) == 1
+    model = AutoModelForCausalLM.from_pretrained(out / "base_model")
+    assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer)
+
+
 def test_a_two_hop_question_has_a_sound_and_a_flawed_trace_and_a_one_hop_question_only_a_sound_one(setup):
     """The warm start draws the flaw per drawn trace (``trace_pair``), so each 2-hop question is sometimes
     answered soundly: its rollouts differ and μ-GRPO gets an advantage."""
@@ -190,7 +214,7 @@ def test_a_flawed_one_hop_trace_answers_a_confabulated_value_of_its_kind_without
     from megatron_mugrpo.envs.search_demo import attribute_values, confabulation, trace_pair
 
     world, env, tokenizer = setup
-    values = attribute_values(env.client.index.documents)
+    values = attribute_values([CorpusDocument(**row) for row in corpus_rows(world)])
     assert values["born"] == sorted({p.city.name for p in world.people})
     assert values["prof"] == sorted({p.profession for p in world.people})
     assert values["city"] == sorted({c.country for c in world.cities})
@@ -221,7 +245,7 @@ def test_the_warm_start_draws_each_question_s_flaw_at_its_own_rate_and_trains(se
     steps on the world's traces (confabulations drawn from the corpus) and moves the parameters."""
     import torch
 
-    from megatron_mugrpo.envs.search_demo import WarmStart, _flaw_rate, warm_start
+    from megatron_mugrpo.envs.search_demo import TraceWorld, WarmStart, _flaw_rate, attribute_values, warm_start
     from megatron_mugrpo.warmstart import TinyModelConfig, build_tiny_model
 
     world, env, tokenizer = setup
@@ -239,7 +263,8 @@ def test_the_warm_start_draws_each_question_s_flaw_at_its_own_rate_and_trains(se
     )
     model = build_tiny_model(tiny, tokenizer, seed=0)
     before = [p.detach().clone() for p in model.parameters()]
-    questions = [(f"What is the profession of {p.name}?", env) for p in world.people[:3]]
-    losses = warm_start(model, tokenizer, [*questions, (f"In which city was {person.name} born?", env)], ws, seed=0)
+    traced = TraceWorld(env=env, values=attribute_values([CorpusDocument(**row) for row in corpus_rows(world)]))
+    questions = [(f"What is the profession of {p.name}?", traced) for p in world.people[:3]]
+    losses = warm_start(model, tokenizer, [*questions, (f"In which city was {person.name} born?", traced)], ws, seed=0)
     assert len(losses) == 3 and all(loss == loss and loss > 0 for loss in losses)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
