@@ -1,6 +1,6 @@
 """The search demo's starting point: a seeded fictional world and a tiny model warm-started on Search-R1's format.
 
-    python -m megatron_mugrpo.envs.search_demo --out runs/search_demo/inputs --seed 0 [--steps 1500]
+    python -m megatron_mugrpo.envs.search_demo --out runs/search_demo/inputs --seed 0 [--steps 2500]
     → corpus.jsonl, train.jsonl, test.jsonl (envs/fictional.py) and base_model/ (a Hugging Face directory
       with the demo's character tokenizer), then: mugrpo train --config configs/demo_search_cpu.yaml ...
 
@@ -84,9 +84,11 @@ LOG_EVERY = 50
 class WarmStart:
     """The supervised phase of the search demo."""
 
-    steps: int = 1500
+    steps: int = 2500
     """Measured on the demo's world (seed 0): 600 steps copy few names (held-out exact match 0.06 at T = 1),
-    1,500 reach 0.20 (docs/agentic.md)."""
+    1,500 reach 0.20 (docs/agentic.md). With both flaws, 2,500 steps instead of 1,500 raise the base model's
+    held-out pass@1 from 0.08–0.095 to 0.135–0.195 and μ-GRPO's gain from it from +0.105 ± 0.053 to
+    +0.212 ± 0.079 (seeds 0–2): the sound traces it learns to prefer find the right document more often."""
     batch_size: int = 16
     lr: float = 3e-3
     flaw: float = 0.8
