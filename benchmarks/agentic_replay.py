@@ -32,7 +32,7 @@ the groups scored.
 ``--tau`` changes it.
 
 Inputs: the demo's world and warm-started base model are built once (``python -m
-megatron_mugrpo.envs.search_demo --out DIR --seed 0``, about 9-11 minutes of CPU) into ``--inputs`` unless
+megatron_mugrpo.envs.search_demo --out DIR --seed 0``, about 12-15 minutes of CPU) into ``--inputs`` unless
 that directory already holds them (``make demo-search``'s ``runs/search_demo/inputs`` is the default), and
 every method and seed starts from that same base model. ``--seeds N`` varies the RL seeds only (``seed``
 and ``stages.seed``: sampling, engine, mini-batch order and the evaluation's samples), not the world or

@@ -1,6 +1,6 @@
 """The search demo's starting point: a seeded fictional world and a tiny model warm-started on Search-R1's format.
 
-    python -m megatron_mugrpo.envs.search_demo --out runs/search_demo/inputs --seed 0 [--steps 2500]
+    python -m megatron_mugrpo.envs.search_demo --out runs/search_demo/inputs --seed 0 [--steps 3000]
     → corpus.jsonl, train.jsonl, test.jsonl (envs/fictional.py) and base_model/ (a Hugging Face directory
       with the demo's character tokenizer), then: mugrpo train --config configs/demo_search_cpu.yaml ...
 
@@ -84,11 +84,11 @@ LOG_EVERY = 50
 class WarmStart:
     """The supervised phase of the search demo."""
 
-    steps: int = 2500
+    steps: int = 3000
     """Measured on the demo's world (seed 0): 600 steps copy few names (held-out exact match 0.06 at T = 1),
-    1,500 reach 0.20 (docs/agentic.md). With both flaws, 2,500 steps instead of 1,500 raise the base model's
-    held-out pass@1 from 0.08–0.095 to 0.135–0.195 and μ-GRPO's gain from it from +0.105 ± 0.053 to
-    +0.212 ± 0.079 (seeds 0–2): the sound traces it learns to prefer find the right document more often."""
+    1,500 reach 0.20 (docs/agentic.md). With both flaws, μ-GRPO's held-out gain at seeds 0–2 grows with the
+    warm start: +0.105 ± 0.053 after 1,500 steps, +0.212 ± 0.079 after 2,500, +0.370 ± 0.084 after 3,000
+    (each seed ≥ +0.30): the sound traces it learns to prefer copy the question's name more often."""
     batch_size: int = 16
     lr: float = 3e-3
     flaw: float = 0.8
@@ -101,7 +101,7 @@ class WarmStart:
     city, profession or country of the world, fixed per question: ``confabulation``), the flaw of a model that
     answers from memory instead of retrieving. Without it only the 2-hop half of the held-out questions has
     anything for RL to fix: held-out gains +0.135, +0.105, −0.05 at seeds 0–2 with 0 (2-hop flaw only), +0.11,
-    +0.155, +0.05 with 0.7 (docs/agentic.md, "The search demo")."""
+    +0.155, +0.05 with 0.7, both after 1,500 warm-start steps (docs/agentic.md, "The search demo")."""
     topk: int = 1
     """Documents per search, as ``env.search.topk`` of the demo (the observations must match)."""
     max_observation_tokens: int = 256
