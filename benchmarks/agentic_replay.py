@@ -81,8 +81,9 @@ DEFAULT_INPUTS = ROOT / "runs" / "search_demo" / "inputs"
 """``make demo-search`` builds its inputs here; the benchmark reuses them (the same world and base model)."""
 TAU = 1e-3
 """HDR's drift gate: the published default (see the module docstring for why it is kept)."""
-LATENCY_S = 2.5
-"""Seconds every search sleeps: about 30 s of a stage's 50 on 2 CPU cores (8 s made a stage 110 s)."""
+LATENCY_S = 4.0
+"""Seconds every search sleeps, so that the environment is most of a stage. 2.5 s gave an environment share of
+0.54 with the 1,500-step demo model of commit 7d3648d and 0.44-0.47 (2 runs) with the 3,000-step one."""
 METHODS: dict[str, list[str]] = {
     "grpo": [],
     "naive": ["replay.enabled=true", "replay.policy=recent"],
