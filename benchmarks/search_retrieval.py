@@ -18,13 +18,13 @@ import statistics
 import time
 import urllib.request
 
-from megatron_mugrpo.envs.fictional import corpus_rows, make_world
+from megatron_mugrpo.envs.fictional import make_world, world_documents
 from megatron_mugrpo.envs.server import Bm25Index, CorpusDocument, LocalSearchServer
 
 
 def measure(people: int, requests: int) -> dict[str, float]:
     world = make_world(0, people=people, cities=max(40, people // 5))
-    documents = [CorpusDocument(**row) for row in corpus_rows(world)]
+    documents = world_documents(world)
     start = time.perf_counter()
     Bm25Index(documents)
     index_s = time.perf_counter() - start

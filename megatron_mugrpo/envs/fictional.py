@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_mugrpo.envs.server import CorpusDocument
 from megatron_mugrpo.errors import InputError
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kl", "tr", "st")
@@ -155,6 +156,11 @@ def corpus_rows(world: World) -> list[dict[str, str]]:
         for i, p in enumerate(world.people)
     ]
     return rows
+
+
+def world_documents(world: World) -> list[CorpusDocument]:
+    """The world's corpus as documents, for an in-memory index: ``corpus_rows`` without a file between."""
+    return [CorpusDocument(**row) for row in corpus_rows(world)]
 
 
 def question_rows(world: World) -> list[dict[str, object]]:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from megatron_mugrpo.envs.base import EnvLimits
-from megatron_mugrpo.envs.fictional import World, corpus_rows, make_world, question_rows, write_task
+from megatron_mugrpo.envs.fictional import World, make_world, question_rows, world_documents, write_task
 from megatron_mugrpo.envs.search import (
     ANSWER_CLOSE,
     ANSWER_OPEN,
@@ -366,7 +366,7 @@ def build_demo(
     else:
         questions = []
         for world in worlds:
-            traced = trace_world([CorpusDocument(**row) for row in corpus_rows(world)], tokenizer, limits, ws.topk)
+            traced = trace_world(world_documents(world), tokenizer, limits, ws.topk)
             questions += [(str(row["question"]), traced) for row in question_rows(world)]
     model = build_tiny_model(tiny, tokenizer, seed=seed)
     losses = warm_start(model, tokenizer, questions, ws, seed)

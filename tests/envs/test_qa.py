@@ -9,8 +9,8 @@ import pytest
 
 from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.datafiles import PromptDataError
-from megatron_mugrpo.envs.fictional import corpus_rows, main, make_world, question_rows, write_task
-from megatron_mugrpo.envs.server import Bm25Index, CorpusDocument
+from megatron_mugrpo.envs.fictional import corpus_rows, main, make_world, question_rows, world_documents, write_task
+from megatron_mugrpo.envs.server import Bm25Index, load_corpus
 from megatron_mugrpo.rewards.qa import (
     QA_INSTRUCTION,
     QaScore,
@@ -112,7 +112,7 @@ def test_the_world_is_seeded_and_questions_need_search(tmp_path):
         assert person.city.country in docs[person.city.name]
     first_names = [p.name.split()[0] for p in world.people]
     assert len(set(first_names)) < len(first_names)  # shared first names: retrieval can mislead
-    index = Bm25Index([CorpusDocument(**d) for d in corpus])
+    index = Bm25Index(world_documents(world))
     hits = index.search([f"{p.name} born" for p in world.people], topk=3)
     assert sum(any(h["title"] == p.name for h in hit) for p, hit in zip(world.people, hits)) == len(world.people)
 
@@ -120,6 +120,7 @@ def test_the_world_is_seeded_and_questions_need_search(tmp_path):
 def test_the_generator_writes_the_three_files(tmp_path, capsys):
     counts = write_task(tmp_path / "a", 1, people=10, cities=4, countries=2, test_fraction=0.25)
     assert counts == {"corpus": 14, "train": 33, "test": 11}
+    assert load_corpus(tmp_path / "a" / "corpus.jsonl") == world_documents(make_world(1, people=10, cities=4, countries=2))
     assert (
         main(
             [

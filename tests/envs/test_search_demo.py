@@ -9,10 +9,9 @@ import pytest
 
 from megatron_mugrpo.char_tokenizer import build_char_tokenizer
 from megatron_mugrpo.envs.base import EnvLimits
-from megatron_mugrpo.envs.fictional import corpus_rows, make_world, write_task
+from megatron_mugrpo.envs.fictional import make_world, world_documents, write_task
 from megatron_mugrpo.envs.search import SearchEnvironment, SearchOptions
 from megatron_mugrpo.envs.search_demo import IGNORE, LocalIndex, trace, trace_example
-from megatron_mugrpo.envs.server import CorpusDocument
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +109,9 @@ def test_a_world_without_first_names_names_each_person_by_the_same_surname():
 
 
 def test_a_local_index_serves_documents_held_in_memory_as_it_serves_a_corpus_file(tmp_path):
-    from megatron_mugrpo.envs.fictional import corpus_rows
-    from megatron_mugrpo.envs.server import CorpusDocument
-
     world = make_world(6, people=8, cities=3, countries=2, syllables=1, first_names=False)
     write_task(tmp_path, 6, people=8, cities=3, countries=2, syllables=1, first_names=False)
-    in_memory = LocalIndex([CorpusDocument(**row) for row in corpus_rows(world)])
+    in_memory = LocalIndex(world_documents(world))
     queries = [p.name for p in world.people]
     assert in_memory.retrieve(queries, 2) == LocalIndex(tmp_path / "corpus.jsonl").retrieve(queries, 2)
     assert [docs[0].title for docs in in_memory.retrieve(queries, 1)] == queries
@@ -214,7 +210,7 @@ def test_a_flawed_one_hop_trace_answers_a_confabulated_value_of_its_kind_without
     from megatron_mugrpo.envs.search_demo import attribute_values, confabulation, trace_pair
 
     world, env, tokenizer = setup
-    values = attribute_values([CorpusDocument(**row) for row in corpus_rows(world)])
+    values = attribute_values(world_documents(world))
     assert values["born"] == sorted({p.city.name for p in world.people})
     assert values["prof"] == sorted({p.profession for p in world.people})
     assert values["city"] == sorted({c.country for c in world.cities})
@@ -263,7 +259,7 @@ def test_the_warm_start_draws_each_question_s_flaw_at_its_own_rate_and_trains(se
     )
     model = build_tiny_model(tiny, tokenizer, seed=0)
     before = [p.detach().clone() for p in model.parameters()]
-    traced = TraceWorld(env=env, values=attribute_values([CorpusDocument(**row) for row in corpus_rows(world)]))
+    traced = TraceWorld(env=env, values=attribute_values(world_documents(world)))
     questions = [(f"What is the profession of {p.name}?", traced) for p in world.people[:3]]
     losses = warm_start(model, tokenizer, [*questions, (f"In which city was {person.name} born?", traced)], ws, seed=0)
     assert len(losses) == 3 and all(loss == loss and loss > 0 for loss in losses)
