@@ -17,12 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import contextlib
 import os
+import signal
 import socket
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -181,12 +184,30 @@ def run_methods(
     records)`` what is kept of it and ``describe(summary)`` its progress line. Returns the summaries by method,
     also written to ``out/results.json`` after every run."""
     results: dict[str, list[dict]] = {name: [] for name in methods}
-    for seed in range(seeds):
-        for name in methods:
-            config, overrides = plan(name, seed)
-            overrides = [*overrides, f"seed={seed}", f"stages.seed={seed}"]
-            records = train(config, out / f"{name}_seed{seed}", overrides)
-            results[name].append(summarize(config, overrides, records))
-            (out / "results.json").write_text(json.dumps(results, indent=2))  # a cut-short run keeps its seeds
-            print(f"{name} seed {seed}: {describe(results[name][-1])}", flush=True)
+    with sigterm_reaps_children():
+        for seed in range(seeds):
+            for name in methods:
+                config, overrides = plan(name, seed)
+                overrides = [*overrides, f"seed={seed}", f"stages.seed={seed}"]
+                records = train(config, out / f"{name}_seed{seed}", overrides)
+                results[name].append(summarize(config, overrides, records))
+                (out / "results.json").write_text(json.dumps(results, indent=2))  # a cut-short run keeps its seeds
+                print(f"{name} seed {seed}: {describe(results[name][-1])}", flush=True)
     return results
+
+
+@contextlib.contextmanager
+def sigterm_reaps_children() -> Iterator[None]:
+    """Inside, SIGTERM exits through ``SystemExit`` (status 143) instead of killing this process outright, so
+    ``subprocess.run`` kills and waits for the running ``mugrpo train`` before the benchmark exits. A child left
+    behind would go on with its graceful preemption and write ``preempted.json`` into the ``--out`` that a
+    restarted benchmark has just emptied, and the restarted run would refuse to start."""
+
+    def exit_143(signum: int, frame: Any) -> None:
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_143)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -6,7 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +118,52 @@ def test_methods_to_run_refuses_bad_seeds_and_unknown_methods_with_exit_2(tmp_pa
     assert exit_.value.code == 2 and message in capsys.readouterr().err
     args = parser.parse_args(["--methods", "hdr,grpo", "x=1"])
     assert common.methods_to_run(parser, args, ["grpo", "hdr"]) == ["hdr", "grpo"] and args.overrides == ["x=1"]
+
+
+_SIGTERMED_BENCHMARK = """
+import importlib.util, subprocess, sys
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("benchmarks_common", sys.argv[1])
+common = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(common)
+pid_file = Path(sys.argv[2])
+child = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+
+def train(config, run_dir, overrides):
+    subprocess.run([sys.executable, "-c", child, str(pid_file)], check=True)
+    return []
+
+common.run_methods(pid_file.parent, ["grpo"], seeds=1, plan=lambda name, seed: (Path("c.yaml"), []),
+                   summarize=lambda *a: {}, describe=str, train=train)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_sigterm_to_the_benchmark_kills_and_reaps_its_running_child_before_it_exits(tmp_path: Path) -> None:
+    # A child left running would finish its graceful preemption after a restarted benchmark emptied --out.
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "bench.py"
+    script.write_text(_SIGTERMED_BENCHMARK)
+    bench = subprocess.Popen([sys.executable, str(script), str(Path(common.__file__)), str(pid_file)])
+    child = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and bench.poll() is None:
+            assert time.monotonic() < deadline, "the benchmark's child never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        bench.send_signal(signal.SIGTERM)  # to the benchmark only, as `kill PID` sends it
+        assert bench.wait(timeout=120) == 143
+        assert not _alive(child)  # killed and waited for: not even a zombie is left
+    finally:
+        bench.kill()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
