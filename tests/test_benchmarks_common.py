@@ -3,6 +3,7 @@ port, the prompt pool and the tiny model directory."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -139,14 +140,6 @@ common.run_methods(pid_file.parent, ["grpo"], seeds=1, plan=lambda name, seed: (
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_a_sigterm_to_the_benchmark_kills_and_reaps_its_running_child_before_it_exits(tmp_path: Path) -> None:
     # A child left running would finish its graceful preemption after a restarted benchmark emptied --out.
     pid_file = tmp_path / "child.pid"
@@ -162,8 +155,10 @@ def test_a_sigterm_to_the_benchmark_kills_and_reaps_its_running_child_before_it_
         child = int(pid_file.read_text())
         bench.send_signal(signal.SIGTERM)  # to the benchmark only, as `kill PID` sends it
         assert bench.wait(timeout=120) == 143
-        assert not _alive(child)  # killed and waited for: not even a zombie is left
+        with pytest.raises(ProcessLookupError):  # killed and waited for: not even a zombie is left
+            os.kill(child, 0)
     finally:
         bench.kill()
-        if child is not None and _alive(child):
-            os.kill(child, signal.SIGKILL)
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
