@@ -136,6 +136,8 @@ SUBPLOT_SIZE = (5.0, 3.6)
 TOKENS = RESPONSE_TOKENS
 BAND_ALPHA = 0.2
 """Opacity of the ±1 std band around a group's mean line."""
+LINE_STYLES = ("-", "--", ":", "-.")
+"""A sweep's groups past the 10 default colours repeat the colours in the next style (``group_style``)."""
 RUN_FIGURES = {
     "final_acc": "final eval/avg_pass@1 (last evaluation)",
     "best_acc": "best eval/avg_pass@1 over all evaluations (the one before training included)",
@@ -650,11 +652,12 @@ def _plot_bands(
     """One subplot per (title, one band per group, ylabel) panel: mean lines with ±1 std bands."""
     fig, axes = plt.subplots(1, len(panels), figsize=(SUBPLOT_SIZE[0] * len(panels), SUBPLOT_SIZE[1]), squeeze=False)
     for ax, (title, bands, ylabel), xlabel in zip(axes[0], panels, xlabels):
-        for group, band in zip(groups, bands):
+        for index, (group, band) in enumerate(zip(groups, bands)):
             if not band.x:
                 continue
             marker = "o" if len(band.x) < SMOOTH_MIN_POINTS // 4 else ""
-            (line,) = ax.plot(band.x, band.mean, marker=marker, markersize=3, label=f"{group.label} (n={band.n})")
+            label = f"{group.label} (n={band.n})"
+            (line,) = ax.plot(band.x, band.mean, marker=marker, markersize=3, label=label, **group_style(index))
             low = [m - s for m, s in zip(band.mean, band.std)]
             high = [m + s for m, s in zip(band.mean, band.std)]
             ax.fill_between(band.x, low, high, color=line.get_color(), alpha=BAND_ALPHA, linewidth=0)
@@ -670,6 +673,12 @@ def _plot_bands(
     finally:
         plt.close(fig)
     return out_path
+
+
+def group_style(index: int) -> dict[str, str]:
+    """The colour and line style of the ``index``-th group: the 10 default colours, then the same colours dashed,
+    dotted and dash-dotted, so a sweep of up to 40 variants draws no two alike."""
+    return {"color": f"C{index % 10}", "linestyle": LINE_STYLES[index // 10 % len(LINE_STYLES)]}
 
 
 def _scaled(band: Band, factor: float) -> Band:

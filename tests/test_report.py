@@ -17,6 +17,7 @@ from megatron_mugrpo.report import (
     SeedGroup,
     accuracy_bands,
     eval_series,
+    group_style,
     main,
     mean_std,
     moving_average,
@@ -220,6 +221,12 @@ def test_sweep_report_means_over_seeds(tmp_path: Path) -> None:
     by_update, by_time = accuracy_bands(groups[0])
     assert by_update.x == [0.0, 2.0, 4.0] and by_update.mean == pytest.approx([0.15, 0.15, 0.35])
     assert by_time.x == pytest.approx([0.0, 11.0, 23.0])  # each evaluation at the seeds' mean wall clock
+
+
+def test_a_sweep_of_many_variants_draws_no_two_groups_alike() -> None:
+    styles = [tuple(group_style(i).values()) for i in range(40)]
+    assert len(set(styles)) == 40  # F8's 12 variants once drew grpo and clip_high_2 in one blue
+    assert group_style(0) == {"color": "C0", "linestyle": "-"} and group_style(12) == {"color": "C2", "linestyle": "--"}
 
 
 def test_replay_metrics_get_their_plot(tmp_path: Path) -> None:
