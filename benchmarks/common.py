@@ -15,9 +15,9 @@ Benchmarks run as scripts (``python benchmarks/<name>.py``), so Python puts this
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import contextlib
 import os
 import signal
 import socket
@@ -204,7 +204,7 @@ def sigterm_reaps_children() -> Iterator[None]:
     restarted benchmark has just emptied, and the restarted run would refuse to start."""
 
     def exit_143(signum: int, frame: Any) -> None:
-        sys.exit(128 + signum)
+        sys.exit(128 + signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, exit_143)
     try:
