@@ -8,7 +8,6 @@ where their groups come from; everything they do with them, and when they evalua
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -95,8 +94,7 @@ def stop_if_preempted(run: Run, *, checkpointed: bool) -> None:
         return
     if not checkpointed:
         checkpoint(run)
-    signum = preemption.requested() or signal.SIGTERM  # a rank that was not signalled itself stops too
-    raise preemption.Preempted(signum, run.state.global_update, checkpointed=True)
+    raise preemption.stopped(run.state.global_update, checkpointed=True)
 
 
 def run_evaluation(run: Run) -> dict[str, float]:

@@ -12,9 +12,11 @@ What happens instead, on every trainer rank:
 * in the optimizer phase, after the update in progress, the ranks agree (one all-reduce: any rank
   signalled means all stop), checkpoint, and raise ``Preempted``: at most the update that was running
   when the signal came is redone, and since its result is saved, none is lost;
-* in a rollout phase, a host stops after the shard it is writing (finished shards are durable and a
-  resume regenerates only the missing ones; the stage's starting state is the last stage end's
-  checkpoint, which the ranks write at the phase's start if the cadence skipped it);
+* in a rollout phase, a host claims no further shard once the one it is writing is done; the ranks
+  then meet where generation ends and, if shards are left unwritten, all stop there together
+  (finished shards are durable and a resume regenerates only the missing ones; the stage's starting
+  state is the last stage end's checkpoint, which the ranks write at the phase's start if the cadence
+  skipped it);
 * ``cli`` turns ``Preempted`` into exit code ``EXIT_PREEMPTED`` and rank 0 writes ``RUN_DIR/preempted.json``,
   which ``launch/slurm.sbatch`` reads to requeue the job and ``mugrpo train --config C --run-dir R``
   reads to resume ``R`` without a new flag;
@@ -26,7 +28,7 @@ Signals are process-wide, so the recorded signal is module state: one per proces
     install(grace_s=120.0)          # trainer ranks, once the run is open
     ...
     if agreed(run.groups.any_rank):  # after an update: every trainer rank calls it
-        checkpoint(run); raise Preempted(...)
+        checkpoint(run); raise stopped(run.state.global_update, checkpointed=True)
 """
 
 from __future__ import annotations
@@ -101,12 +103,11 @@ def agreed(any_rank: Callable[[bool], bool]) -> bool:
     return any_rank(_signal is not None)
 
 
-def stop_generation(global_update: int, *, checkpointed: bool) -> None:
-    """Raise ``Preempted`` if this process was signalled: a rollout host calls it after each shard
-    (no collective: hosts write different numbers of shards). ``checkpointed``: whether a checkpoint
-    holds the stage's starting state (else the resume starts from the last one)."""
-    if _signal is not None:
-        raise Preempted(_signal, global_update, checkpointed=checkpointed)
+def stopped(global_update: int, *, checkpointed: bool) -> Preempted:
+    """What every rank raises once the ranks agreed to stop; a rank that was not signalled itself (the
+    signal reached another) names SIGTERM. ``checkpointed``: whether a checkpoint holds the state at
+    ``global_update`` (else the resume starts from the last one)."""
+    return Preempted(_signal or signal.SIGTERM, global_update, checkpointed=checkpointed)
 
 
 def finished() -> None:

@@ -12,6 +12,8 @@ high-staleness baseline and M2PO are the same loop with other configs.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from megatron_mugrpo.asynchronous.liveness import advance
@@ -49,7 +51,13 @@ from megatron_mugrpo.metric_names import (
 )
 from megatron_mugrpo.metrics import progress
 from megatron_mugrpo.rewards.registry import reward_record
-from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity, stage_store_metrics
+from megatron_mugrpo.rollout.generate import (
+    GenerationStopped,
+    generate_planned,
+    plan_stage,
+    stage_identity,
+    stage_store_metrics,
+)
 from megatron_mugrpo.rollout.placement import engine_threads
 from megatron_mugrpo.rollout.prompts import stage_prompts
 from megatron_mugrpo.rollout.store import RolloutStore, StorePlan
@@ -128,7 +136,7 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
         return RolloutStore.open(run.rollout_dir(stage), verify=False)
     with overhead_part(parts, "weight_sync"), behaviour_policy(run, plan.manifest.policy_version):
         metrics = sync_engine(run)  # β_k (an older policy only when repairing)
-    with engine_threads(run.placement.cpu_threads), stage_progress(run, plan, stage) as bar:
+    with engine_threads(run.placement.cpu_threads), stage_progress(run, plan, stage) as bar, stopping(run, stage):
         metrics |= generate_planned(
             plan,
             engine=run.engine,
@@ -141,7 +149,8 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
             seed=cfg.stages.seed,
             hosts=run.hosts,
             progress=bar.update,
-            on_shard_written=lambda index: shard_written(run, stage, index),
+            on_shard_written=lambda index: crash_point(f"shard:{stage}:{index}"),  # fault injection
+            stop=lambda: preemption.requested() is not None,  # a signalled host claims no further shard
             env=cfg.env,  # multi-turn trajectories when env.enabled (the environment lives for this call)
         )
     metrics |= restart_metrics(run)  # engines the watchdog replaced (rollout.max_restarts), over every host
@@ -156,11 +165,14 @@ def rollout_phase(run: Run, stage: int) -> RolloutStore:
     return store
 
 
-def shard_written(run: Run, stage: int, index: int) -> None:
-    """After each shard this host writes: a fault-injection point, and where a preempted host stops
-    generating (its shards are durable; a resume generates the missing ones)."""
-    crash_point(f"shard:{stage}:{index}")
-    preemption.stop_generation(run.state.global_update, checkpointed=stage_start_checkpointed(run, stage))
+@contextmanager
+def stopping(run: Run, stage: int) -> Iterator[None]:
+    """Turn the hosts' agreed stop in a rollout phase (``GenerationStopped``, raised on every rank) into
+    ``Preempted``: the written shards are durable and a resume generates the missing ones."""
+    try:
+        yield
+    except GenerationStopped:
+        raise preemption.stopped(run.state.global_update, checkpointed=stage_start_checkpointed(run, stage)) from None
 
 
 def stage_start_checkpointed(run: Run, stage: int) -> bool:

@@ -14,6 +14,11 @@ The hosts share the work through the store (see ``rollout/store.py``): rank 0 pr
 (``generate_planned``: a faster engine takes more), and rank 0 seals the manifest after a barrier.
 A rerun after a crash generates only the missing shards, on however many engines it has.
 
+A host asked to stop (``stop``: the run was signalled to preempt) claims no further shard once the
+one it is writing is done. Every rank then still meets at the same gather, and if shards are left
+unwritten every rank raises ``GenerationStopped`` together, so the ranks leave the phase at the same
+collective point (a host leaving alone would strand the others in the gather).
+
     identity = stage_identity(cfg=cfg.rollout, reward=reward_record(cfg.reward), prompts=records, stage=0,
                               policy_version=0, seed=cfg.stages.seed, vocab_size=hf_vocab, engine_name="transformers")
     plan = plan_stage(run / "rollouts/stage_000", identity, hosts)                 # collective
@@ -82,6 +87,15 @@ if TYPE_CHECKING:
     from megatron_mugrpo.rollout.prompts import PromptRecord
 
 log = logging.getLogger(__name__)
+
+
+class GenerationStopped(Exception):  # noqa: N818 (an event: the hosts stopped as asked)
+    """Raised on every rank by ``generate_planned`` when a host stopped early (its ``stop``) and shards
+    are left unwritten: the store is not sealed; the written shards are durable and a rerun makes the rest."""
+
+    def __init__(self, written: int, missing: int) -> None:
+        self.written, self.missing = written, missing
+        super().__init__(f"generation stopped as asked after {written} of {missing} missing shards")
 
 
 class Decoder(Protocol):
@@ -182,6 +196,7 @@ def generate_planned(
     hosts: HostGroup,
     progress: ProgressCallback | None = None,
     on_shard_written: Callable[[int], None] | None = None,
+    stop: Callable[[], bool] | None = None,
     env: Any = None,
 ) -> dict[str, float]:
     """Every host claims and writes the plan's missing shards; rank 0 then seals the store. Collective:
@@ -190,21 +205,26 @@ def generate_planned(
 
     ``prompts`` are the stage's B_train prompts (shard i holds ``prompts[i·S:(i+1)·S]``, S =
     cfg.shard_groups). ``on_shard_written(index)`` runs on the writing host after each shard (fault
-    injection in tests). ``env``: the run's ``env`` section; when enabled, each host rolls out multi-turn
-    trajectories against the environment, which it holds for this call (``envs.episodes.stage_env``).
+    injection in tests). ``stop()`` is asked before each claim: true, and the host claims no more;
+    when shards are then left unwritten, every rank raises ``GenerationStopped``. ``env``: the run's
+    ``env`` section; when enabled, each host rolls out multi-turn trajectories against the environment,
+    which it holds for this call (``envs.episodes.stage_env``).
 
     Returns (on rank 0; other ranks get ``{}``): ``rollout/*`` metrics of the whole store (reward mean,
     solve-all/none fractions, response length, length-finish fraction, reason counts, test pass rate
     of rewards that run tests) and ``perf/*`` metrics of this call (generated tokens over all hosts,
     seconds, shards written and resumed, engines).
     """
-    started, seconds, mine = time.perf_counter(), PhaseSeconds(), (0, 0, None)
+    started, seconds, mine = time.perf_counter(), PhaseSeconds(), _HostCounts()
     if hosts.placement.is_host:
         if engine is None:
             raise ValueError(f"rank {hosts.placement.rank} hosts an engine but generate_planned() got engine=None")
         inputs = _ShardInputs(engine, prompts, tokenizer, reward_fn, cfg, adv_eps, seed, progress, seconds)
-        mine = _write_missing(plan, store_dir, inputs, env=env, on_shard_written=on_shard_written)
-    counts = hosts.gather(mine)  # rank 0 hears from every rank once all shards are written
+        mine = _write_missing(plan, store_dir, inputs, env=env, on_shard_written=on_shard_written, stop=stop)
+    counts = hosts.gather(mine)  # rank 0 hears from every rank once each host has written its shards
+    written = hosts.broadcast(_written_if_stopped(counts, len(plan.missing)) if counts is not None else None)
+    if written is not None:
+        raise GenerationStopped(written, len(plan.missing))  # on every rank, before the store is sealed
     with _adding(seconds, "store_write"):
         manifest = seal_store(store_dir) if hosts.placement.rank == 0 and plan.missing else plan.manifest
     hosts.barrier()  # nobody opens the store before it is sealed
@@ -213,19 +233,25 @@ def generate_planned(
     return (
         _stage_metrics(
             manifest,
-            tokens=sum(t for t, _, _ in counts),
+            tokens=sum(c.tokens for c in counts),
             seconds=time.perf_counter() - started,
             resumed=manifest.num_shards - len(plan.missing),
             engines=hosts.placement.num_engines,
-            per_engine=[counts[rank][1] for rank in hosts.placement.host_ranks],
+            per_engine=[counts[rank].shards for rank in hosts.placement.host_ranks],
         )
-        | env_metrics([t for _, _, t in counts if t is not None])
+        | env_metrics([c.tally for c in counts if c.tally is not None])
         | {
             ROLLOUT_SAMPLING_S: seconds.sampling,
             STAGE_OVERHEAD_REWARD: seconds.reward,
             STAGE_OVERHEAD_STORE_WRITE: seconds.store_write,
         }
     )
+
+
+def _written_if_stopped(counts: list[_HostCounts], missing: int) -> int | None:
+    """Rank 0: the shards written when a host stopped early and shards are left unwritten, else None."""
+    written = sum(c.shards for c in counts)
+    return written if written < missing and any(c.stopped for c in counts) else None
 
 
 @contextmanager
@@ -237,6 +263,20 @@ def _adding(seconds: PhaseSeconds | None, part: str) -> Iterator[None]:
     finally:
         if seconds is not None:
             setattr(seconds, part, getattr(seconds, part) + time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class _HostCounts:
+    """What one rank reports after its part of ``generate_planned`` (a rank without an engine: nothing)."""
+
+    tokens: int = 0
+    """Response tokens generated."""
+    shards: int = 0
+    """Shards written."""
+    tally: Any = None
+    """The environment's tally (multi-turn rollouts), else None."""
+    stopped: bool = False
+    """Whether ``stop()`` ended this host's claiming early (shards may be left for nobody)."""
 
 
 @dataclass(frozen=True)
@@ -261,15 +301,18 @@ def _write_missing(
     *,
     env: Any,
     on_shard_written: Callable[[int], None] | None,
-) -> tuple[int, int, Any]:
+    stop: Callable[[], bool] | None,
+) -> _HostCounts:
     """This host's part of ``generate_planned``: claim and write the plan's missing shards that no other
-    host took, holding the environment (if any) meanwhile. Returns (tokens generated, shards written,
-    the environment's tally or None)."""
-    tokens, written = 0, 0
+    host took, holding the environment (if any) meanwhile, until none is left or ``stop()`` is true."""
+    tokens, written, stopped = 0, 0, False
     writer = ShardWriter(store_dir, plan.manifest)
     overlap = env_overlap(env, asynchronous=False, engine=inputs.cfg.engine)  # env.overlap=always; 'auto' is off here
     with stage_env(env, inputs.tokenizer, overlap=overlap) as stage:
         for index in plan.missing:
+            if stop is not None and stop():
+                stopped = True
+                break
             with _adding(inputs.seconds, "store_write"):
                 claimed = writer.claim(index)
             if not claimed:
@@ -283,7 +326,7 @@ def _write_missing(
             if on_shard_written is not None:
                 on_shard_written(index)
         tally = stage.tally.counts(inputs.seconds.sampling) if stage is not None else None
-    return tokens, written, tally
+    return _HostCounts(tokens=tokens, shards=written, tally=tally, stopped=stopped)
 
 
 def _generate_shard(writer: ShardWriter, index: int, inputs: _ShardInputs, env: StageEnv | None) -> int:

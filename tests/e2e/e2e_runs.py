@@ -11,12 +11,14 @@ import fcntl
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import free_port
 from safetensors.torch import load_file
 
 from megatron_mugrpo.commands import mugrpo_argv
@@ -54,6 +56,21 @@ def mugrpo(*args: str, crash_at: str | None = None, check: bool = True) -> subpr
             f"mugrpo {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def torchrun(
+    *args: str, nproc: int = 2, crash_at: str | None = None, signal_at: str | None = None
+) -> subprocess.CompletedProcess:
+    """`mugrpo ARGS` on ``nproc`` ranks through torch.distributed.run (what launch/torchrun.sh does);
+    ``crash_at`` / ``signal_at``: $MUGRPO_CRASH_AT / $MUGRPO_SIGNAL_AT, which every rank reads."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_port", str(free_port()), "-m", "megatron_mugrpo.cli", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for name, value in (("MUGRPO_CRASH_AT", crash_at), ("MUGRPO_SIGNAL_AT", signal_at)):
+        env.pop(name, None)
+        if value:
+            env[name] = value
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
 def train(

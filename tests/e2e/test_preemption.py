@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_runs import DEMO, ROOT, SMALL, final_weights, records
+from e2e_runs import DEMO, ROOT, SMALL, final_weights, records, torchrun
 
 from megatron_mugrpo.commands import mugrpo_argv
 from megatron_mugrpo.loop.preemption import EXIT_PREEMPTED, MARKER
@@ -69,3 +69,28 @@ def test_a_preempted_run_refuses_a_different_config(tmp_path: Path, base_model: 
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error:") and "was preempted" in line and "optim.lr" in line and "--resume" in line
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_host_signalled_alone_in_a_rollout_stops_every_rank_at_one_safe_point(tmp_path: Path, base_model: Path):
+    """Two ranks host two engines; only the one that writes stage 0's shard 1 is signalled (the other
+    may be waiting where generation ends by then, as in a Slurm job whose notice reaches the ranks at
+    different moments). The signalled host claims no further shard, the other finishes the store, and
+    both stop together after the first update: exit 75, no rank stranded in a collective until the
+    grace timer. The same command then finishes the run."""
+    run_dir = tmp_path / "two_hosts"
+    args = ["train", "--config", str(DEMO), "--run-dir", str(run_dir), f"model.hf_dir={base_model}", *SMALL]
+    args += ["rollout.shard_groups=4", "checkpoint.preempt_grace_s=60"]  # 4 shards; a stranded rank ends in 60 s
+    proc = torchrun(*args, signal_at="shard:0:1=SIGUSR1")
+    assert "exitcode  : 75" in proc.stderr, proc.stderr[-6000:]  # torchrun may then SIGTERM the other, at its exit
+    assert proc.stderr.count("stopped at a safe point (checkpoint at update 1)") == 2, proc.stderr[-6000:]  # each rank
+    assert "no checkpoint within" not in proc.stderr and "lost rank" not in proc.stderr, proc.stderr[-6000:]
+    assert json.loads((run_dir / MARKER).read_text())["global_update"] == 1
+    assert json.loads((run_dir / "rollouts" / "stage_000" / "manifest.json").read_text())["complete"]
+    assert [r["step"] for r in records(run_dir) if "train/loss" in r] == [1]
+
+    proc = torchrun(*args)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert not (run_dir / MARKER).exists()
+    assert [r["step"] for r in records(run_dir) if "train/loss" in r] == list(range(1, 9))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import free_port
-from e2e_runs import DEMO, EASY_TASK, ROOT, SMALL, built_once, final_weights, mugrpo, records, train
+from e2e_runs import DEMO, EASY_TASK, ROOT, SMALL, built_once, final_weights, mugrpo, records, torchrun, train
 from safetensors.torch import load_file
 
 
@@ -173,17 +173,6 @@ def test_phase_verbs_replay_one_stage(tmp_path: Path, base_model: Path):
     mugrpo("optimize", *common)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert [r["step"] for r in records(run_dir) if "train/loss" in r] == [1, 2, 3, 4]
-
-
-def torchrun(*args: str, nproc: int = 2, crash_at: str | None = None) -> subprocess.CompletedProcess:
-    """`mugrpo ARGS` on ``nproc`` ranks through torch.distributed.run (what launch/torchrun.sh does)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_port", str(free_port()), "-m", "megatron_mugrpo.cli", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("MUGRPO_CRASH_AT", None)
-    if crash_at:
-        env["MUGRPO_CRASH_AT"] = crash_at
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
 def shard_hashes(store_dir: Path) -> dict[str, str]:

@@ -27,16 +27,15 @@ def test_a_signal_is_recorded_and_every_rank_stops_on_any_ranks_signal(handlers:
     assert preemption.requested() is None
     assert preemption.agreed(lambda flag: flag) is False
     assert preemption.agreed(lambda flag: True) is True  # another rank was signalled: this one stops too
-    preemption.stop_generation(3, checkpointed=True)  # not signalled: nothing happens
+    assert preemption.stopped(3, checkpointed=True).signum == signal.SIGTERM  # not signalled itself
 
     os.kill(os.getpid(), signal.SIGUSR1)
     os.kill(os.getpid(), signal.SIGTERM)  # a second notice (torchrun forwards Slurm's) changes nothing
     assert preemption.requested() == signal.SIGUSR1
     assert preemption.agreed(lambda flag: flag) is True
-    with pytest.raises(preemption.Preempted) as raised:
-        preemption.stop_generation(3, checkpointed=False)
-    assert raised.value.global_update == 3 and not raised.value.checkpointed
-    assert "SIGUSR1" in str(raised.value) and "last checkpoint" in str(raised.value)
+    raised = preemption.stopped(3, checkpointed=False)
+    assert raised.signum == signal.SIGUSR1 and raised.global_update == 3 and not raised.checkpointed
+    assert "SIGUSR1" in str(raised) and "last checkpoint" in str(raised)
     preemption.finished()  # the grace timer is cancelled: the process lives on
 
 

@@ -19,7 +19,7 @@ from megatron_mugrpo.durable import Checksum
 from megatron_mugrpo.rewards.registry import build_reward
 from megatron_mugrpo.rollout.config import RolloutConfig
 from megatron_mugrpo.rollout.engine import EngineOutputError, Generation, derive_seed
-from megatron_mugrpo.rollout.generate import generate_planned, plan_stage, stage_identity
+from megatron_mugrpo.rollout.generate import GenerationStopped, generate_planned, plan_stage, stage_identity
 from megatron_mugrpo.rollout.manifest import is_complete
 from megatron_mugrpo.rollout.placement import EnginePlacement, HostGroup, engine_threads
 from megatron_mugrpo.rollout.prompts import PromptRecord
@@ -82,8 +82,9 @@ def rollout_cfg(**overrides) -> RolloutConfig:
     return RolloutConfig(**({"group_size": 3, "max_new_tokens": 6, "shard_groups": 2} | overrides))
 
 
-def run(store_dir, engine, prompts, tokenizer, reward, cfg, *, hosts=None, stage=2, policy_version=40, seed=5):
-    """One stage's store the way the staged loop makes it: its identity, the plan, the generation."""
+def run(store_dir, engine, prompts, tokenizer, reward, cfg, *, hosts=None, stage=2, policy_version=40, seed=5, **extra):
+    """One stage's store the way the staged loop makes it: its identity, the plan, the generation
+    (``extra``: more of ``generate_planned``'s arguments)."""
     hosts = hosts or HostGroup(EnginePlacement.single())
     identity = stage_identity(
         cfg=cfg,
@@ -107,6 +108,7 @@ def run(store_dir, engine, prompts, tokenizer, reward, cfg, *, hosts=None, stage
         store_dir=store_dir,
         seed=seed,
         hosts=hosts,
+        **extra,
     )
 
 
@@ -329,3 +331,60 @@ def test_a_partial_store_from_two_engines_is_finished_by_one(tmp_path, model_dir
     assert _hashes(tmp_path) == _hashes(reference)
     assert {name: (tmp_path / name).stat().st_mtime_ns for name in survivors} == survivors  # not regenerated
     assert not list(tmp_path.glob("*.claim"))
+
+
+def _stop_on_ranks(rank, world_size, store_dir, model_dir, prompts, stopping_ranks) -> None:
+    """Every rank hosts one engine; the ranks in ``stopping_ranks`` are asked to stop (as a preempted
+    host is) once they have written one shard. Asserts what each rank sees."""
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    hosts = HostGroup.create(EnginePlacement.from_env(tensor_parallel=1, cores=world_size))
+    engine = TransformersEngine(model_dir, dtype="float32", device="cpu", batch_size=16)
+    reward = build_reward("math", workers=1, timeout_s=10.0)
+    mine: list[int] = []
+    try:
+        with engine_threads(ENGINE_THREADS):
+            metrics = run(
+                store_dir,
+                engine,
+                prompts,
+                build_char_tokenizer(),
+                reward,
+                RolloutConfig(**SCALING_CFG),
+                hosts=hosts,
+                on_shard_written=mine.append,
+                stop=lambda: rank in stopping_ranks and len(mine) >= 1,
+            )
+    except GenerationStopped as stopped:  # every rank, at the same point: none is left waiting
+        assert len(stopping_ranks) == world_size, "a host that was not asked to stop finishes the store"
+        assert (stopped.written, stopped.missing) == (2, 4) and len(mine) == 1
+        hosts.barrier()  # every rank is still in step for its next collective
+        return
+    finally:
+        reward.close()
+    assert len(stopping_ranks) < world_size, "every host stopped after one shard of four: the store is incomplete"
+    if rank in stopping_ranks:
+        assert len(mine) == 1
+    if rank == 0:
+        assert metrics["perf/rollout_shards_written"] == 4
+
+
+@pytest.mark.multiprocess
+def test_hosts_asked_to_stop_leave_generation_together_and_a_rerun_finishes_the_store(
+    tmp_path, model_dir, one_engine_store
+):
+    """Both hosts are asked to stop (a preemption signals every rank) after their first shard: each rank
+    raises GenerationStopped at the same point, with 2 of 4 shards written and the store not sealed;
+    one engine then makes the other two, and the store equals the uninterrupted one."""
+    reference, prompts = one_engine_store
+    run_distributed(_stop_on_ranks, 2, str(tmp_path), model_dir, prompts, (0, 1))
+    assert not is_complete(tmp_path) and len(_hashes(tmp_path)) == 2
+    run_distributed(_generate_on_ranks, 1, str(tmp_path), model_dir, prompts, None)
+    assert _hashes(tmp_path) == _hashes(reference)
+
+
+@pytest.mark.multiprocess
+def test_a_host_asked_to_stop_leaves_the_rest_to_the_other(tmp_path, model_dir, one_engine_store):
+    """Only rank 1 is asked to stop: it writes one shard, rank 0 claims the rest, the store is sealed."""
+    reference, prompts = one_engine_store
+    run_distributed(_stop_on_ranks, 2, str(tmp_path), model_dir, prompts, (1,))
+    assert is_complete(tmp_path) and _hashes(tmp_path) == _hashes(reference)
