@@ -339,13 +339,17 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "running_sum_hard": RunningSumTask(terms=16, max_term=99),
     "running_sum_tagged": RunningSumTask(terms=20, max_term=9, tagged=True),
     "running_sum_repeat": RunningSumTask(terms=21, max_term=9, repeat=True, first_max=799),
+    "running_sum_repeat_short": RunningSumTask(terms=11, max_term=9, repeat=True, first_max=799),
+    "running_sum_repeat_long": RunningSumTask(terms=31, max_term=9, repeat=True, first_max=729),
     "code_expr": CodeExpressionTask(),
 }
 """Built-in tasks (``data.builtin_task``). The running sums' answers with the character tokenizer, EOS
 included (min / median / max over 2,000 train problems): running_sum 154 / 162 / 176 tokens,
 running_sum_long 338 / 362 / 376, running_sum_hard 161 / 174 / 182, running_sum_tagged 173 / 181 / 199
 (prompt ≤ 61 tokens), running_sum_repeat 171 / 212 / 212 (prompt ≤ 45 tokens; its first terms stop at 799
-so that no partial sum reaches four digits) (docs/long_reasoning.md)."""
+so that no partial sum reaches four digits) (docs/long_reasoning.md). ``running_sum_repeat_short`` and
+``_long`` are the same chain with 11 and 31 terms, F8's answer-length axis: 91 / 112 / 112 tokens
+(prompt ≤ 25) and 251 / 312 / 312 (prompt ≤ 65; first terms stop at 729, again below four digits)."""
 
 
 def is_eval_problem(problem: str) -> bool:
