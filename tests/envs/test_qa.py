@@ -120,7 +120,9 @@ def test_the_world_is_seeded_and_questions_need_search(tmp_path):
 def test_the_generator_writes_the_three_files(tmp_path, capsys):
     counts = write_task(tmp_path / "a", 1, people=10, cities=4, countries=2, test_fraction=0.25)
     assert counts == {"corpus": 14, "train": 33, "test": 11}
-    assert load_corpus(tmp_path / "a" / "corpus.jsonl") == world_documents(make_world(1, people=10, cities=4, countries=2))
+    assert load_corpus(tmp_path / "a" / "corpus.jsonl") == world_documents(
+        make_world(1, people=10, cities=4, countries=2)
+    )
     assert (
         main(
             [
