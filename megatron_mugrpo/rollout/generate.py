@@ -230,12 +230,27 @@ def generate_planned(
     hosts.barrier()  # nobody opens the store before it is sealed
     if counts is None:
         return {}
+    return _phase_metrics(
+        manifest, counts, hosts, resumed=manifest.num_shards - len(plan.missing), started=started, seconds=seconds
+    )
+
+
+def _phase_metrics(
+    manifest: StoreManifest,
+    counts: list[_HostCounts],
+    hosts: HostGroup,
+    *,
+    resumed: int,
+    started: float,
+    seconds: PhaseSeconds,
+) -> dict[str, float]:
+    """Rank 0: ``generate_planned``'s metrics, from the sealed manifest and every rank's counts."""
     return (
         _stage_metrics(
             manifest,
             tokens=sum(c.tokens for c in counts),
             seconds=time.perf_counter() - started,
-            resumed=manifest.num_shards - len(plan.missing),
+            resumed=resumed,
             engines=hosts.placement.num_engines,
             per_engine=[counts[rank].shards for rank in hosts.placement.host_ranks],
         )
