@@ -363,7 +363,7 @@ def _stop_on_ranks(rank, world_size, store_dir, model_dir, prompts, stopping_ran
         reward.close()
     assert len(stopping_ranks) < world_size, "every host stopped after one shard of four: the store is incomplete"
     if rank in stopping_ranks:
-        assert len(mine) == 1
+        assert len(mine) <= 1  # none if the other host claimed every shard first (a loaded machine)
     if rank == 0:
         assert metrics["perf/rollout_shards_written"] == 4
 
